@@ -1,0 +1,129 @@
+//! Standard status conditions (`metav1.Condition`) with Kubernetes' transition semantics.
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+
+/// The desired state of one condition; `set` turns it into a `metav1.Condition`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Desired<'a> {
+    pub type_: &'a str,
+    pub status: bool,
+    pub reason: &'a str,
+    pub message: String,
+}
+
+impl<'a> Desired<'a> {
+    /// A condition that holds (`status: "True"`).
+    pub fn yes(type_: &'a str, reason: &'a str, message: impl Into<String>) -> Self {
+        Desired {
+            type_,
+            status: true,
+            reason,
+            message: message.into(),
+        }
+    }
+
+    /// A condition that does not hold (`status: "False"`).
+    pub fn no(type_: &'a str, reason: &'a str, message: impl Into<String>) -> Self {
+        Desired {
+            type_,
+            status: false,
+            reason,
+            message: message.into(),
+        }
+    }
+}
+
+/// Returns `existing` updated with `desired`: `lastTransitionTime` moves only when a condition's
+/// status flips (or it is new), `observedGeneration` is set on every condition, and conditions
+/// not mentioned are kept as they are.
+pub fn merge(
+    existing: &[Condition],
+    desired: &[Desired<'_>],
+    generation: Option<i64>,
+    now: &Time,
+) -> Vec<Condition> {
+    let mut out: Vec<Condition> = existing.to_vec();
+    for d in desired {
+        let status = if d.status { "True" } else { "False" }.to_string();
+        match out.iter_mut().find(|c| c.type_ == d.type_) {
+            Some(c) => {
+                if c.status != status {
+                    c.last_transition_time = now.clone();
+                }
+                c.status = status;
+                c.reason = d.reason.to_string();
+                c.message = d.message.clone();
+                c.observed_generation = generation;
+            }
+            None => out.push(Condition {
+                type_: d.type_.to_string(),
+                status,
+                reason: d.reason.to_string(),
+                message: d.message.clone(),
+                observed_generation: generation,
+                last_transition_time: now.clone(),
+            }),
+        }
+    }
+    out
+}
+
+/// Whether the named condition is currently `True`.
+pub fn is_true(conditions: &[Condition], type_: &str) -> bool {
+    conditions.iter().any(|c| c.type_ == type_ && c.status == "True")
+}
+
+/// Finds a condition by type.
+pub fn find<'c>(conditions: &'c [Condition], type_: &str) -> Option<&'c Condition> {
+    conditions.iter().find(|c| c.type_ == type_)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::jiff::Timestamp;
+
+    fn t(s: i64) -> Time {
+        Time(Timestamp::from_second(s).unwrap())
+    }
+
+    #[test]
+    fn transition_time_moves_only_when_status_flips() {
+        let c1 = merge(
+            &[],
+            &[Desired::yes("Available", "Ready", "3/3")],
+            Some(1),
+            &t(100),
+        );
+        assert_eq!(c1[0].last_transition_time, t(100));
+        let c2 = merge(
+            &c1,
+            &[Desired::yes("Available", "Ready", "5/5")],
+            Some(2),
+            &t(200),
+        );
+        assert_eq!(c2[0].last_transition_time, t(100), "same status keeps the time");
+        assert_eq!(c2[0].message, "5/5");
+        assert_eq!(c2[0].observed_generation, Some(2));
+        let c3 = merge(
+            &c2,
+            &[Desired::no("Available", "Scaling", "2/5")],
+            Some(2),
+            &t(300),
+        );
+        assert_eq!(c3[0].last_transition_time, t(300), "a flip moves the time");
+        assert!(!is_true(&c3, "Available"));
+    }
+
+    #[test]
+    fn unmentioned_conditions_are_kept() {
+        let c1 = merge(
+            &[],
+            &[Desired::yes("A", "R", ""), Desired::no("B", "R", "")],
+            None,
+            &t(1),
+        );
+        let c2 = merge(&c1, &[Desired::no("A", "R", "")], None, &t(2));
+        assert_eq!(c2.len(), 2);
+        assert_eq!(find(&c2, "B").map(|c| c.status.as_str()), Some("False"));
+    }
+}

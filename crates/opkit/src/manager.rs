@@ -1,0 +1,166 @@
+//! Runs a set of controllers together: shared client and metrics, `/metrics`, `/healthz` and
+//! `/readyz`, and one graceful shutdown for all of them.
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use futures::{FutureExt, StreamExt};
+use kube::Client;
+use tokio_util::sync::CancellationToken;
+
+use crate::context::ControllerContext;
+use crate::metrics::Metrics;
+use crate::server;
+
+/// Where to serve the manager's HTTP endpoints and how long shutdown may take.
+#[derive(Clone, Debug)]
+pub struct ManagerOptions {
+    /// `/metrics`; `None` disables it.
+    pub metrics_addr: Option<SocketAddr>,
+    /// `/healthz` and `/readyz`; `None` disables them.
+    pub health_addr: Option<SocketAddr>,
+    /// How long in-flight reconciles get to finish after SIGTERM.
+    pub shutdown_timeout: Duration,
+}
+
+impl Default for ManagerOptions {
+    fn default() -> Self {
+        ManagerOptions {
+            metrics_addr: None,
+            health_addr: None,
+            shutdown_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Errors that stop the manager.
+#[derive(Debug, thiserror::Error)]
+pub enum ManagerError {
+    #[error("binding {what} on {addr}: {source}")]
+    Bind {
+        what: &'static str,
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("controller {0} stopped unexpectedly")]
+    ControllerExited(&'static str),
+    #[error("installing signal handlers: {0}")]
+    Signals(std::io::Error),
+}
+
+pub(crate) struct Registered {
+    pub name: &'static str,
+    pub ready: Arc<AtomicBool>,
+    run: BoxFuture<'static, ()>,
+}
+
+/// A set of controllers sharing one client, one metrics registry and one lifecycle.
+pub struct Manager {
+    client: Client,
+    metrics: Metrics,
+    shutdown: CancellationToken,
+    controllers: Vec<Registered>,
+}
+
+impl Manager {
+    /// A manager whose controllers talk to the cluster through `client`.
+    pub fn new(client: Client) -> Self {
+        Manager {
+            client,
+            metrics: Metrics::default(),
+            shutdown: CancellationToken::new(),
+            controllers: Vec::new(),
+        }
+    }
+
+    /// The shared metrics.
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// Cancelling this token shuts the manager down as SIGTERM would (useful in tests).
+    pub fn shutdown_token(&self) -> CancellationToken {
+        self.shutdown.clone()
+    }
+
+    /// Registers a controller: `build` receives its context and returns the future that runs
+    /// it (normally `Controller::run(...).for_each(...)`), which must end after the context's
+    /// shutdown signal fires.
+    pub fn add<F, Fut>(&mut self, name: &'static str, build: F) -> ControllerContext
+    where
+        F: FnOnce(ControllerContext) -> Fut,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        let ready = Arc::new(AtomicBool::new(false));
+        let ctx = ControllerContext::new(
+            name,
+            self.client.clone(),
+            self.metrics.for_controller(name),
+            ready.clone(),
+            self.shutdown.clone(),
+        );
+        let run = build(ctx.clone()).boxed();
+        self.controllers.push(Registered { name, ready, run });
+        ctx
+    }
+
+    /// Serves the HTTP endpoints and runs every controller until SIGTERM, SIGINT or the
+    /// shutdown token; then lets in-flight reconciles finish (bounded by the timeout).
+    pub async fn run(self, opts: ManagerOptions) -> Result<(), ManagerError> {
+        let Manager {
+            metrics,
+            shutdown,
+            controllers,
+            ..
+        } = self;
+        let readiness: Vec<(&'static str, Arc<AtomicBool>)> =
+            controllers.iter().map(|c| (c.name, c.ready.clone())).collect();
+        let http = server::serve(&opts, metrics, readiness, shutdown.clone()).await?;
+
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .map_err(ManagerError::Signals)?;
+        let signals = {
+            let shutdown = shutdown.clone();
+            tokio::spawn(async move {
+                tokio::select! {
+                    _ = term.recv() => tracing::info!("SIGTERM received, shutting down"),
+                    _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received, shutting down"),
+                    _ = shutdown.cancelled() => {},
+                }
+                shutdown.cancel();
+            })
+        };
+
+        let mut running = futures::stream::FuturesUnordered::new();
+        for c in controllers {
+            tracing::info!(controller = c.name, "starting controller");
+            let name = c.name;
+            running.push(tokio::spawn(c.run).map(move |r| (name, r)));
+        }
+        let mut result = Ok(());
+        let drain = async {
+            while let Some((name, joined)) = running.next().await {
+                if !shutdown.is_cancelled() {
+                    tracing::error!(controller = name, ?joined, "controller stopped before shutdown");
+                    result = Err(ManagerError::ControllerExited(name));
+                    shutdown.cancel();
+                }
+            }
+        };
+        tokio::pin!(drain);
+        tokio::select! {
+            _ = &mut drain => {},
+            _ = async { shutdown.cancelled().await; tokio::time::sleep(opts.shutdown_timeout).await } => {
+                tracing::warn!(timeout = ?opts.shutdown_timeout, "controllers did not stop in time");
+            }
+        }
+        signals.abort();
+        for h in http {
+            h.abort();
+        }
+        tracing::info!("manager stopped");
+        result
+    }
+}

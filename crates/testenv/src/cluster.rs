@@ -1,0 +1,402 @@
+//! Starts and stops one local control plane on loopback.
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{Node, ServiceAccount};
+use kube::api::{Api, ObjectMeta, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Client, Config};
+
+use crate::binaries::Binaries;
+use crate::pki;
+use crate::process::{Component, free_port};
+use crate::{Error, Result};
+
+const STAGES_NODE: &str = include_str!("../stages/node.yaml");
+const STAGES_POD: &str = include_str!("../stages/pod.yaml");
+
+/// How to start a control plane.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Keep state here (and leave it on stop) instead of a fresh temporary directory.
+    pub state_dir: Option<PathBuf>,
+    /// How many kwok fake nodes to create.
+    pub nodes: usize,
+    /// Write an apiserver audit log (`audit.log`, metadata level) for request accounting.
+    pub audit_log: bool,
+    /// How long to wait for everything to become ready.
+    pub timeout: Duration,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            state_dir: None,
+            nodes: 2,
+            audit_log: false,
+            timeout: Duration::from_secs(90),
+        }
+    }
+}
+
+/// A running control plane. Dropping it stops every component (and removes a temporary state
+/// directory).
+pub struct ControlPlane {
+    dir: PathBuf,
+    remove_dir: bool,
+    binaries: Binaries,
+    server: String,
+    components: Vec<Component>,
+}
+
+impl std::fmt::Debug for ControlPlane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ControlPlane")
+            .field("dir", &self.dir)
+            .field("server", &self.server)
+            .finish()
+    }
+}
+
+/// File name of the admin kubeconfig inside the state directory.
+pub const KUBECONFIG: &str = "kubeconfig";
+
+fn temp_root() -> PathBuf {
+    std::env::temp_dir().join("opkit-testenv")
+}
+
+/// Removes temporary state directories left behind by processes that no longer exist.
+fn reap_stale_dirs() {
+    let Ok(entries) = std::fs::read_dir(temp_root()) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().to_string();
+        let pid = name
+            .strip_prefix("run-")
+            .and_then(|r| r.split('-').next())
+            .and_then(|p| p.parse::<u32>().ok());
+        if let Some(pid) = pid
+            && !Path::new(&format!("/proc/{pid}")).exists()
+        {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
+fn random_token() -> Result<String> {
+    use std::io::Read;
+    let mut buf = [0u8; 16];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut buf)?;
+    Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+impl ControlPlane {
+    /// Starts etcd, the apiserver, controller-manager, scheduler and kwok with fake nodes, and
+    /// waits until the apiserver is ready, the nodes are Ready and the `default` ServiceAccount
+    /// exists.
+    pub async fn start(opts: Options) -> Result<ControlPlane> {
+        let binaries = Binaries::ensure()?;
+        let (dir, remove_dir) = match &opts.state_dir {
+            Some(d) => (d.clone(), false),
+            None => {
+                static N: AtomicUsize = AtomicUsize::new(0);
+                reap_stale_dirs();
+                let d = temp_root().join(format!(
+                    "run-{}-{}",
+                    std::process::id(),
+                    N.fetch_add(1, Ordering::SeqCst)
+                ));
+                (d, true)
+            }
+        };
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir)?;
+        }
+        std::fs::create_dir_all(&dir)?;
+        let mut cp = ControlPlane {
+            dir,
+            remove_dir,
+            binaries,
+            server: String::new(),
+            components: Vec::new(),
+        };
+        let deadline = Instant::now() + opts.timeout;
+        cp.boot(&opts, deadline).await?;
+        Ok(cp)
+    }
+
+    async fn boot(&mut self, opts: &Options, deadline: Instant) -> Result<()> {
+        let dir = self.dir.clone();
+        pki::write(&dir)?;
+        let token = random_token()?;
+        std::fs::write(
+            dir.join("tokens.csv"),
+            format!("{token},admin,admin,\"system:masters\"\n"),
+        )?;
+        let p = |f: &str| dir.join(f).display().to_string();
+
+        // etcd
+        let (etcd_client, etcd_peer) = (free_port()?, free_port()?);
+        self.launch(
+            "etcd",
+            vec![
+                "--name=testenv".into(),
+                format!("--data-dir={}", p("etcd-data")),
+                format!("--listen-client-urls=http://127.0.0.1:{etcd_client}"),
+                format!("--advertise-client-urls=http://127.0.0.1:{etcd_client}"),
+                format!("--listen-peer-urls=http://127.0.0.1:{etcd_peer}"),
+                format!("--initial-advertise-peer-urls=http://127.0.0.1:{etcd_peer}"),
+                format!("--initial-cluster=testenv=http://127.0.0.1:{etcd_peer}"),
+                "--unsafe-no-fsync".into(),
+                "--log-level=warn".into(),
+            ],
+        )?;
+
+        // kube-apiserver
+        let port = free_port()?;
+        self.server = format!("https://127.0.0.1:{port}");
+        let mut args = vec![
+            format!("--etcd-servers=http://127.0.0.1:{etcd_client}"),
+            "--bind-address=127.0.0.1".into(),
+            "--advertise-address=127.0.0.1".into(),
+            format!("--secure-port={port}"),
+            format!("--cert-dir={}", p("apiserver-certs")),
+            format!("--tls-cert-file={}", p(pki::SERVING_CERT)),
+            format!("--tls-private-key-file={}", p(pki::SERVING_KEY)),
+            format!("--client-ca-file={}", p(pki::CA_CERT)),
+            format!("--token-auth-file={}", p("tokens.csv")),
+            "--authorization-mode=Node,RBAC".into(),
+            format!("--service-account-key-file={}", p(pki::SA_PUB)),
+            format!("--service-account-signing-key-file={}", p(pki::SA_KEY)),
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local".into(),
+            "--service-cluster-ip-range=10.96.0.0/16".into(),
+            "--endpoint-reconciler-type=none".into(),
+            "--allow-privileged=true".into(),
+            "--enable-priority-and-fairness=false".into(),
+            "--v=0".into(),
+        ];
+        if opts.audit_log {
+            std::fs::write(
+                dir.join("audit-policy.yaml"),
+                "apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\nrules:\n- level: Metadata\n",
+            )?;
+            args.push(format!("--audit-policy-file={}", p("audit-policy.yaml")));
+            args.push(format!("--audit-log-path={}", p("audit.log")));
+            args.push("--audit-log-format=json".into());
+            args.push("--audit-log-mode=batch".into());
+            args.push("--audit-log-batch-max-wait=1s".into());
+        }
+        self.launch("kube-apiserver", args)?;
+
+        let kubeconfig = format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: opkit-testenv\n  cluster:\n    server: {server}\n    certificate-authority: {ca}\nusers:\n- name: admin\n  user:\n    token: {token}\ncontexts:\n- name: opkit-testenv\n  context:\n    cluster: opkit-testenv\n    user: admin\n    namespace: default\ncurrent-context: opkit-testenv\n",
+            server = self.server,
+            ca = p(pki::CA_CERT),
+        );
+        std::fs::write(dir.join(KUBECONFIG), kubeconfig)?;
+        let client = self.client().await?;
+        self.wait("kube-apiserver", deadline, "/readyz to answer ok", || {
+            let client = client.clone();
+            async move {
+                let req = http::Request::get("/readyz").body(Vec::new()).ok()?;
+                client.request_text(req).await.ok().filter(|t| t.trim() == "ok")
+            }
+        })
+        .await?;
+
+        let kc = p(KUBECONFIG);
+        let common = |port: u16| {
+            vec![
+                format!("--kubeconfig={kc}"),
+                format!("--authentication-kubeconfig={kc}"),
+                format!("--authorization-kubeconfig={kc}"),
+                "--bind-address=127.0.0.1".to_string(),
+                format!("--secure-port={port}"),
+                "--leader-elect=false".to_string(),
+            ]
+        };
+        let mut kcm = common(free_port()?);
+        kcm.extend([
+            format!("--service-account-private-key-file={}", p(pki::SA_KEY)),
+            format!("--root-ca-file={}", p(pki::CA_CERT)),
+            "--use-service-account-credentials=false".into(),
+            "--kube-api-qps=200".into(),
+            "--kube-api-burst=400".into(),
+            "--concurrent-deployment-syncs=10".into(),
+            "--concurrent-replicaset-syncs=10".into(),
+            "--concurrent-gc-syncs=20".into(),
+        ]);
+        self.launch("kube-controller-manager", kcm)?;
+        self.launch("kube-scheduler", common(free_port()?))?;
+
+        let stages = dir.join("kwok-stages.yaml");
+        std::fs::write(&stages, format!("{STAGES_NODE}\n---\n{STAGES_POD}"))?;
+        self.launch(
+            "kwok",
+            vec![
+                format!("--kubeconfig={kc}"),
+                format!("--config={}", stages.display()),
+                "--manage-all-nodes=true".into(),
+                format!("--server-address=127.0.0.1:{}", free_port()?),
+                "--node-lease-duration-seconds=40".into(),
+            ],
+        )?;
+
+        let nodes: Api<Node> = Api::all(client.clone());
+        for i in 0..opts.nodes {
+            let name = format!("kwok-node-{i}");
+            let node = Node {
+                metadata: ObjectMeta {
+                    name: Some(name.clone()),
+                    annotations: Some([("kwok.x-k8s.io/node".to_string(), "fake".to_string())].into()),
+                    labels: Some(
+                        [
+                            ("kubernetes.io/hostname".to_string(), name.clone()),
+                            ("kubernetes.io/os".to_string(), "linux".to_string()),
+                            ("type".to_string(), "kwok".to_string()),
+                        ]
+                        .into(),
+                    ),
+                    ..Default::default()
+                },
+                ..Default::default()
+            };
+            match nodes.create(&PostParams::default(), &node).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(s)) if s.code == 409 => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let want = opts.nodes;
+        self.wait("kwok", deadline, "fake nodes to become Ready", || {
+            let nodes = nodes.clone();
+            async move {
+                let list = nodes.list(&Default::default()).await.ok()?;
+                let ready = list
+                    .items
+                    .iter()
+                    .filter(|n| {
+                        n.status
+                            .as_ref()
+                            .and_then(|s| s.conditions.as_ref())
+                            .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+                    })
+                    .count();
+                (ready >= want).then_some(())
+            }
+        })
+        .await?;
+        let sas: Api<ServiceAccount> = Api::namespaced(client, "default");
+        self.wait(
+            "kube-controller-manager",
+            deadline,
+            "the default ServiceAccount",
+            || {
+                let sas = sas.clone();
+                async move { sas.get_opt("default").await.ok().flatten().map(|_| ()) }
+            },
+        )
+        .await?;
+        Ok(())
+    }
+
+    fn launch(&mut self, name: &str, args: Vec<String>) -> Result<()> {
+        let c = Component::start(name, &self.binaries.path(name), &args, &self.dir)?;
+        self.components.push(c);
+        Ok(())
+    }
+
+    /// Polls `check` until it yields, failing with the named component's log if any component
+    /// exits or the deadline passes.
+    async fn wait<T, F, Fut>(
+        &mut self,
+        component: &str,
+        deadline: Instant,
+        what: &str,
+        mut check: F,
+    ) -> Result<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Option<T>>,
+    {
+        loop {
+            self.check_running()?;
+            if let Some(v) = check().await {
+                return Ok(v);
+            }
+            if Instant::now() > deadline {
+                let c = self.components.iter().find(|c| c.name == component);
+                return Err(match c {
+                    Some(c) => c.failure(format!("timed out waiting for {what}")),
+                    None => Error::Setup(format!("timed out waiting for {what}")),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Fails with the component's name and log tail if any component has exited.
+    pub fn check_running(&mut self) -> Result<()> {
+        self.components.iter_mut().try_for_each(|c| c.check_running())
+    }
+
+    /// The state directory (logs, certificates, kubeconfig).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The admin kubeconfig file.
+    pub fn kubeconfig_path(&self) -> PathBuf {
+        self.dir.join(KUBECONFIG)
+    }
+
+    /// The apiserver URL.
+    pub fn server(&self) -> &str {
+        &self.server
+    }
+
+    /// The binaries this control plane runs (`kubectl` among them).
+    pub fn binaries(&self) -> &Binaries {
+        &self.binaries
+    }
+
+    /// A kube client config with the admin identity.
+    pub async fn config(&self) -> Result<Config> {
+        config_from_file(&self.kubeconfig_path()).await
+    }
+
+    /// A client with the admin identity (member of `system:masters`).
+    pub async fn client(&self) -> Result<Client> {
+        Ok(Client::try_from(self.config().await?)?)
+    }
+
+    /// Pids of the components, in start order (for the daemon's status output).
+    pub fn pids(&self) -> Vec<(String, u32)> {
+        self.components
+            .iter()
+            .map(|c| (c.name.clone(), c.pid()))
+            .collect()
+    }
+}
+
+/// Reads a kubeconfig file into a client config.
+pub async fn config_from_file(path: &Path) -> Result<Config> {
+    let kc =
+        Kubeconfig::read_from(path).map_err(|e| Error::Setup(format!("reading {}: {e}", path.display())))?;
+    Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+        .await
+        .map_err(|e| Error::Setup(format!("loading {}: {e}", path.display())))
+}
+
+impl Drop for ControlPlane {
+    fn drop(&mut self) {
+        while let Some(mut c) = self.components.pop() {
+            c.stop(Duration::from_secs(5));
+        }
+        if self.remove_dir {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}

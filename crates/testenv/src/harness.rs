@@ -1,0 +1,253 @@
+//! What controller tests use: one shared control plane per test binary, a fresh namespace per
+//! test with a dump of its objects when the test fails, and polling with a deadline.
+use std::fmt::Display;
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use futures::FutureExt;
+use k8s_openapi::api::core::v1::Namespace;
+use kube::api::{Api, DeleteParams, ObjectMeta, PostParams};
+use kube::{Client, Config};
+
+use crate::cluster::{ControlPlane, Options, config_from_file};
+
+/// The control plane shared by every test in one test binary.
+#[derive(Debug, Clone)]
+pub struct Shared {
+    kubeconfig: PathBuf,
+    kubectl: PathBuf,
+}
+
+/// Returns the shared control plane, starting it on first use.
+///
+/// When `OPKIT_TESTENV_KUBECONFIG` names a kubeconfig (as `make test` and `make testenv-up`
+/// arrange), that cluster is used instead of starting one. A plain `KUBECONFIG` is never used,
+/// so tests cannot touch a real cluster by accident.
+pub fn shared() -> &'static Shared {
+    static SHARED: OnceLock<Result<Shared, String>> = OnceLock::new();
+    let r = SHARED.get_or_init(|| {
+        if let Ok(kc) = std::env::var("OPKIT_TESTENV_KUBECONFIG") {
+            let kubectl = crate::Binaries::ensure()
+                .map_err(|e| e.to_string())?
+                .path("kubectl");
+            return Ok(Shared {
+                kubeconfig: PathBuf::from(kc),
+                kubectl,
+            });
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        // The control plane lives on its own thread and runtime for the whole test binary; its
+        // processes die with the test process (see `process`).
+        std::thread::Builder::new()
+            .name("testenv-shared".into())
+            .spawn(move || {
+                let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        let _ = tx.send(Err(e.to_string()));
+                        return;
+                    }
+                };
+                match rt.block_on(ControlPlane::start(Options::default())) {
+                    Ok(cp) => {
+                        let _ = tx.send(Ok(Shared {
+                            kubeconfig: cp.kubeconfig_path(),
+                            kubectl: cp.binaries().path("kubectl"),
+                        }));
+                        let _keep = cp;
+                        loop {
+                            std::thread::park();
+                        }
+                    }
+                    Err(e) => {
+                        let _ = tx.send(Err(e.to_string()));
+                    }
+                }
+            })
+            .map_err(|e| e.to_string())?;
+        rx.recv().map_err(|e| e.to_string())?
+    });
+    match r {
+        Ok(s) => s,
+        Err(e) => panic!("the local control plane is not available: {e}"),
+    }
+}
+
+impl Shared {
+    /// The admin kubeconfig.
+    pub fn kubeconfig(&self) -> &Path {
+        &self.kubeconfig
+    }
+
+    /// Admin client config; build clients per test (a client belongs to one runtime).
+    pub async fn config(&self) -> anyhow::Result<Config> {
+        Ok(config_from_file(&self.kubeconfig).await?)
+    }
+
+    /// A fresh admin client.
+    pub async fn client(&self) -> anyhow::Result<Client> {
+        Ok(Client::try_from(self.config().await?)?)
+    }
+
+    /// `kubectl` of the pinned version, pointed at this cluster.
+    pub fn kubectl(&self) -> Command {
+        let mut c = Command::new(&self.kubectl);
+        c.env("KUBECONFIG", &self.kubeconfig);
+        c
+    }
+
+    /// Runs `test` in a fresh namespace named `<prefix>-<random>`. On failure (an error or a
+    /// panic) it prints every object and event in the namespace, then fails the test; the
+    /// namespace is deleted either way.
+    pub async fn in_namespace<F, Fut>(&self, prefix: &str, test: F)
+    where
+        F: FnOnce(Client, String) -> Fut,
+        Fut: Future<Output = anyhow::Result<()>>,
+    {
+        let client = self
+            .client()
+            .await
+            .expect("admin client for the local control plane");
+        let ns = TestNamespace::create(client.clone(), prefix)
+            .await
+            .expect("creating the test namespace");
+        let outcome = std::panic::AssertUnwindSafe(test(client, ns.name.clone()))
+            .catch_unwind()
+            .await;
+        let failure = match outcome {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(format!("{e:#}")),
+            Err(panic) => Some(
+                panic
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_else(|| "panic".into()),
+            ),
+        };
+        if let Some(f) = &failure {
+            eprintln!(
+                "test in namespace {} failed: {f}\n{}",
+                ns.name,
+                self.dump(&ns.name)
+            );
+        }
+        ns.delete().await;
+        if let Some(f) = failure {
+            panic!("{f}");
+        }
+    }
+
+    /// Everything in a namespace, as `kubectl get` shows it, plus its events.
+    pub fn dump(&self, ns: &str) -> String {
+        let mut out = String::new();
+        let resources = self
+            .kubectl()
+            .args(["api-resources", "--namespaced=true", "--verbs=list", "-o", "name"])
+            .output()
+            .map(|o| {
+                String::from_utf8_lossy(&o.stdout)
+                    .lines()
+                    .filter(|l| *l != "events" && *l != "events.events.k8s.io")
+                    .collect::<Vec<_>>()
+                    .join(",")
+            })
+            .unwrap_or_default();
+        for args in [
+            vec![
+                "get",
+                resources.as_str(),
+                "-n",
+                ns,
+                "-o",
+                "wide",
+                "--ignore-not-found",
+            ],
+            vec![
+                "get",
+                "deployments,pods",
+                "-n",
+                ns,
+                "-o",
+                "yaml",
+                "--ignore-not-found",
+            ],
+            vec!["events", "-n", ns],
+        ] {
+            if let Ok(o) = self.kubectl().args(&args).output() {
+                out.push_str(&format!("--- kubectl {} ---\n", args.join(" ")));
+                out.push_str(&String::from_utf8_lossy(&o.stdout));
+                out.push_str(&String::from_utf8_lossy(&o.stderr));
+            }
+        }
+        out
+    }
+}
+
+/// A namespace created for one test.
+pub struct TestNamespace {
+    pub name: String,
+    client: Client,
+}
+
+impl TestNamespace {
+    /// Creates `<prefix>-<random suffix>`.
+    pub async fn create(client: Client, prefix: &str) -> anyhow::Result<TestNamespace> {
+        let suffix = format!("{:08x}", rand_u32()?);
+        let prefix: String = prefix
+            .to_lowercase()
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+            .take(40)
+            .collect();
+        let name = format!("{}-{suffix}", prefix.trim_matches('-'));
+        let ns = Namespace {
+            metadata: ObjectMeta {
+                name: Some(name.clone()),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        Api::<Namespace>::all(client.clone())
+            .create(&PostParams::default(), &ns)
+            .await?;
+        Ok(TestNamespace { name, client })
+    }
+
+    /// Deletes the namespace (in the background: the apiserver finishes the job).
+    pub async fn delete(self) {
+        let _ = Api::<Namespace>::all(self.client)
+            .delete(&self.name, &DeleteParams::background())
+            .await;
+    }
+}
+
+fn rand_u32() -> std::io::Result<u32> {
+    use std::io::Read;
+    let mut b = [0u8; 4];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut b)?;
+    Ok(u32::from_le_bytes(b))
+}
+
+/// Polls `check` every 100 ms until it returns `Ok`, or fails after `timeout` with the last
+/// error it returned (which should say what was observed instead).
+pub async fn wait_for<T, E, F, Fut>(what: &str, timeout: Duration, mut check: F) -> anyhow::Result<T>
+where
+    E: Display,
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, E>>,
+{
+    let start = Instant::now();
+    loop {
+        match check().await {
+            Ok(v) => return Ok(v),
+            Err(e) if start.elapsed() >= timeout => {
+                anyhow::bail!("timed out after {:?} waiting for {what}; last seen: {e}", timeout)
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+}

@@ -1,0 +1,43 @@
+//! A real local Kubernetes control plane (etcd, kube-apiserver, kube-controller-manager,
+//! kube-scheduler and kwok fake nodes) for controller tests and the dev loop.
+//!
+//! Tests call [`shared`] for one cluster per test binary (or the long-lived one from
+//! `make testenv-up` when `KUBECONFIG` points at it) and [`TestNamespace`] for isolation.
+
+mod binaries;
+mod cluster;
+mod harness;
+mod pki;
+mod process;
+
+pub use binaries::{Binaries, Versions};
+pub use cluster::{ControlPlane, Options};
+pub use harness::{Shared, TestNamespace, shared, wait_for};
+
+/// Annotation that makes kwok finish a one-shot Pod as `Failed` with the given exit code.
+pub const EXIT_CODE_ANNOTATION: &str = "testenv.opkit.dev/exit-code";
+/// Annotation that sets how long (milliseconds) kwok lets a one-shot Pod run.
+pub const RUN_MS_ANNOTATION: &str = "testenv.opkit.dev/run-ms";
+
+/// Errors from building or running the control plane.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("building the control-plane binaries failed: {0}")]
+    Build(String),
+    #[error("{component} failed to start: {reason}\n--- last lines of {log} ---\n{tail}")]
+    Component {
+        component: String,
+        reason: String,
+        log: String,
+        tail: String,
+    },
+    #[error("{0}")]
+    Setup(String),
+    #[error("i/o: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("kubernetes api: {0}")]
+    Kube(#[from] kube::Error),
+}
+
+/// Result with the testenv error.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

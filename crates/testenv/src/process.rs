@@ -1,0 +1,141 @@
+//! Child processes that never outlive their owner.
+//!
+//! Every component is started through `setpriv --pdeathsig KILL`, so the kernel kills it when
+//! the thread that forked it exits. All forks happen on one dedicated thread that lives as long
+//! as the process, so a component dies exactly when its owner process does: normal exit, panic,
+//! Ctrl-C or SIGKILL. [`Component`]'s `Drop` stops it earlier when its owner is dropped.
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+use crate::{Error, Result};
+
+type SpawnRequest = (Command, mpsc::Sender<std::io::Result<Child>>);
+
+fn spawner() -> &'static Mutex<mpsc::Sender<SpawnRequest>> {
+    static SPAWNER: OnceLock<Mutex<mpsc::Sender<SpawnRequest>>> = OnceLock::new();
+    SPAWNER.get_or_init(|| {
+        let (tx, rx) = mpsc::channel::<SpawnRequest>();
+        std::thread::Builder::new()
+            .name("testenv-spawner".into())
+            .spawn(move || {
+                for (mut cmd, reply) in rx {
+                    let _ = reply.send(cmd.spawn());
+                }
+                // The channel's sender lives in a static, so this loop never ends and the
+                // thread (and with it every child's parent-death signal) lasts until exit.
+            })
+            .expect("spawning the testenv-spawner thread");
+        Mutex::new(tx)
+    })
+}
+
+/// One running control-plane process with its log file.
+#[derive(Debug)]
+pub struct Component {
+    pub name: String,
+    pub log: PathBuf,
+    child: Child,
+}
+
+impl Component {
+    /// Starts `program args...` with stdout and stderr appended to `<dir>/<name>.log`.
+    pub fn start(name: &str, program: &Path, args: &[String], dir: &Path) -> Result<Component> {
+        let log = dir.join(format!("{name}.log"));
+        let file = std::fs::OpenOptions::new().create(true).append(true).open(&log)?;
+        let mut cmd = Command::new("setpriv");
+        cmd.arg("--pdeathsig")
+            .arg("KILL")
+            .arg("--")
+            .arg(program)
+            .args(args)
+            .current_dir(dir)
+            .stdin(Stdio::null())
+            .stdout(file.try_clone()?)
+            .stderr(file);
+        let (tx, rx) = mpsc::channel();
+        spawner()
+            .lock()
+            .map_err(|_| Error::Setup("testenv spawner lock poisoned".into()))?
+            .send((cmd, tx))
+            .map_err(|_| Error::Setup("testenv spawner thread is gone".into()))?;
+        let child = rx
+            .recv()
+            .map_err(|_| Error::Setup("testenv spawner thread is gone".into()))?
+            .map_err(|e| Error::Setup(format!("starting {name} ({}): {e}", program.display())))?;
+        Ok(Component {
+            name: name.to_string(),
+            log,
+            child,
+        })
+    }
+
+    /// Returns an error naming the component with its log tail if it has exited.
+    pub fn check_running(&mut self) -> Result<()> {
+        match self.child.try_wait()? {
+            None => Ok(()),
+            Some(status) => Err(self.failure(format!("exited with {status}"))),
+        }
+    }
+
+    /// Builds an error that names this component and carries the tail of its log.
+    pub fn failure(&self, reason: String) -> Error {
+        Error::Component {
+            component: self.name.clone(),
+            reason,
+            log: self.log.display().to_string(),
+            tail: log_tail(&self.log, 25),
+        }
+    }
+
+    /// Process id, for callers that signal it themselves.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// SIGTERM, then SIGKILL if it has not exited within `grace`.
+    pub fn stop(&mut self, grace: Duration) {
+        if let Ok(Some(_)) = self.child.try_wait() {
+            return;
+        }
+        let pid = Pid::from_raw(self.child.id() as i32);
+        let _ = kill(pid, Signal::SIGTERM);
+        let deadline = Instant::now() + grace;
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Component {
+    fn drop(&mut self) {
+        self.stop(Duration::from_secs(5));
+    }
+}
+
+/// The last `lines` lines of a log file (or a note that it cannot be read).
+pub fn log_tail(path: &Path, lines: usize) -> String {
+    match std::fs::read_to_string(path) {
+        Ok(s) => {
+            let all: Vec<&str> = s.lines().collect();
+            all[all.len().saturating_sub(lines)..].join("\n")
+        }
+        Err(e) => format!("(cannot read {}: {e})", path.display()),
+    }
+}
+
+/// A TCP port on 127.0.0.1 that was free a moment ago.
+pub fn free_port() -> Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(l.local_addr()?.port())
+}
