@@ -1,1 +1,8 @@
-//! placeholder
+//! The opkit controllers, one module per kind. Each module holds the whole story of its kind:
+//! validation, the objects it builds, how it watches, and the RBAC rules it needs.
+
+pub mod memcached;
+pub mod rbac;
+mod scope;
+
+pub use scope::Scope;

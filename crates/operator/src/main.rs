@@ -1,2 +1,171 @@
-//! placeholder
-fn main() {}
+//! `opkit`: the operator binary. `run` starts the manager with the selected controllers;
+//! `crd` prints every CRD opkit serves.
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::{Parser, Subcommand, ValueEnum};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::runtime::wait::{await_condition, conditions};
+use kube::{Api, Client, Config, ResourceExt};
+use opkit::{Manager, ManagerOptions};
+use opkit_controllers::{Scope, memcached};
+
+#[derive(Parser)]
+#[command(
+    name = "opkit",
+    version,
+    about = "Kubernetes operators in Rust: Memcached and friends"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the controllers (the manager).
+    Run(RunArgs),
+    /// Print every CRD as YAML (what `make install` applies).
+    Crd,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+const CONTROLLERS: &[&str] = &[memcached::NAME];
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// Controllers to run, comma-separated (default: all).
+    #[arg(long, value_delimiter = ',', default_values_t = CONTROLLERS.iter().map(|s| s.to_string()).collect::<Vec<_>>())]
+    controllers: Vec<String>,
+    /// Watch only this namespace (repeatable); all namespaces when absent.
+    #[arg(long = "namespace", short = 'n')]
+    namespaces: Vec<String>,
+    /// Where to serve Prometheus metrics; "0" disables.
+    #[arg(long, default_value = "0.0.0.0:8080")]
+    metrics_bind_address: String,
+    /// Where to serve /healthz and /readyz; "0" disables.
+    #[arg(long, default_value = "0.0.0.0:8081")]
+    health_probe_bind_address: String,
+    /// Reconciles running at once, per controller.
+    #[arg(long, default_value_t = 4)]
+    concurrency: u16,
+    /// Kubeconfig file (in-cluster config, then $KUBECONFIG, when absent).
+    #[arg(long)]
+    kubeconfig: Option<std::path::PathBuf>,
+    /// Kubeconfig context.
+    #[arg(long)]
+    context: Option<String>,
+    /// Log format.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+    /// Image of the memcached containers.
+    #[arg(long, default_value = memcached::DEFAULT_IMAGE)]
+    memcached_image: String,
+    /// Seconds in-flight reconciles get to finish after SIGTERM.
+    #[arg(long, default_value_t = 30)]
+    shutdown_timeout: u64,
+}
+
+fn addr(s: &str, what: &str) -> anyhow::Result<Option<SocketAddr>> {
+    if s == "0" || s.is_empty() {
+        return Ok(None);
+    }
+    let s = if s.starts_with(':') {
+        format!("0.0.0.0{s}")
+    } else {
+        s.to_string()
+    };
+    Ok(Some(
+        s.parse()
+            .with_context(|| format!("--{what}: not an address: {s}"))?,
+    ))
+}
+
+async fn client_config(args: &RunArgs) -> anyhow::Result<Config> {
+    let opts = KubeConfigOptions {
+        context: args.context.clone(),
+        ..Default::default()
+    };
+    Ok(match &args.kubeconfig {
+        Some(path) => Config::from_custom_kubeconfig(Kubeconfig::read_from(path)?, &opts).await?,
+        None if args.context.is_some() => Config::from_kubeconfig(&opts).await?,
+        None => Config::infer().await?,
+    })
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,kube_runtime=warn,kube_client=warn"));
+    let b = tracing_subscriber::fmt().with_env_filter(filter);
+    match format {
+        LogFormat::Json => b.json().init(),
+        LogFormat::Text => b.init(),
+    }
+}
+
+/// Waits until our CRDs are Established, so the controllers' first list does not fail.
+async fn wait_for_crds(client: &Client, names: &[String]) -> anyhow::Result<()> {
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    for name in names {
+        let established = await_condition(crds.clone(), name, conditions::is_crd_established());
+        match tokio::time::timeout(Duration::from_secs(60), established).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => bail!("waiting for CRD {name}: {e}"),
+            Err(_) => bail!(
+                "CRD {name} is not installed or not established (run `make install` or `opkit crd | kubectl apply -f -`)"
+            ),
+        }
+    }
+    Ok(())
+}
+
+async fn run(args: RunArgs) -> anyhow::Result<()> {
+    init_logging(args.log_format);
+    for c in &args.controllers {
+        if !CONTROLLERS.contains(&c.as_str()) {
+            bail!("unknown controller {c:?}; known: {}", CONTROLLERS.join(", "));
+        }
+    }
+    let opts = ManagerOptions {
+        metrics_addr: addr(&args.metrics_bind_address, "metrics-bind-address")?,
+        health_addr: addr(&args.health_probe_bind_address, "health-probe-bind-address")?,
+        shutdown_timeout: Duration::from_secs(args.shutdown_timeout),
+    };
+    let client = Client::try_from(client_config(&args).await?)?;
+    let scope = Scope::namespaces(args.namespaces.clone());
+    let mut crd_names = Vec::new();
+    let mut manager = Manager::new(client.clone());
+    if args.controllers.iter().any(|c| c == memcached::NAME) {
+        crd_names.push(opkit_api::memcached::crd().name_any());
+        let cfg = memcached::Config {
+            image: args.memcached_image.clone(),
+            scope: scope.clone(),
+            concurrency: args.concurrency,
+        };
+        manager.add(memcached::NAME, move |ctx| memcached::run(ctx, cfg));
+    }
+    wait_for_crds(&client, &crd_names).await?;
+    tracing::info!(controllers = ?args.controllers, namespaces = ?scope.list(), "opkit starting");
+    manager.run(opts).await?;
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    match Cli::parse().command {
+        Command::Run(args) => run(args).await,
+        Command::Crd => {
+            for crd in opkit_api::all_crds() {
+                print!("---\n{}", serde_yaml::to_string(&crd)?);
+            }
+            Ok(())
+        }
+    }
+}

@@ -92,6 +92,24 @@ impl Shared {
         Ok(Client::try_from(self.config().await?)?)
     }
 
+    /// A kubeconfig (YAML) for this cluster that authenticates with `token` instead of the admin
+    /// identity, e.g. a ServiceAccount token, so only that account's RBAC applies.
+    pub fn kubeconfig_with_token(&self, token: &str) -> anyhow::Result<String> {
+        let mut kc: serde_yaml::Value = serde_yaml::from_str(&std::fs::read_to_string(&self.kubeconfig)?)?;
+        kc["users"][0]["user"] = serde_yaml::Value::Mapping(
+            [(serde_yaml::Value::from("token"), serde_yaml::Value::from(token))]
+                .into_iter()
+                .collect(),
+        );
+        Ok(serde_yaml::to_string(&kc)?)
+    }
+
+    /// A client config that authenticates with `token` (see [`Shared::kubeconfig_with_token`]).
+    pub async fn config_with_token(&self, token: &str) -> anyhow::Result<Config> {
+        let kc = kube::config::Kubeconfig::from_yaml(&self.kubeconfig_with_token(token)?)?;
+        Ok(Config::from_custom_kubeconfig(kc, &Default::default()).await?)
+    }
+
     /// `kubectl` of the pinned version, pointed at this cluster.
     pub fn kubectl(&self) -> Command {
         let mut c = Command::new(&self.kubectl);

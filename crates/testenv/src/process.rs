@@ -139,3 +139,43 @@ pub fn free_port() -> Result<u16> {
     let l = std::net::TcpListener::bind("127.0.0.1:0")?;
     Ok(l.local_addr()?.port())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_component_that_exits_is_reported_by_name_with_its_log_tail() {
+        let dir = std::env::temp_dir().join(format!("opkit-testenv-proc-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let args = vec![
+            "-c".to_string(),
+            "echo 'flag provided but not defined: -bogus' >&2; exit 3".to_string(),
+        ];
+        let mut c = Component::start("fake-apiserver", Path::new("/bin/sh"), &args, &dir).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let err = loop {
+            if let Err(e) = c.check_running() {
+                break e.to_string();
+            }
+            assert!(Instant::now() < deadline, "the process never exited");
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        assert!(err.contains("fake-apiserver failed to start"), "{err}");
+        assert!(err.contains("exit status: 3"), "{err}");
+        assert!(err.contains("flag provided but not defined: -bogus"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn dropping_a_component_stops_its_process() {
+        let dir = std::env::temp_dir().join(format!("opkit-testenv-drop-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let c = Component::start("sleeper", Path::new("/bin/sleep"), &["600".to_string()], &dir).unwrap();
+        let pid = Pid::from_raw(c.pid() as i32);
+        assert!(kill(pid, None).is_ok(), "the process should be running");
+        drop(c);
+        assert!(kill(pid, None).is_err(), "the process should be gone after drop");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
