@@ -148,6 +148,11 @@ impl ControllerMetrics {
             .sum()
     }
 
+    /// Reconciles started so far by this controller (for tests and benchmarks).
+    pub fn reconciles_total(&self) -> u64 {
+        self.metrics.reconciles.get_or_create(&self.label()).get()
+    }
+
     fn label(&self) -> ControllerLabel {
         ControllerLabel {
             controller: self.controller.clone(),

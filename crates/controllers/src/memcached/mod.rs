@@ -7,7 +7,7 @@ mod build;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::{StreamExt, future};
+use futures::{FutureExt, StreamExt, future};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::rbac::v1::PolicyRule;
@@ -167,10 +167,8 @@ pub async fn run(ctx: ControllerContext, cfg: Config) {
                 Some(ObjectRef::<Memcached>::new(&name).within(&pod.namespace()?))
             })
             .graceful_shutdown_on(ctx.shutdown_signal());
-        for s in [controller.store().clone()] {
-            ready.push(async move { s.wait_until_ready().await }.boxed());
-        }
-        let (d, p) = (deploy_store.clone(), pod_store.clone());
+        let (c, d, p) = (controller.store(), deploy_store.clone(), pod_store.clone());
+        ready.push(async move { c.wait_until_ready().await }.boxed());
         ready.push(async move { d.wait_until_ready().await }.boxed());
         ready.push(async move { p.wait_until_ready().await }.boxed());
         let state = Arc::new(State {
@@ -192,8 +190,6 @@ pub async fn run(ctx: ControllerContext, cfg: Config) {
     ctx.ready_when(future::join_all(ready));
     future::join_all(runs).await;
 }
-
-use futures::FutureExt;
 
 #[tracing::instrument(skip(mc, st), fields(namespace = mc.namespace(), name = mc.name_any()))]
 async fn reconcile(mc: Arc<Memcached>, st: Arc<State>) -> Result<Action, Error> {

@@ -1,0 +1,57 @@
+# opkit — targets named as Kubebuilder users type them. `make help` lists them.
+SHELL := /usr/bin/env bash
+.DEFAULT_GOAL := help
+
+TESTENV_BIN_DIR = $(shell bash crates/testenv/scripts/build-binaries.sh --print)
+KUBECTL ?= $(TESTENV_BIN_DIR)/kubectl
+OPKIT := cargo run -q -p opkit-operator --
+TESTENV := cargo run -q -p opkit-testenv --
+
+.PHONY: help
+help: ## Show this help
+	@awk 'BEGIN {FS = ":.*##"} /^[a-zA-Z_-]+:.*?##/ {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+.PHONY: build
+build: ## Build the opkit binary (release)
+	cargo build --release -p opkit-operator
+
+.PHONY: fmt
+fmt: ## Format the code
+	cargo fmt --all
+
+.PHONY: lint
+lint: ## Check formatting and run clippy with warnings denied
+	cargo fmt --all --check
+	cargo clippy --workspace --all-targets -- -D warnings
+
+.PHONY: testenv-build
+testenv-build: ## Build (or find cached) the local control-plane binaries
+	bash crates/testenv/scripts/build-binaries.sh
+
+.PHONY: test
+test: testenv-build ## Run every test: unit tests and controller tests on the real local control plane
+	cargo test --workspace
+
+.PHONY: testenv-up
+testenv-up: testenv-build ## Start the long-lived local control plane and print its KUBECONFIG
+	$(TESTENV) up
+
+.PHONY: testenv-down
+testenv-down: ## Stop the local control plane and remove its state
+	$(TESTENV) down
+
+.PHONY: install
+install: ## Install the CRDs into the cluster of $KUBECONFIG
+	$(OPKIT) crd | $(KUBECTL) apply --server-side -f -
+
+.PHONY: uninstall
+uninstall: ## Remove the CRDs (and every custom object) from the cluster of $KUBECONFIG
+	$(OPKIT) crd | $(KUBECTL) delete --ignore-not-found -f -
+
+.PHONY: run
+run: ## Run the operator against the cluster of $KUBECONFIG
+	$(OPKIT) run --metrics-bind-address 127.0.0.1:8080 --health-probe-bind-address 127.0.0.1:8081
+
+.PHONY: dev
+dev: ## Local control plane (if none is configured) + CRDs + samples + the operator
+	bash hack/dev.sh

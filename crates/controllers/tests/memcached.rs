@@ -1,0 +1,354 @@
+//! The Memcached controller on the real local control plane.
+use std::time::Duration;
+
+use anyhow::{Context, anyhow, bail, ensure};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::runtime::wait::{await_condition, conditions};
+use kube::{Client, ResourceExt};
+use opkit::{ControllerContext, Manager, ManagerOptions};
+use opkit_api::memcached::Memcached;
+use opkit_controllers::{Scope, memcached};
+use opkit_testenv::{shared, wait_for};
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+const T: Duration = Duration::from_secs(60);
+
+/// A running operator (only the Memcached controller, scoped to one namespace); stops on drop.
+struct Operator {
+    ctx: ControllerContext,
+    stop: CancellationToken,
+    handle: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for Operator {
+    fn drop(&mut self) {
+        self.stop.cancel();
+        if let Some(h) = self.handle.take() {
+            h.abort();
+        }
+    }
+}
+
+async fn install_crd(client: &Client) -> anyhow::Result<()> {
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let crd = opkit_api::memcached::crd();
+    let name = crd.name_any();
+    crds.patch(
+        &name,
+        &PatchParams::apply("opkit-tests").force(),
+        &Patch::Apply(&crd),
+    )
+    .await?;
+    let established = await_condition(crds, &name, conditions::is_crd_established());
+    tokio::time::timeout(T, established).await??;
+    Ok(())
+}
+
+async fn start(client: &Client, ns: &str, opts: ManagerOptions) -> anyhow::Result<Operator> {
+    install_crd(client).await?;
+    let mut manager = Manager::new(client.clone());
+    let cfg = memcached::Config {
+        scope: Scope::namespaces(vec![ns.to_string()]),
+        ..Default::default()
+    };
+    let ctx = manager.add(memcached::NAME, move |ctx| memcached::run(ctx, cfg));
+    let stop = manager.shutdown_token();
+    let handle = tokio::spawn(async move {
+        manager.run(opts).await.expect("manager failed");
+    });
+    Ok(Operator {
+        ctx,
+        stop,
+        handle: Some(handle),
+    })
+}
+
+async fn apply_yaml(client: &Client, ns: &str, yaml: &str) -> anyhow::Result<Memcached> {
+    let mc: Memcached = serde_yaml::from_str(yaml)?;
+    let api: Api<Memcached> = Api::namespaced(client.clone(), ns);
+    Ok(api.create(&PostParams::default(), &mc).await?)
+}
+
+/// Waits until the Memcached shows `n` Pod names and its Deployment has `n` ready replicas.
+async fn wait_for_size(client: &Client, ns: &str, name: &str, n: usize) -> anyhow::Result<Vec<String>> {
+    let mcs: Api<Memcached> = Api::namespaced(client.clone(), ns);
+    let deploys: Api<Deployment> = Api::namespaced(client.clone(), ns);
+    wait_for(&format!("{name} to have {n} nodes"), T, || async {
+        let d = deploys.get(name).await?;
+        let ready = d.status.and_then(|s| s.ready_replicas).unwrap_or(0) as usize;
+        let nodes = mcs.get(name).await?.status.map(|s| s.nodes).unwrap_or_default();
+        if ready == n && nodes.len() == n {
+            Ok(nodes)
+        } else {
+            Err(anyhow!("{ready} ready, nodes {nodes:?}"))
+        }
+    })
+    .await
+}
+
+fn sample(file: &str) -> String {
+    std::fs::read_to_string(format!(
+        "{}/../../config/samples/{file}",
+        env!("CARGO_MANIFEST_DIR")
+    ))
+    .expect("sample")
+}
+
+#[tokio::test]
+async fn the_seed_sample_gets_its_pods_and_follows_size_changes() {
+    shared()
+        .in_namespace("mc-sample", |client, ns| async move {
+            let _op = start(&client, &ns, ManagerOptions::default()).await?;
+            apply_yaml(&client, &ns, &sample("cache_v1alpha1_memcached.yaml")).await?;
+            let nodes = wait_for_size(&client, &ns, "memcached-sample", 3).await?;
+            ensure!(
+                nodes.iter().all(|n| n.starts_with("memcached-sample-")),
+                "{nodes:?}"
+            );
+            let mut sorted = nodes.clone();
+            sorted.sort();
+            ensure!(sorted == nodes, "nodes are not sorted: {nodes:?}");
+
+            let mcs: Api<Memcached> = Api::namespaced(client.clone(), &ns);
+            mcs.patch(
+                "memcached-sample",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"spec": {"size": 5}})),
+            )
+            .await?;
+            wait_for_size(&client, &ns, "memcached-sample", 5).await?;
+
+            // The v1 sample (with a status block the apiserver drops) works too.
+            apply_yaml(&client, &ns, &sample("cache_v1_memcached.yaml")).await?;
+            let nodes = wait_for_size(&client, &ns, "example-memcached", 3).await?;
+            ensure!(
+                !nodes.contains(&"pod1".to_string()),
+                "status came from the sample, not the pods: {nodes:?}"
+            );
+            Ok(())
+        })
+        .await;
+}
+
+#[tokio::test]
+async fn manual_scaling_is_reverted_and_a_deleted_deployment_is_recreated() {
+    shared()
+        .in_namespace("mc-drift", |client, ns| async move {
+            let _op = start(&client, &ns, ManagerOptions::default()).await?;
+            apply_yaml(&client, &ns, &sample("cache_v1alpha1_memcached.yaml")).await?;
+            wait_for_size(&client, &ns, "memcached-sample", 3).await?;
+            let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+
+            // `kubectl scale deployment memcached-sample --replicas=7`
+            deploys
+                .patch(
+                    "memcached-sample",
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({"spec": {"replicas": 7}})),
+                )
+                .await?;
+            wait_for("the scale-up to be reverted", T, || async {
+                let r = deploys
+                    .get("memcached-sample")
+                    .await?
+                    .spec
+                    .and_then(|s| s.replicas);
+                if r == Some(3) {
+                    Ok(())
+                } else {
+                    Err(anyhow!("replicas {r:?}"))
+                }
+            })
+            .await?;
+            wait_for_size(&client, &ns, "memcached-sample", 3).await?;
+
+            let old_uid = deploys.get("memcached-sample").await?.uid();
+            deploys
+                .delete("memcached-sample", &DeleteParams::background())
+                .await?;
+            wait_for("the Deployment to be recreated", T, || async {
+                let d = deploys.get_opt("memcached-sample").await?.context("not there")?;
+                if d.uid() != old_uid {
+                    Ok(())
+                } else {
+                    bail!("still the old one")
+                }
+            })
+            .await?;
+            wait_for_size(&client, &ns, "memcached-sample", 3).await?;
+            Ok(())
+        })
+        .await;
+}
+
+#[tokio::test]
+async fn deleting_the_memcached_garbage_collects_its_deployment() {
+    shared()
+        .in_namespace("mc-gc", |client, ns| async move {
+            let _op = start(&client, &ns, ManagerOptions::default()).await?;
+            apply_yaml(&client, &ns, &sample("cache_v1alpha1_memcached.yaml")).await?;
+            wait_for_size(&client, &ns, "memcached-sample", 3).await?;
+            let mcs: Api<Memcached> = Api::namespaced(client.clone(), &ns);
+            mcs.delete("memcached-sample", &DeleteParams::background())
+                .await?;
+            let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+            wait_for("the Deployment to be collected", T, || async {
+                match deploys.get_opt("memcached-sample").await? {
+                    None => Ok(()),
+                    Some(_) => Err(anyhow!("Deployment still exists")),
+                }
+            })
+            .await
+        })
+        .await;
+}
+
+#[tokio::test]
+async fn invalid_sizes_are_refused_by_the_apiserver_with_its_message() {
+    shared()
+        .in_namespace("mc-invalid", |client, ns| async move {
+            install_crd(&client).await?;
+            // Untyped, so the request carries exactly what a user might write.
+            let ar = kube::discovery::ApiResource::erase::<Memcached>(&());
+            let api: Api<kube::api::DynamicObject> = Api::namespaced_with(client.clone(), &ns, &ar);
+            for (spec, expected) in [
+                (json!({"size": -1}), "should be greater than or equal to 0"),
+                (json!({"size": 101}), "should be less than or equal to 100"),
+                (json!({"size": 1.5}), "must be of type integer"),
+                (json!({"size": "three"}), "must be of type integer"),
+                (json!({}), "Required value"),
+            ] {
+                let obj = json!({"apiVersion": "cache.example.com/v1", "kind": "Memcached",
+                    "metadata": {"name": "bad"}, "spec": spec});
+                let r = api
+                    .create(&PostParams::default(), &serde_json::from_value(obj)?)
+                    .await;
+                match r {
+                    Err(kube::Error::Api(s)) if s.code == 422 && s.message.contains(expected) => {}
+                    other => bail!("spec {spec}: expected a 422 mentioning {expected:?}, got {other:?}"),
+                }
+            }
+            Ok(())
+        })
+        .await;
+}
+
+#[tokio::test]
+async fn a_converged_resync_writes_nothing() {
+    shared()
+        .in_namespace("mc-idle", |client, ns| async move {
+            let op = start(&client, &ns, ManagerOptions::default()).await?;
+            apply_yaml(&client, &ns, &sample("cache_v1alpha1_memcached.yaml")).await?;
+            wait_for_size(&client, &ns, "memcached-sample", 3).await?;
+            let mcs: Api<Memcached> = Api::namespaced(client.clone(), &ns);
+            let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+            // Converged: Available and not Progressing.
+            wait_for("Available", T, || async {
+                let s = mcs.get("memcached-sample").await?.status.unwrap_or_default();
+                let ok = opkit::conditions::is_true(&s.conditions, "Available")
+                    && !opkit::conditions::is_true(&s.conditions, "Progressing");
+                if ok {
+                    Ok(())
+                } else {
+                    Err(anyhow!("{:?}", s.conditions))
+                }
+            })
+            .await?;
+            let writes = op.ctx.metrics().writes_total();
+            let reconciles = op.ctx.metrics().reconciles_total();
+            let deploy_rv = deploys.get("memcached-sample").await?.resource_version();
+            let mc_rv = mcs.get("memcached-sample").await?.resource_version();
+
+            // An annotation changes nothing the controller cares about but triggers a reconcile.
+            mcs.patch(
+                "memcached-sample",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"metadata": {"annotations": {"touch": "1"}}})),
+            )
+            .await?;
+            wait_for("a reconcile after the touch", T, || async {
+                let r = op.ctx.metrics().reconciles_total();
+                if r > reconciles {
+                    Ok(())
+                } else {
+                    Err(anyhow!("{r} reconciles"))
+                }
+            })
+            .await?;
+            let touched_rv = mcs.get("memcached-sample").await?.resource_version();
+            ensure!(touched_rv != mc_rv, "the touch should have changed the object");
+            ensure!(
+                op.ctx.metrics().writes_total() == writes,
+                "writes went from {writes} to {}",
+                op.ctx.metrics().writes_total()
+            );
+            ensure!(
+                deploys.get("memcached-sample").await?.resource_version() == deploy_rv,
+                "the Deployment was rewritten"
+            );
+            Ok(())
+        })
+        .await;
+}
+
+async fn http_get(addr: std::net::SocketAddr, path: &str) -> anyhow::Result<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await?;
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").as_bytes())
+        .await?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).await?;
+    let code = buf.split_whitespace().nth(1).context("no status line")?.parse()?;
+    let body = buf
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    Ok((code, body))
+}
+
+fn free_addr() -> std::net::SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free loopback port")
+}
+
+#[tokio::test]
+async fn metrics_and_probes_answer() {
+    shared()
+        .in_namespace("mc-http", |client, ns| async move {
+            let (m, h) = (free_addr(), free_addr());
+            let opts = ManagerOptions {
+                metrics_addr: Some(m),
+                health_addr: Some(h),
+                ..Default::default()
+            };
+            let _op = start(&client, &ns, opts).await?;
+            wait_for("/readyz", T, || http_get(h, "/readyz")).await?;
+            wait_for("/readyz to be ok", T, || async {
+                let (code, body) = http_get(h, "/readyz").await?;
+                if code == 200 {
+                    Ok(())
+                } else {
+                    Err(anyhow!("{code} {body}"))
+                }
+            })
+            .await?;
+            ensure!(http_get(h, "/healthz").await?.0 == 200);
+            apply_yaml(&client, &ns, &sample("cache_v1alpha1_memcached.yaml")).await?;
+            wait_for_size(&client, &ns, "memcached-sample", 3).await?;
+            let (code, body) = http_get(m, "/metrics").await?;
+            ensure!(code == 200, "/metrics answered {code}");
+            for needle in [
+                "opkit_reconcile_total{controller=\"memcached\"}",
+                "opkit_reconcile_duration_seconds_bucket{le=",
+                "opkit_api_writes_total{controller=\"memcached\",verb=\"apply\"} 1",
+            ] {
+                ensure!(body.contains(needle), "/metrics lacks {needle}:\n{body}");
+            }
+            Ok(())
+        })
+        .await;
+}

@@ -1,0 +1,115 @@
+//! End to end: the `opkit` binary run as users run it, with `kubectl` applying the samples.
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, ensure};
+use opkit_testenv::{shared, wait_for};
+
+fn kubectl(args: &[&str]) -> anyhow::Result<String> {
+    let out = shared().kubectl().args(args).output()?;
+    ensure!(
+        out.status.success(),
+        "kubectl {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8(out.stdout)?)
+}
+
+#[tokio::test]
+async fn the_binary_runs_the_samples_and_stops_cleanly_on_sigterm() {
+    shared()
+        .in_namespace("e2e", |_client, ns| async move {
+            let samples = format!("{}/../../config/samples", env!("CARGO_MANIFEST_DIR"));
+            let crds = Command::new(env!("CARGO_BIN_EXE_opkit")).arg("crd").output()?;
+            ensure!(crds.status.success());
+            let mut apply = shared()
+                .kubectl()
+                .args(["apply", "--server-side", "-f", "-"])
+                .stdin(Stdio::piped())
+                .spawn()?;
+            std::io::Write::write_all(
+                apply.stdin.as_mut().ok_or_else(|| anyhow!("stdin"))?,
+                &crds.stdout,
+            )?;
+            ensure!(apply.wait()?.success(), "installing the CRDs failed");
+
+            let log = std::env::temp_dir().join(format!("opkit-e2e-{ns}.log"));
+            let mut op = Command::new(env!("CARGO_BIN_EXE_opkit"))
+                .args([
+                    "run",
+                    "--namespace",
+                    &ns,
+                    "--metrics-bind-address",
+                    "0",
+                    "--health-probe-bind-address",
+                    "0",
+                ])
+                .env("KUBECONFIG", shared().kubeconfig())
+                .stdout(std::fs::File::create(&log)?)
+                .stderr(std::fs::File::create(log.with_extension("err"))?)
+                .spawn()?;
+            let result = async {
+                for f in ["cache_v1alpha1_memcached.yaml", "cache_v1_memcached.yaml"] {
+                    kubectl(&["apply", "-n", &ns, "-f", &format!("{samples}/{f}")])?;
+                }
+                for name in ["memcached-sample", "example-memcached"] {
+                    wait_for(
+                        &format!("{name} status.nodes"),
+                        Duration::from_secs(60),
+                        || async {
+                            let n = kubectl(&[
+                                "get",
+                                "memcached",
+                                name,
+                                "-n",
+                                &ns,
+                                "-o",
+                                "jsonpath={.status.nodes[*]}",
+                            ])?;
+                            let count = n.split_whitespace().count();
+                            if count == 3 {
+                                Ok(())
+                            } else {
+                                Err(anyhow!("nodes: {n:?}"))
+                            }
+                        },
+                    )
+                    .await?;
+                }
+                let columns = kubectl(&["get", "mc", "-n", &ns])?;
+                ensure!(
+                    columns.contains("SIZE") && columns.contains("READY"),
+                    "printer columns missing:\n{columns}"
+                );
+                anyhow::Ok(())
+            }
+            .await;
+            nix_term(op.id());
+            let start = Instant::now();
+            let status = loop {
+                if let Some(s) = op.try_wait()? {
+                    break s;
+                }
+                if start.elapsed() > Duration::from_secs(20) {
+                    op.kill()?;
+                    anyhow::bail!("opkit did not stop within 20 s of SIGTERM");
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            };
+            result.map_err(|e| {
+                anyhow!(
+                    "{e:#}\n--- opkit log ---\n{}",
+                    std::fs::read_to_string(log.with_extension("err")).unwrap_or_default()
+                )
+            })?;
+            ensure!(status.success(), "opkit exited with {status} after SIGTERM");
+            eprintln!("opkit stopped {:?} after SIGTERM", start.elapsed());
+            Ok(())
+        })
+        .await;
+}
+
+fn nix_term(pid: u32) {
+    let _ = Command::new("kill").args(["-TERM", &pid.to_string()]).status();
+}

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The dev loop in one command: use the cluster of $KUBECONFIG, or start the local control plane;
+# install the CRDs, apply the samples and run the operator in the foreground.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [[ -z "${KUBECONFIG:-}" || ! -f "${KUBECONFIG}" ]]; then
+  echo ">> no KUBECONFIG configured: starting the local control plane (make testenv-up)"
+  eval "$(cargo run -q -p opkit-testenv -- up)"
+fi
+bin_dir=$(bash crates/testenv/scripts/build-binaries.sh --print)
+kubectl=${KUBECTL:-$bin_dir/kubectl}
+[[ -x "$kubectl" ]] || kubectl=kubectl
+
+echo ">> building opkit"
+cargo build -q -p opkit-operator
+opkit=target/debug/opkit
+
+echo ">> installing CRDs"
+"$opkit" crd | "$kubectl" apply --server-side -f -
+"$kubectl" wait --for condition=Established --timeout=60s crd --all >/dev/null
+
+echo ">> applying samples"
+for f in config/samples/*.yaml; do "$kubectl" apply -f "$f"; done
+
+cat <<EOT
+
+>> opkit is starting. In another terminal:
+     export KUBECONFIG=$KUBECONFIG
+     alias kubectl=$kubectl
+     kubectl get memcached                       # SIZE / READY / AVAILABLE
+     kubectl patch memcached memcached-sample --type merge -p '{"spec":{"size":5}}'
+     kubectl scale deployment memcached-sample --replicas=7   # reverted by opkit
+     kubectl describe memcached memcached-sample # conditions and events
+     curl -s localhost:8080/metrics | grep opkit_
+   Ctrl-C stops the operator; 'make testenv-down' stops the local control plane.
+
+EOT
+exec "$opkit" run --metrics-bind-address 127.0.0.1:8080 --health-probe-bind-address 127.0.0.1:8081

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Checks (and where Debian can provide it, installs) what the build and the tests need.
+set -euo pipefail
+missing=()
+need() { command -v "$1" >/dev/null 2>&1 || missing+=("$1"); }
+need cargo; need go; need setpriv; need flock; need curl
+if ((${#missing[@]})); then
+  debs=()
+  for m in "${missing[@]}"; do
+    case "$m" in setpriv|flock) debs+=(util-linux) ;; curl) debs+=(curl) ;; esac
+  done
+  if ((${#debs[@]})) && command -v apt-get >/dev/null && [[ $(id -u) == 0 ]]; then
+    apt-get update -qq && apt-get install -y -qq "${debs[@]}"
+  fi
+fi
+for t in cargo go setpriv flock; do
+  command -v "$t" >/dev/null 2>&1 || { echo "error: $t is required (Rust via rustup, Go >= 1.25)" >&2; exit 1; }
+done
+go_minor=$(go env GOVERSION | sed -E 's/^go1\.([0-9]+).*/\1/')
+(( go_minor >= 25 )) || { echo "error: Go >= 1.25 is required to build Kubernetes 1.35, found $(go env GOVERSION)" >&2; exit 1; }
+cargo fmt --version >/dev/null 2>&1 || rustup component add rustfmt
+cargo clippy --version >/dev/null 2>&1 || rustup component add clippy
