@@ -89,6 +89,14 @@ async fn wait_for_size(client: &Client, ns: &str, name: &str, n: usize) -> anyho
     .await
 }
 
+/// An operator watching `ns`, with the seed's v1alpha1 sample applied and converged to 3 Pods.
+async fn start_with_sample(client: &Client, ns: &str) -> anyhow::Result<Operator> {
+    let op = start(client, ns, ManagerOptions::default()).await?;
+    apply_yaml(client, ns, &sample("cache_v1alpha1_memcached.yaml")).await?;
+    wait_for_size(client, ns, "memcached-sample", 3).await?;
+    Ok(op)
+}
+
 fn sample(file: &str) -> String {
     std::fs::read_to_string(format!(
         "{}/../../config/samples/{file}",
@@ -137,9 +145,7 @@ async fn the_seed_sample_gets_its_pods_and_follows_size_changes() {
 async fn manual_scaling_is_reverted_and_a_deleted_deployment_is_recreated() {
     shared()
         .in_namespace("mc-drift", |client, ns| async move {
-            let _op = start(&client, &ns, ManagerOptions::default()).await?;
-            apply_yaml(&client, &ns, &sample("cache_v1alpha1_memcached.yaml")).await?;
-            wait_for_size(&client, &ns, "memcached-sample", 3).await?;
+            let _op = start_with_sample(&client, &ns).await?;
             let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
 
             // `kubectl scale deployment memcached-sample --replicas=7`
@@ -188,9 +194,7 @@ async fn manual_scaling_is_reverted_and_a_deleted_deployment_is_recreated() {
 async fn deleting_the_memcached_garbage_collects_its_deployment() {
     shared()
         .in_namespace("mc-gc", |client, ns| async move {
-            let _op = start(&client, &ns, ManagerOptions::default()).await?;
-            apply_yaml(&client, &ns, &sample("cache_v1alpha1_memcached.yaml")).await?;
-            wait_for_size(&client, &ns, "memcached-sample", 3).await?;
+            let _op = start_with_sample(&client, &ns).await?;
             let mcs: Api<Memcached> = Api::namespaced(client.clone(), &ns);
             mcs.delete("memcached-sample", &DeleteParams::background())
                 .await?;
@@ -240,9 +244,7 @@ async fn invalid_sizes_are_refused_by_the_apiserver_with_its_message() {
 async fn a_converged_resync_writes_nothing() {
     shared()
         .in_namespace("mc-idle", |client, ns| async move {
-            let op = start(&client, &ns, ManagerOptions::default()).await?;
-            apply_yaml(&client, &ns, &sample("cache_v1alpha1_memcached.yaml")).await?;
-            wait_for_size(&client, &ns, "memcached-sample", 3).await?;
+            let op = start_with_sample(&client, &ns).await?;
             let mcs: Api<Memcached> = Api::namespaced(client.clone(), &ns);
             let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
             // Converged: Available and not Progressing.
