@@ -55,3 +55,7 @@ run: ## Run the operator against the cluster of $KUBECONFIG
 .PHONY: dev
 dev: ## Local control plane (if none is configured) + CRDs + samples + the operator
 	bash hack/dev.sh
+
+.PHONY: manifests
+manifests: ## Regenerate the committed manifests under config/ (CRDs, RBAC) from the Rust code
+	$(OPKIT) manifests --dir config
