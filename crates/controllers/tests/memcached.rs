@@ -56,6 +56,10 @@ async fn start(client: &Client, ns: &str, opts: ManagerOptions) -> anyhow::Resul
     };
     let ctx = manager.add(memcached::NAME, move |ctx| memcached::run(ctx, cfg));
     let stop = manager.shutdown_token();
+    let opts = ManagerOptions {
+        handle_signals: false,
+        ..opts
+    };
     let handle = tokio::spawn(async move {
         manager.run(opts).await.expect("manager failed");
     });

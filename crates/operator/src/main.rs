@@ -146,6 +146,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         metrics_addr: addr(&args.metrics_bind_address, "metrics-bind-address")?,
         health_addr: addr(&args.health_probe_bind_address, "health-probe-bind-address")?,
         shutdown_timeout: Duration::from_secs(args.shutdown_timeout),
+        handle_signals: true,
     };
     let client = Client::try_from(client_config(&args).await?)?;
     let scope = Scope::namespaces(args.namespaces.clone());

@@ -23,6 +23,9 @@ pub struct ManagerOptions {
     pub health_addr: Option<SocketAddr>,
     /// How long in-flight reconciles get to finish after SIGTERM.
     pub shutdown_timeout: Duration,
+    /// Shut down on SIGTERM/SIGINT. Off for managers embedded in tests, where a Ctrl-C must
+    /// still stop the whole test process.
+    pub handle_signals: bool,
 }
 
 impl Default for ManagerOptions {
@@ -31,6 +34,7 @@ impl Default for ManagerOptions {
             metrics_addr: None,
             health_addr: None,
             shutdown_timeout: Duration::from_secs(30),
+            handle_signals: true,
         }
     }
 }
@@ -119,18 +123,20 @@ impl Manager {
             controllers.iter().map(|c| (c.name, c.ready.clone())).collect();
         let http = server::serve(&opts, metrics, readiness, shutdown.clone()).await?;
 
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .map_err(ManagerError::Signals)?;
-        let signals = {
+        let signals = if opts.handle_signals {
+            let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                .map_err(ManagerError::Signals)?;
             let shutdown = shutdown.clone();
-            tokio::spawn(async move {
+            Some(tokio::spawn(async move {
                 tokio::select! {
                     _ = term.recv() => tracing::info!("SIGTERM received, shutting down"),
                     _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received, shutting down"),
                     _ = shutdown.cancelled() => {},
                 }
                 shutdown.cancel();
-            })
+            }))
+        } else {
+            None
         };
 
         let mut running = futures::stream::FuturesUnordered::new();
@@ -156,7 +162,9 @@ impl Manager {
                 tracing::warn!(timeout = ?opts.shutdown_timeout, "controllers did not stop in time");
             }
         }
-        signals.abort();
+        if let Some(s) = signals {
+            s.abort();
+        }
         for h in http {
             h.abort();
         }
