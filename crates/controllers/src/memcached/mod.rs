@@ -16,7 +16,7 @@ use kube::runtime::controller::{Action, Config as ControllerConfig, Controller};
 use kube::runtime::events::EventType;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
-use kube::{Api, Resource, ResourceExt};
+use kube::{Api, ResourceExt};
 use opkit::conditions::{self, Desired};
 use opkit::{ControllerContext, ReconcileError};
 use opkit_api::memcached::{MAX_SIZE, Memcached, MemcachedStatus};
@@ -284,13 +284,4 @@ async fn write_status(
         .await
         .map_err(|source| Error::Status { source })?;
     Ok(())
-}
-
-/// The reference to a `Memcached` that owns a Deployment, for callers outside the controller.
-pub fn owner_of(d: &Deployment) -> Option<ObjectRef<Memcached>> {
-    let owner = d
-        .owner_references()
-        .iter()
-        .find(|o| o.kind == Memcached::kind(&()) && o.controller == Some(true))?;
-    Some(ObjectRef::new(&owner.name).within(&d.namespace()?))
 }
