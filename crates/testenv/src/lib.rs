@@ -14,10 +14,12 @@ pub use binaries::{Binaries, Versions};
 pub use cluster::{ControlPlane, Options};
 pub use harness::{Shared, TestNamespace, shared, wait_for};
 
-/// Annotation that makes kwok finish a one-shot Pod as `Failed` with the given exit code.
+/// Annotation that makes kwok finish a one-shot Pod with the given exit code (`Failed` unless
+/// 0). Without it the exit code comes from the script: `false` is 1, `exit N` is N, else 0.
 pub const EXIT_CODE_ANNOTATION: &str = "testenv.opkit.dev/exit-code";
-/// Annotation that sets how long (milliseconds) kwok lets a one-shot Pod run.
-pub const RUN_MS_ANNOTATION: &str = "testenv.opkit.dev/run-ms";
+/// Annotation that sets how long kwok lets a one-shot Pod run (a Go duration such as `5s`).
+/// Without it the script `sleep N` runs N seconds, anything else about one second.
+pub const RUN_FOR_ANNOTATION: &str = "testenv.opkit.dev/run-for";
 
 /// Errors from building or running the control plane.
 #[derive(Debug, thiserror::Error)]

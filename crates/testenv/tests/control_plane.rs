@@ -98,13 +98,13 @@ async fn a_crd_installed_at_run_time_is_served_and_objects_round_trip() {
         .await;
 }
 
-fn one_shot(name: &str, exit_code: Option<&str>) -> serde_json::Value {
+fn one_shot(name: &str, script: &str, exit_code: Option<&str>) -> serde_json::Value {
     let annotations = match exit_code {
         Some(c) => json!({ EXIT_CODE_ANNOTATION: c }),
         None => json!({}),
     };
     json!({"metadata": {"name": name, "annotations": annotations},
-        "spec": {"restartPolicy": "Never", "containers": [{"name": "c", "image": "busybox", "command": ["sh", "-c", "echo YAY"]}]}})
+        "spec": {"restartPolicy": "Never", "containers": [{"name": "c", "image": "busybox", "command": ["sh", "-c", script]}]}})
 }
 
 async fn terminal_phase(pods: &Api<Pod>, name: &str) -> anyhow::Result<(String, i32)> {
@@ -127,14 +127,23 @@ async fn terminal_phase(pods: &Api<Pod>, name: &str) -> anyhow::Result<(String, 
 }
 
 #[tokio::test]
-async fn one_shot_pods_succeed_or_fail_with_the_annotated_exit_code() {
+async fn one_shot_pods_end_as_their_script_or_annotation_says() {
     shared()
         .in_namespace("oneshot", |client, ns| async move {
             let pods: Api<Pod> = Api::namespaced(client, &ns);
-            create(&pods, one_shot("ok", None)).await?;
-            create(&pods, one_shot("fails", Some("3"))).await?;
+            let started = std::time::Instant::now();
+            create(&pods, one_shot("ok", "echo YAY", None)).await?;
+            create(&pods, one_shot("annotated", "echo YAY", Some("3"))).await?;
+            create(&pods, one_shot("exits", "exit 7", None)).await?;
+            create(&pods, one_shot("false", "false", None)).await?;
+            create(&pods, one_shot("sleeps", "sleep 4", None)).await?;
             ensure!(terminal_phase(&pods, "ok").await? == ("Succeeded".into(), 0));
-            ensure!(terminal_phase(&pods, "fails").await? == ("Failed".into(), 3));
+            ensure!(terminal_phase(&pods, "annotated").await? == ("Failed".into(), 3));
+            ensure!(terminal_phase(&pods, "exits").await? == ("Failed".into(), 7));
+            ensure!(terminal_phase(&pods, "false").await? == ("Failed".into(), 1));
+            ensure!(terminal_phase(&pods, "sleeps").await? == ("Succeeded".into(), 0));
+            let took = started.elapsed();
+            ensure!(took >= Duration::from_secs(4), "`sleep 4` ended after {took:?}");
             Ok(())
         })
         .await;
