@@ -17,3 +17,45 @@ pub fn rule(groups: &[&str], resources: &[&str], verbs: &[&str]) -> PolicyRule {
 pub fn events() -> PolicyRule {
     rule(&["events.k8s.io"], &["events"], &["create", "patch"])
 }
+
+/// Combines the tables of several controllers into one rule list: rules for the same groups and
+/// resources become one rule with the union of their verbs, in first-seen order.
+pub fn merge(tables: impl IntoIterator<Item = Vec<PolicyRule>>) -> Vec<PolicyRule> {
+    let mut out: Vec<PolicyRule> = Vec::new();
+    for r in tables.into_iter().flatten() {
+        match out.iter_mut().find(|o| {
+            o.api_groups == r.api_groups && o.resources == r.resources && o.resource_names == r.resource_names
+        }) {
+            Some(o) => {
+                for v in r.verbs {
+                    if !o.verbs.contains(&v) {
+                        o.verbs.push(v);
+                    }
+                }
+            }
+            None => out.push(r),
+        }
+    }
+    out
+}
+
+/// Every rule of every controller opkit ships, for the generated ClusterRole.
+pub fn all_rules() -> Vec<PolicyRule> {
+    merge([crate::memcached::rbac_rules(), crate::at::rbac_rules()])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rules_for_the_same_resources_are_merged_with_the_union_of_verbs() {
+        let merged = merge([
+            vec![rule(&[""], &["pods"], &["get", "list"]), events()],
+            vec![rule(&[""], &["pods"], &["list", "create"]), events()],
+        ]);
+        assert_eq!(merged.len(), 2);
+        assert_eq!(merged[0].verbs, vec!["get", "list", "create"]);
+        assert_eq!(merged[1], events());
+    }
+}

@@ -1,73 +1,27 @@
 //! The Memcached controller on the real local control plane.
-use std::time::Duration;
 
 use anyhow::{Context, anyhow, bail, ensure};
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
-use kube::runtime::wait::{await_condition, conditions};
 use kube::{Client, ResourceExt};
-use opkit::{ControllerContext, Manager, ManagerOptions};
+use opkit::ManagerOptions;
 use opkit_api::memcached::Memcached;
 use opkit_controllers::{Scope, memcached};
 use opkit_testenv::{shared, wait_for};
 use serde_json::json;
-use tokio_util::sync::CancellationToken;
 
-const T: Duration = Duration::from_secs(60);
-
-/// A running operator (only the Memcached controller, scoped to one namespace); stops on drop.
-struct Operator {
-    ctx: ControllerContext,
-    stop: CancellationToken,
-    handle: Option<tokio::task::JoinHandle<()>>,
-}
-
-impl Drop for Operator {
-    fn drop(&mut self) {
-        self.stop.cancel();
-        if let Some(h) = self.handle.take() {
-            h.abort();
-        }
-    }
-}
-
-async fn install_crd(client: &Client) -> anyhow::Result<()> {
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let crd = opkit_api::memcached::crd();
-    let name = crd.name_any();
-    crds.patch(
-        &name,
-        &PatchParams::apply("opkit-tests").force(),
-        &Patch::Apply(&crd),
-    )
-    .await?;
-    let established = await_condition(crds, &name, conditions::is_crd_established());
-    tokio::time::timeout(T, established).await??;
-    Ok(())
-}
+mod common;
+use common::{Operator, T, install_crd, run_controller, sample};
 
 async fn start(client: &Client, ns: &str, opts: ManagerOptions) -> anyhow::Result<Operator> {
-    install_crd(client).await?;
-    let mut manager = Manager::new(client.clone());
+    install_crd(client, opkit_api::memcached::crd()).await?;
     let cfg = memcached::Config {
         scope: Scope::namespaces(vec![ns.to_string()]),
         ..Default::default()
     };
-    let ctx = manager.add(memcached::NAME, move |ctx| memcached::run(ctx, cfg));
-    let stop = manager.shutdown_token();
-    let opts = ManagerOptions {
-        handle_signals: false,
-        ..opts
-    };
-    let handle = tokio::spawn(async move {
-        manager.run(opts).await.expect("manager failed");
-    });
-    Ok(Operator {
-        ctx,
-        stop,
-        handle: Some(handle),
-    })
+    Ok(run_controller(client, memcached::NAME, opts, move |ctx| {
+        memcached::run(ctx, cfg)
+    }))
 }
 
 async fn apply_yaml(client: &Client, ns: &str, yaml: &str) -> anyhow::Result<Memcached> {
@@ -99,14 +53,6 @@ async fn start_with_sample(client: &Client, ns: &str) -> anyhow::Result<Operator
     apply_yaml(client, ns, &sample("cache_v1alpha1_memcached.yaml")).await?;
     wait_for_size(client, ns, "memcached-sample", 3).await?;
     Ok(op)
-}
-
-fn sample(file: &str) -> String {
-    std::fs::read_to_string(format!(
-        "{}/../../config/samples/{file}",
-        env!("CARGO_MANIFEST_DIR")
-    ))
-    .expect("sample")
 }
 
 #[tokio::test]
@@ -218,7 +164,7 @@ async fn deleting_the_memcached_garbage_collects_its_deployment() {
 async fn invalid_sizes_are_refused_by_the_apiserver_with_its_message() {
     shared()
         .in_namespace("mc-invalid", |client, ns| async move {
-            install_crd(&client).await?;
+            install_crd(&client, opkit_api::memcached::crd()).await?;
             // Untyped, so the request carries exactly what a user might write.
             let ar = kube::discovery::ApiResource::erase::<Memcached>(&());
             let api: Api<kube::api::DynamicObject> = Api::namespaced_with(client.clone(), &ns, &ar);

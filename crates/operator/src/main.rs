@@ -10,13 +10,13 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::wait::{await_condition, conditions};
 use kube::{Api, Client, Config, ResourceExt};
 use opkit::{Manager, ManagerOptions};
-use opkit_controllers::{Scope, memcached};
+use opkit_controllers::{Scope, at, memcached};
 
 #[derive(Parser)]
 #[command(
     name = "opkit",
     version,
-    about = "Kubernetes operators in Rust: Memcached and friends"
+    about = "Kubernetes operators in Rust: Memcached, At and friends"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -46,7 +46,7 @@ enum LogFormat {
     Json,
 }
 
-const CONTROLLERS: &[&str] = &[memcached::NAME];
+const CONTROLLERS: &[&str] = &[memcached::NAME, at::NAME];
 
 #[derive(clap::Args)]
 struct RunArgs {
@@ -161,6 +161,16 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         };
         manager.add(memcached::NAME, move |ctx| memcached::run(ctx, cfg));
     }
+    if args.controllers.iter().any(|c| c == at::NAME) {
+        use kube::CustomResourceExt;
+        crd_names.push(opkit_api::at::At::crd().name_any());
+        let cfg = at::Config {
+            scope: scope.clone(),
+            concurrency: args.concurrency,
+            ..Default::default()
+        };
+        manager.add(at::NAME, move |ctx| at::run(ctx, cfg));
+    }
     wait_for_crds(&client, &crd_names).await?;
     tracing::info!(controllers = ?args.controllers, namespaces = ?scope.list(), "opkit starting");
     manager.run(opts).await?;
@@ -185,8 +195,7 @@ fn manifests() -> anyhow::Result<Vec<(String, String)>> {
     for crd in opkit_api::all_crds() {
         files.push((format!("crd/{}.yaml", crd.name_any()), to_yaml(&[crd])?));
     }
-    let mut rules = memcached::rbac_rules();
-    rules.dedup();
+    let rules = opkit_controllers::rbac::all_rules();
     let role = ClusterRole {
         metadata: kube::api::ObjectMeta {
             name: Some("opkit-manager-role".into()),

@@ -50,7 +50,11 @@ async fn the_binary_runs_the_samples_and_stops_cleanly_on_sigterm() {
                 .stderr(std::fs::File::create(log.with_extension("err"))?)
                 .spawn()?;
             let result = async {
-                for f in ["cache_v1alpha1_memcached.yaml", "cache_v1_memcached.yaml"] {
+                for f in [
+                    "cache_v1alpha1_memcached.yaml",
+                    "cache_v1_memcached.yaml",
+                    "cnat_v1alpha1_at.yaml",
+                ] {
                     kubectl(&["apply", "-n", &ns, "-f", &format!("{samples}/{f}")])?;
                 }
                 for name in ["memcached-sample", "example-memcached"] {
@@ -77,6 +81,34 @@ async fn the_binary_runs_the_samples_and_stops_cleanly_on_sigterm() {
                     )
                     .await?;
                 }
+                // The book's At is scheduled in 2019: it runs at once and ends DONE.
+                wait_for("example-at to be DONE", Duration::from_secs(60), || async {
+                    let phase = kubectl(&[
+                        "get",
+                        "at",
+                        "example-at",
+                        "-n",
+                        &ns,
+                        "-o",
+                        "jsonpath={.status.phase}",
+                    ])?;
+                    if phase == "DONE" {
+                        Ok(())
+                    } else {
+                        Err(anyhow!("phase {phase:?}"))
+                    }
+                })
+                .await?;
+                let pod = kubectl(&[
+                    "get",
+                    "pod",
+                    "example-at-pod",
+                    "-n",
+                    &ns,
+                    "-o",
+                    "jsonpath={.status.phase}",
+                ])?;
+                ensure!(pod == "Succeeded", "example-at-pod is {pod:?}");
                 let columns = kubectl(&["get", "mc", "-n", &ns])?;
                 ensure!(
                     columns.contains("SIZE") && columns.contains("READY"),

@@ -5,7 +5,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Desired<'a> {
     pub type_: &'a str,
-    pub status: bool,
+    /// `Some(true)` is `True`, `Some(false)` is `False`, `None` is `Unknown`.
+    pub status: Option<bool>,
     pub reason: &'a str,
     pub message: String,
 }
@@ -15,7 +16,7 @@ impl<'a> Desired<'a> {
     pub fn yes(type_: &'a str, reason: &'a str, message: impl Into<String>) -> Self {
         Desired {
             type_,
-            status: true,
+            status: Some(true),
             reason,
             message: message.into(),
         }
@@ -25,7 +26,17 @@ impl<'a> Desired<'a> {
     pub fn no(type_: &'a str, reason: &'a str, message: impl Into<String>) -> Self {
         Desired {
             type_,
-            status: false,
+            status: Some(false),
+            reason,
+            message: message.into(),
+        }
+    }
+
+    /// A condition that cannot be decided yet (`status: "Unknown"`), e.g. a result not in.
+    pub fn unknown(type_: &'a str, reason: &'a str, message: impl Into<String>) -> Self {
+        Desired {
+            type_,
+            status: None,
             reason,
             message: message.into(),
         }
@@ -43,7 +54,12 @@ pub fn merge(
 ) -> Vec<Condition> {
     let mut out: Vec<Condition> = existing.to_vec();
     for d in desired {
-        let status = if d.status { "True" } else { "False" }.to_string();
+        let status = match d.status {
+            Some(true) => "True",
+            Some(false) => "False",
+            None => "Unknown",
+        }
+        .to_string();
         match out.iter_mut().find(|c| c.type_ == d.type_) {
             Some(c) => {
                 if c.status != status {

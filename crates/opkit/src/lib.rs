@@ -7,12 +7,14 @@
 
 pub mod apply;
 pub mod backoff;
+pub mod clock;
 pub mod conditions;
 pub mod context;
 pub mod manager;
 pub mod metrics;
 mod server;
 
+pub use clock::Clock;
 pub use context::{ControllerContext, ReconcileError};
 pub use manager::{Manager, ManagerOptions};
 
