@@ -2,6 +2,7 @@
 //! validation, the objects it builds, how it watches, and the RBAC rules it needs.
 
 pub mod at;
+pub mod eru;
 pub mod memcached;
 pub mod rbac;
 mod scope;

@@ -1,0 +1,1 @@
+mod cron; pub use cron::{Schedule, time_zone};
