@@ -41,7 +41,11 @@ pub fn merge(tables: impl IntoIterator<Item = Vec<PolicyRule>>) -> Vec<PolicyRul
 
 /// Every rule of every controller opkit ships, for the generated ClusterRole.
 pub fn all_rules() -> Vec<PolicyRule> {
-    merge([crate::memcached::rbac_rules(), crate::at::rbac_rules()])
+    merge([
+        crate::memcached::rbac_rules(),
+        crate::at::rbac_rules(),
+        crate::eru::rbac_rules(),
+    ])
 }
 
 #[cfg(test)]

@@ -10,13 +10,13 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::wait::{await_condition, conditions};
 use kube::{Api, Client, Config, ResourceExt};
 use opkit::{Manager, ManagerOptions};
-use opkit_controllers::{Scope, at, memcached};
+use opkit_controllers::{Scope, at, eru, memcached};
 
 #[derive(Parser)]
 #[command(
     name = "opkit",
     version,
-    about = "Kubernetes operators in Rust: Memcached, At and friends"
+    about = "Kubernetes operators in Rust: Memcached, At, Eru and friends"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -46,7 +46,7 @@ enum LogFormat {
     Json,
 }
 
-const CONTROLLERS: &[&str] = &[memcached::NAME, at::NAME];
+const CONTROLLERS: &[&str] = &[memcached::NAME, at::NAME, eru::NAME];
 
 #[derive(clap::Args)]
 struct RunArgs {
@@ -170,6 +170,16 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             ..Default::default()
         };
         manager.add(at::NAME, move |ctx| at::run(ctx, cfg));
+    }
+    if args.controllers.iter().any(|c| c == eru::NAME) {
+        use kube::CustomResourceExt;
+        crd_names.push(opkit_api::eru::Eru::crd().name_any());
+        let cfg = eru::Config {
+            scope: scope.clone(),
+            concurrency: args.concurrency,
+            ..Default::default()
+        };
+        manager.add(eru::NAME, move |ctx| eru::run(ctx, cfg));
     }
     wait_for_crds(&client, &crd_names).await?;
     tracing::info!(controllers = ?args.controllers, namespaces = ?scope.list(), "opkit starting");

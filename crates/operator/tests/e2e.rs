@@ -54,6 +54,8 @@ async fn the_binary_runs_the_samples_and_stops_cleanly_on_sigterm() {
                     "cache_v1alpha1_memcached.yaml",
                     "cache_v1_memcached.yaml",
                     "cnat_v1alpha1_at.yaml",
+                    "mtsre_v1_eru.yaml",
+                    "apps_v1_deployment_eru.yaml",
                 ] {
                     kubectl(&["apply", "-n", &ns, "-f", &format!("{samples}/{f}")])?;
                 }
@@ -109,6 +111,42 @@ async fn the_binary_runs_the_samples_and_stops_cleanly_on_sigterm() {
                     "jsonpath={.status.phase}",
                 ])?;
                 ensure!(pod == "Succeeded", "example-at-pod is {pod:?}");
+                // The annotated Deployment gets its Eru; the hand-written one finds its target.
+                wait_for(
+                    "the Eru of the annotated Deployment",
+                    Duration::from_secs(60),
+                    || async {
+                        let schedule =
+                            kubectl(&["get", "eru", "web", "-n", &ns, "-o", "jsonpath={.spec.schedule}"])?;
+                        if schedule == "0 */6 * * *" {
+                            Ok(())
+                        } else {
+                            Err(anyhow!("schedule {schedule:?}"))
+                        }
+                    },
+                )
+                .await?;
+                wait_for(
+                    "eru-sample to find memcached-sample",
+                    Duration::from_secs(60),
+                    || async {
+                        let found = kubectl(&[
+                            "get",
+                            "eru",
+                            "eru-sample",
+                            "-n",
+                            &ns,
+                            "-o",
+                            "jsonpath={.status.conditions[?(@.type==\"TargetFound\")].status}",
+                        ])?;
+                        if found == "True" {
+                            Ok(())
+                        } else {
+                            Err(anyhow!("TargetFound={found:?}"))
+                        }
+                    },
+                )
+                .await?;
                 let columns = kubectl(&["get", "mc", "-n", &ns])?;
                 ensure!(
                     columns.contains("SIZE") && columns.contains("READY"),

@@ -149,6 +149,23 @@ impl ControllerContext {
         Ok(true)
     }
 
+    /// Server-side applies a partial object given as JSON (`apiVersion`, `kind`, `metadata.name`
+    /// and only the fields this controller owns), e.g. one annotation on someone else's
+    /// Deployment. Other managers' fields are left alone.
+    pub async fn apply_fields<K>(
+        &self,
+        api: &Api<K>,
+        name: &str,
+        fields: &serde_json::Value,
+    ) -> kube::Result<K>
+    where
+        K: Resource + DeserializeOwned + Clone + Debug,
+    {
+        let pp = PatchParams::apply(&self.field_manager).force();
+        self.metrics.write("apply");
+        api.patch(name, &pp, &Patch::Apply(fields)).await
+    }
+
     /// Server-side applies a status (`{"apiVersion", "kind", "status"}`) through the status
     /// subresource unless the live status already matches; returns whether a write was made.
     pub async fn apply_status<K>(

@@ -14,7 +14,7 @@ use std::str::FromStr;
 
 use k8s_openapi::jiff::civil::{Date, DateTime, Time};
 use k8s_openapi::jiff::tz::TimeZone;
-use k8s_openapi::jiff::{ToSpan, Timestamp};
+use k8s_openapi::jiff::{Timestamp, ToSpan};
 
 /// How far ahead `next_after` looks before concluding a schedule never fires (e.g. Feb 30).
 const HORIZON_YEARS: i16 = 8;
@@ -56,9 +56,12 @@ fn field(s: &str, what: &str, min: u32, max: u32, names: &[&str]) -> Result<(u64
         if let Some(i) = names.iter().position(|n| n.eq_ignore_ascii_case(v)) {
             return Ok(i as u32 + min);
         }
-        let n: u32 = v
-            .parse()
-            .map_err(|_| format!("{what}: {v:?} is not a number{}", if names.is_empty() { "" } else { " or a name" }))?;
+        let n: u32 = v.parse().map_err(|_| {
+            format!(
+                "{what}: {v:?} is not a number{}",
+                if names.is_empty() { "" } else { " or a name" }
+            )
+        })?;
         if n < min || n > max {
             return Err(format!("{what}: {n} is outside {min}-{max}"));
         }
@@ -69,7 +72,9 @@ fn field(s: &str, what: &str, min: u32, max: u32, names: &[&str]) -> Result<(u64
     for item in s.split(',') {
         let (range, step) = match item.split_once('/') {
             Some((r, st)) => {
-                let step: u32 = st.parse().map_err(|_| format!("{what}: step {st:?} is not a number"))?;
+                let step: u32 = st
+                    .parse()
+                    .map_err(|_| format!("{what}: step {st:?} is not a number"))?;
                 if step == 0 {
                     return Err(format!("{what}: step must be at least 1"));
                 }
@@ -166,7 +171,13 @@ impl Schedule {
         let start = tz.to_datetime(t);
         let limit = start.year().saturating_add(HORIZON_YEARS);
         // Whole seconds only: the next candidate is the second after `t`'s wall-clock second.
-        let mut c = start.with().subsec_nanosecond(0).build().ok()?.checked_add(1.second()).ok()?;
+        let mut c = start
+            .with()
+            .subsec_nanosecond(0)
+            .build()
+            .ok()?
+            .checked_add(1.second())
+            .ok()?;
         while c.year() <= limit {
             if self.months & (1 << c.month()) == 0 {
                 let first = c.date().first_of_month().checked_add(1.month()).ok()?;
@@ -246,7 +257,8 @@ fn next_unit(
 pub fn time_zone(name: Option<&str>) -> Result<TimeZone, String> {
     match name.map(str::trim) {
         None | Some("") | Some("UTC") | Some("Etc/UTC") => Ok(TimeZone::UTC),
-        Some(n) => TimeZone::get(n).map_err(|_| format!("unknown time zone {n:?} (expected an IANA name such as Europe/Berlin)")),
+        Some(n) => TimeZone::get(n)
+            .map_err(|_| format!("unknown time zone {n:?} (expected an IANA name such as Europe/Berlin)")),
     }
 }
 
@@ -266,52 +278,115 @@ mod tests {
 
     #[test]
     fn five_fields_minute_granularity() {
-        assert_eq!(next("*/15 * * * *", "2026-01-01T10:07:12Z", "UTC"), "2026-01-01T10:15:00Z");
-        assert_eq!(next("0 3 * * *", "2026-01-01T03:00:00Z", "UTC"), "2026-01-02T03:00:00Z");
-        assert_eq!(next("30 4 1,15 * *", "2026-01-02T00:00:00Z", "UTC"), "2026-01-15T04:30:00Z");
+        assert_eq!(
+            next("*/15 * * * *", "2026-01-01T10:07:12Z", "UTC"),
+            "2026-01-01T10:15:00Z"
+        );
+        assert_eq!(
+            next("0 3 * * *", "2026-01-01T03:00:00Z", "UTC"),
+            "2026-01-02T03:00:00Z"
+        );
+        assert_eq!(
+            next("30 4 1,15 * *", "2026-01-02T00:00:00Z", "UTC"),
+            "2026-01-15T04:30:00Z"
+        );
     }
 
     #[test]
     fn six_fields_have_seconds_first() {
-        assert_eq!(next("*/20 * * * * *", "2026-01-01T10:00:41Z", "UTC"), "2026-01-01T10:01:00Z");
-        assert_eq!(next("5 0 0 * * *", "2026-01-01T00:00:00Z", "UTC"), "2026-01-01T00:00:05Z");
+        assert_eq!(
+            next("*/20 * * * * *", "2026-01-01T10:00:41Z", "UTC"),
+            "2026-01-01T10:01:00Z"
+        );
+        assert_eq!(
+            next("5 0 0 * * *", "2026-01-01T00:00:00Z", "UTC"),
+            "2026-01-01T00:00:05Z"
+        );
     }
 
     #[test]
     fn macros_names_and_sunday_as_seven() {
-        assert_eq!(next("@hourly", "2026-01-01T10:59:59Z", "UTC"), "2026-01-01T11:00:00Z");
-        assert_eq!(next("@daily", "2026-01-01T10:00:00Z", "UTC"), "2026-01-02T00:00:00Z");
-        assert_eq!(next("@weekly", "2026-01-01T10:00:00Z", "UTC"), "2026-01-04T00:00:00Z");
-        assert_eq!(next("@monthly", "2026-01-31T10:00:00Z", "UTC"), "2026-02-01T00:00:00Z");
-        assert_eq!(next("@yearly", "2026-06-01T00:00:00Z", "UTC"), "2027-01-01T00:00:00Z");
+        assert_eq!(
+            next("@hourly", "2026-01-01T10:59:59Z", "UTC"),
+            "2026-01-01T11:00:00Z"
+        );
+        assert_eq!(
+            next("@daily", "2026-01-01T10:00:00Z", "UTC"),
+            "2026-01-02T00:00:00Z"
+        );
+        assert_eq!(
+            next("@weekly", "2026-01-01T10:00:00Z", "UTC"),
+            "2026-01-04T00:00:00Z"
+        );
+        assert_eq!(
+            next("@monthly", "2026-01-31T10:00:00Z", "UTC"),
+            "2026-02-01T00:00:00Z"
+        );
+        assert_eq!(
+            next("@yearly", "2026-06-01T00:00:00Z", "UTC"),
+            "2027-01-01T00:00:00Z"
+        );
         // 2026-01-01 is a Thursday.
-        assert_eq!(next("0 9 * * MON-FRI", "2026-01-02T10:00:00Z", "UTC"), "2026-01-05T09:00:00Z");
-        assert_eq!(next("0 9 * * 7", "2026-01-01T00:00:00Z", "UTC"), "2026-01-04T09:00:00Z");
-        assert_eq!(next("0 9 * * 6-7", "2026-01-01T00:00:00Z", "UTC"), "2026-01-03T09:00:00Z");
-        assert_eq!(next("0 0 1 FEB *", "2026-01-01T00:00:00Z", "UTC"), "2026-02-01T00:00:00Z");
+        assert_eq!(
+            next("0 9 * * MON-FRI", "2026-01-02T10:00:00Z", "UTC"),
+            "2026-01-05T09:00:00Z"
+        );
+        assert_eq!(
+            next("0 9 * * 7", "2026-01-01T00:00:00Z", "UTC"),
+            "2026-01-04T09:00:00Z"
+        );
+        assert_eq!(
+            next("0 9 * * 6-7", "2026-01-01T00:00:00Z", "UTC"),
+            "2026-01-03T09:00:00Z"
+        );
+        assert_eq!(
+            next("0 0 1 FEB *", "2026-01-01T00:00:00Z", "UTC"),
+            "2026-02-01T00:00:00Z"
+        );
     }
 
     #[test]
     fn day_of_month_or_day_of_week_when_both_are_restricted() {
         // The 13th, or any Friday: 2026-02-06 is a Friday before the 13th.
-        assert_eq!(next("0 0 13 * FRI", "2026-02-01T00:00:00Z", "UTC"), "2026-02-06T00:00:00Z");
+        assert_eq!(
+            next("0 0 13 * FRI", "2026-02-01T00:00:00Z", "UTC"),
+            "2026-02-06T00:00:00Z"
+        );
     }
 
     #[test]
     fn time_zones_shift_the_wall_clock() {
-        assert_eq!(next("0 3 * * *", "2026-01-01T00:00:00Z", "Europe/Berlin"), "2026-01-01T02:00:00Z");
-        assert_eq!(next("0 3 * * *", "2026-07-01T00:00:00Z", "Europe/Berlin"), "2026-07-01T01:00:00Z");
+        assert_eq!(
+            next("0 3 * * *", "2026-01-01T00:00:00Z", "Europe/Berlin"),
+            "2026-01-01T02:00:00Z"
+        );
+        assert_eq!(
+            next("0 3 * * *", "2026-07-01T00:00:00Z", "Europe/Berlin"),
+            "2026-07-01T01:00:00Z"
+        );
     }
 
     #[test]
     fn a_skipped_wall_clock_time_fires_once_after_the_gap() {
         // US spring forward 2026-03-08: 02:00 EST becomes 03:00 EDT; 02:30 does not exist.
         let tz = "America/New_York";
-        assert_eq!(next("30 2 * * *", "2026-03-08T05:00:00Z", tz), "2026-03-08T07:30:00Z"); // 03:30 EDT
-        assert_eq!(next("30 2 * * *", "2026-03-08T07:30:00Z", tz), "2026-03-09T06:30:00Z"); // 02:30 EDT
+        assert_eq!(
+            next("30 2 * * *", "2026-03-08T05:00:00Z", tz),
+            "2026-03-08T07:30:00Z"
+        ); // 03:30 EDT
+        assert_eq!(
+            next("30 2 * * *", "2026-03-08T07:30:00Z", tz),
+            "2026-03-09T06:30:00Z"
+        ); // 02:30 EDT
         // Every 15 minutes: the skipped hour's slots collapse into the first instant after it.
-        assert_eq!(next("*/15 * * * *", "2026-03-08T06:45:00Z", tz), "2026-03-08T07:00:00Z"); // 03:00 EDT
-        assert_eq!(next("*/15 * * * *", "2026-03-08T07:00:00Z", tz), "2026-03-08T07:15:00Z");
+        assert_eq!(
+            next("*/15 * * * *", "2026-03-08T06:45:00Z", tz),
+            "2026-03-08T07:00:00Z"
+        ); // 03:00 EDT
+        assert_eq!(
+            next("*/15 * * * *", "2026-03-08T07:00:00Z", tz),
+            "2026-03-08T07:15:00Z"
+        );
     }
 
     #[test]
@@ -322,7 +397,10 @@ mod tests {
         assert_eq!(first, "2026-11-01T05:30:00Z"); // 01:30 EDT
         // From the first 01:30, and from inside the repeated hour, the next is the next day.
         assert_eq!(next("30 1 * * *", &first, tz), "2026-11-02T06:30:00Z");
-        assert_eq!(next("30 1 * * *", "2026-11-01T06:10:00Z", tz), "2026-11-02T06:30:00Z");
+        assert_eq!(
+            next("30 1 * * *", "2026-11-01T06:10:00Z", tz),
+            "2026-11-02T06:30:00Z"
+        );
     }
 
     #[test]
@@ -356,7 +434,10 @@ mod tests {
         let tz = TimeZone::UTC;
         let latest = s.latest_in(ts("2026-01-01T00:30:00Z"), ts("2026-01-01T05:10:00Z"), &tz);
         assert_eq!(latest, Some(ts("2026-01-01T05:00:00Z")));
-        assert_eq!(s.latest_in(ts("2026-01-01T05:00:00Z"), ts("2026-01-01T05:59:59Z"), &tz), None);
+        assert_eq!(
+            s.latest_in(ts("2026-01-01T05:00:00Z"), ts("2026-01-01T05:59:59Z"), &tz),
+            None
+        );
         // Every second for a month: still answered, from a later starting point.
         let every: Schedule = "* * * * * *".parse().unwrap();
         let latest = every.latest_in(ts("2026-01-01T00:00:00Z"), ts("2026-02-01T00:00:00Z"), &tz);
@@ -365,7 +446,11 @@ mod tests {
 
     #[test]
     fn unknown_time_zones_are_refused() {
-        assert!(time_zone(Some("Mars/Olympus")).unwrap_err().contains("Mars/Olympus"));
+        assert!(
+            time_zone(Some("Mars/Olympus"))
+                .unwrap_err()
+                .contains("Mars/Olympus")
+        );
         assert_eq!(time_zone(None).unwrap(), TimeZone::UTC);
     }
 }

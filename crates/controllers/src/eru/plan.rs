@@ -1,0 +1,499 @@
+//! Pure decisions for `Eru`: which slot is due, whether the Deployment may be restarted now,
+//! and the objects opkit builds (the restart patch, the `Eru` for an annotated Deployment).
+use std::time::Duration;
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use kube::{Resource, ResourceExt};
+use opkit_api::MANAGED_BY;
+use opkit_api::eru::{
+    ANNOTATION, DEFAULT_SCHEDULE, Eru, EruSpec, FROM_ANNOTATION_LABEL, SCHEDULE_ANNOTATION,
+    TIME_ZONE_ANNOTATION,
+};
+use serde_json::json;
+
+use super::cron::{Schedule, time_zone};
+
+/// The pod-template annotation `kubectl rollout restart` sets; changing it rolls the Pods.
+pub const RESTARTED_AT: &str = "kubectl.kubernetes.io/restartedAt";
+/// Longest wait before the schedule is looked at again; bounds timers and absorbs clock jumps.
+pub const MAX_WAIT: Duration = Duration::from_secs(3600);
+
+/// What to do for one `Eru` now.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// The spec cannot be acted on (reason, message); nothing happens until it changes.
+    Invalid(&'static str, String),
+    /// Suspended; `slot` (if any) is consumed so it is not made up on resume.
+    Suspended { slot: Option<Timestamp> },
+    /// Nothing due.
+    Wait,
+    /// Just resumed from suspension: slots that passed while suspended are consumed, not made up.
+    Resumed { slot: Option<Timestamp> },
+    /// A slot is due but the Deployment does not exist; the slot is consumed.
+    TargetMissing { slot: Timestamp },
+    /// A slot is due but the previous rollout is still running; try again when it ends.
+    Postpone { slot: Timestamp, why: String },
+    /// The slot is more than `startingDeadlineSeconds` late; it is consumed without a restart.
+    TooLate { slot: Timestamp, late: SignedDuration },
+    /// Restart the Deployment for `slot`.
+    Restart { slot: Timestamp },
+    /// The Deployment already carries this slot's restart (made just before an operator
+    /// restart); only the status is missing.
+    AlreadyRestarted { slot: Timestamp },
+}
+
+/// The decision, with the next slot after now (none when suspended or invalid).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Plan {
+    pub step: Step,
+    pub next: Option<Timestamp>,
+    pub target_found: bool,
+}
+
+/// The `restartedAt` value written for a slot: the slot itself, so that writing it twice for
+/// one slot is a no-op rather than a second rollout.
+pub fn restart_stamp(slot: Timestamp) -> String {
+    slot.strftime("%Y-%m-%dT%H:%M:%SZ").to_string()
+}
+
+/// The Deployment's current `restartedAt`.
+pub fn restarted_at(d: &Deployment) -> Option<&str> {
+    d.spec
+        .as_ref()?
+        .template
+        .metadata
+        .as_ref()?
+        .annotations
+        .as_ref()?
+        .get(RESTARTED_AT)
+        .map(String::as_str)
+}
+
+/// Why a rollout of `d` is still in progress (as `kubectl rollout status` sees it), or `None`.
+pub fn rollout_in_progress(d: &Deployment) -> Option<String> {
+    let status = d.status.clone().unwrap_or_default();
+    let generation = d.metadata.generation.unwrap_or(0);
+    if status.observed_generation.unwrap_or(0) < generation {
+        return Some("the Deployment controller has not seen the latest change yet".into());
+    }
+    let want = d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1);
+    let updated = status.updated_replicas.unwrap_or(0);
+    let total = status.replicas.unwrap_or(0);
+    let available = status.available_replicas.unwrap_or(0);
+    if updated < want {
+        return Some(format!("{updated} of {want} replicas updated"));
+    }
+    if total > updated {
+        return Some(format!(
+            "{} old replicas are pending termination",
+            total - updated
+        ));
+    }
+    if available < updated {
+        return Some(format!("{available} of {updated} updated replicas available"));
+    }
+    None
+}
+
+/// Decides what to do for `eru` at `now`, given its Deployment as last seen.
+pub fn plan(eru: &Eru, deployment: Option<&Deployment>, now: Timestamp) -> Plan {
+    let invalid = |reason, msg| Plan {
+        step: Step::Invalid(reason, msg),
+        next: None,
+        target_found: deployment.is_some(),
+    };
+    let spec = &eru.spec;
+    let schedule: Schedule = match spec.schedule.parse() {
+        Ok(s) => s,
+        Err(e) => return invalid(super::reason::INVALID_SCHEDULE, format!("spec.schedule: {e}")),
+    };
+    let tz = match time_zone(spec.time_zone.as_deref()) {
+        Ok(tz) => tz,
+        Err(e) => return invalid(super::reason::INVALID_TIME_ZONE, format!("spec.timeZone: {e}")),
+    };
+    let Some(next) = schedule.next_after(now, &tz) else {
+        return invalid(
+            super::reason::INVALID_SCHEDULE,
+            format!("spec.schedule: {:?} never fires", spec.schedule),
+        );
+    };
+    let status = eru.status.clone().unwrap_or_default();
+    let earliest = status
+        .last_schedule_time
+        .map(|t| t.0)
+        .or_else(|| eru.metadata.creation_timestamp.as_ref().map(|t| t.0))
+        .unwrap_or(now);
+    let slot = schedule.latest_in(earliest, now, &tz);
+    let done = |step| Plan {
+        step,
+        next: Some(next),
+        target_found: deployment.is_some(),
+    };
+    if spec.suspend == Some(true) {
+        return Plan {
+            step: Step::Suspended { slot },
+            next: None,
+            target_found: deployment.is_some(),
+        };
+    }
+    let was_suspended = status
+        .conditions
+        .iter()
+        .any(|c| c.type_ == super::reason::SCHEDULED && c.reason == super::reason::SUSPENDED);
+    if was_suspended {
+        return done(Step::Resumed { slot });
+    }
+    let Some(slot) = slot else {
+        return done(Step::Wait);
+    };
+    let late = now.duration_since(slot);
+    if let Some(limit) = spec.starting_deadline_seconds
+        && late > SignedDuration::from_secs(limit)
+    {
+        return done(Step::TooLate { slot, late });
+    }
+    let Some(d) = deployment else {
+        return done(Step::TargetMissing { slot });
+    };
+    if restarted_at(d) == Some(restart_stamp(slot).as_str()) {
+        return done(Step::AlreadyRestarted { slot });
+    }
+    if let Some(why) = rollout_in_progress(d) {
+        return done(Step::Postpone { slot, why });
+    }
+    done(Step::Restart { slot })
+}
+
+/// How long to wait for `next`, rounded up to the millisecond and capped at `MAX_WAIT`.
+pub fn wait_for(next: Timestamp, now: Timestamp) -> Duration {
+    let nanos = u64::try_from(now.duration_until(next).as_nanos()).unwrap_or(0);
+    Duration::from_millis(nanos.div_ceil(1_000_000).max(1)).min(MAX_WAIT)
+}
+
+/// The server-side-apply body that restarts `deployment`: only the pod-template annotation,
+/// so opkit owns that one field and nothing else of the Deployment.
+pub fn restart_patch(deployment: &str, slot: Timestamp) -> serde_json::Value {
+    json!({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": deployment},
+        "spec": {"template": {"metadata": {"annotations": {RESTARTED_AT: restart_stamp(slot)}}}},
+    })
+}
+
+/// Whether the Deployment asks for an `Eru` (`mtsre.meitu.com/eru: "true"`).
+pub fn wants_eru(d: &Deployment) -> bool {
+    d.annotations().get(ANNOTATION).map(|v| v.trim()) == Some("true")
+}
+
+/// Whether `eru` was created by opkit from `d`'s annotation (so opkit may change or delete it).
+pub fn created_from(eru: &Eru, d: &Deployment) -> bool {
+    eru.labels().get(FROM_ANNOTATION_LABEL).map(String::as_str) == Some("true")
+        && eru
+            .owner_references()
+            .iter()
+            .any(|o| Some(&o.uid) == d.metadata.uid.as_ref())
+}
+
+/// The `Eru` an annotated Deployment gets: same name, schedule and time zone from the
+/// companion annotations, owned by the Deployment so it goes away with it.
+pub fn build_eru_for(d: &Deployment) -> Result<Eru, String> {
+    let name = d.name_any();
+    let owner = d
+        .controller_owner_ref(&())
+        .ok_or_else(|| format!("Deployment {name} has no uid yet"))?;
+    let a = d.annotations();
+    let mut eru = Eru::new(
+        &name,
+        EruSpec {
+            deployment_name: name.clone(),
+            schedule: a
+                .get(SCHEDULE_ANNOTATION)
+                .map(|s| s.trim().to_string())
+                .filter(|s| !s.is_empty())
+                .unwrap_or_else(|| DEFAULT_SCHEDULE.into()),
+            time_zone: a
+                .get(TIME_ZONE_ANNOTATION)
+                .map(|s| s.trim().to_string())
+                .filter(|s| !s.is_empty()),
+            suspend: None,
+            starting_deadline_seconds: None,
+        },
+    );
+    eru.metadata.namespace = d.namespace();
+    eru.metadata.labels = Some(
+        [
+            (FROM_ANNOTATION_LABEL.to_string(), "true".to_string()),
+            ("app.kubernetes.io/managed-by".to_string(), MANAGED_BY.to_string()),
+        ]
+        .into(),
+    );
+    eru.metadata.owner_references = Some(vec![owner]);
+    Ok(eru)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::apps::v1::{DeploymentSpec, DeploymentStatus};
+    use k8s_openapi::api::core::v1::PodTemplateSpec;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+    use opkit_api::eru::EruStatus;
+
+    fn ts(s: &str) -> Timestamp {
+        s.parse().unwrap()
+    }
+
+    /// An Eru created at 10:00:00 restarting `web` every 20 s.
+    fn eru(last: Option<&str>) -> Eru {
+        let mut e = Eru::new(
+            "web",
+            EruSpec {
+                deployment_name: "web".into(),
+                schedule: "*/20 * * * * *".into(),
+                time_zone: None,
+                suspend: None,
+                starting_deadline_seconds: None,
+            },
+        );
+        e.metadata.creation_timestamp = Some(Time(ts("2026-01-01T10:00:00Z")));
+        e.status = last.map(|l| EruStatus {
+            last_schedule_time: Some(Time(ts(l))),
+            ..Default::default()
+        });
+        e
+    }
+
+    fn deployment(replicas: i32, updated: i32, total: i32, available: i32) -> Deployment {
+        Deployment {
+            metadata: ObjectMeta {
+                name: Some("web".into()),
+                namespace: Some("ns".into()),
+                uid: Some("d-uid".into()),
+                generation: Some(2),
+                ..Default::default()
+            },
+            spec: Some(DeploymentSpec {
+                replicas: Some(replicas),
+                template: PodTemplateSpec::default(),
+                ..Default::default()
+            }),
+            status: Some(DeploymentStatus {
+                observed_generation: Some(2),
+                replicas: Some(total),
+                updated_replicas: Some(updated),
+                available_replicas: Some(available),
+                ..Default::default()
+            }),
+        }
+    }
+
+    fn settled() -> Deployment {
+        deployment(3, 3, 3, 3)
+    }
+
+    #[test]
+    fn nothing_is_due_right_after_creation() {
+        let p = plan(&eru(None), Some(&settled()), ts("2026-01-01T10:00:05Z"));
+        assert_eq!(p.step, Step::Wait);
+        assert_eq!(p.next, Some(ts("2026-01-01T10:00:20Z")));
+    }
+
+    #[test]
+    fn a_due_slot_restarts_a_settled_deployment() {
+        let p = plan(&eru(None), Some(&settled()), ts("2026-01-01T10:00:20.300Z"));
+        assert_eq!(
+            p.step,
+            Step::Restart {
+                slot: ts("2026-01-01T10:00:20Z")
+            }
+        );
+        assert_eq!(p.next, Some(ts("2026-01-01T10:00:40Z")));
+    }
+
+    #[test]
+    fn a_slot_is_acted_on_once() {
+        let p = plan(
+            &eru(Some("2026-01-01T10:00:20Z")),
+            Some(&settled()),
+            ts("2026-01-01T10:00:25Z"),
+        );
+        assert_eq!(p.step, Step::Wait);
+    }
+
+    #[test]
+    fn many_missed_slots_give_one_catch_up_restart_for_the_latest() {
+        let p = plan(
+            &eru(Some("2026-01-01T10:00:20Z")),
+            Some(&settled()),
+            ts("2026-01-01T13:07:05Z"),
+        );
+        assert_eq!(
+            p.step,
+            Step::Restart {
+                slot: ts("2026-01-01T13:07:00Z")
+            }
+        );
+    }
+
+    #[test]
+    fn a_slot_later_than_the_starting_deadline_is_skipped() {
+        let mut e = eru(Some("2026-01-01T10:00:20Z"));
+        e.spec.starting_deadline_seconds = Some(5);
+        let p = plan(&e, Some(&settled()), ts("2026-01-01T10:00:47Z"));
+        assert!(matches!(p.step, Step::TooLate { slot, .. } if slot == ts("2026-01-01T10:00:40Z")));
+        let p = plan(&e, Some(&settled()), ts("2026-01-01T10:00:44Z"));
+        assert_eq!(
+            p.step,
+            Step::Restart {
+                slot: ts("2026-01-01T10:00:40Z")
+            }
+        );
+    }
+
+    #[test]
+    fn a_rollout_in_progress_postpones_the_restart() {
+        let now = ts("2026-01-01T10:00:21Z");
+        for d in [
+            deployment(3, 2, 3, 3),
+            deployment(3, 3, 4, 3),
+            deployment(3, 3, 3, 2),
+        ] {
+            match plan(&eru(None), Some(&d), now).step {
+                Step::Postpone { slot, why } => {
+                    assert_eq!(slot, ts("2026-01-01T10:00:20Z"));
+                    assert!(!why.is_empty());
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        let mut unobserved = settled();
+        unobserved.metadata.generation = Some(3);
+        assert!(matches!(
+            plan(&eru(None), Some(&unobserved), now).step,
+            Step::Postpone { .. }
+        ));
+    }
+
+    #[test]
+    fn a_restart_already_on_the_deployment_is_not_made_again() {
+        let mut d = settled();
+        d.spec.as_mut().unwrap().template.metadata = Some(ObjectMeta {
+            annotations: Some([(RESTARTED_AT.to_string(), "2026-01-01T10:00:20Z".to_string())].into()),
+            ..Default::default()
+        });
+        // Even though that restart's rollout is still running.
+        d.status.as_mut().unwrap().updated_replicas = Some(1);
+        let p = plan(&eru(None), Some(&d), ts("2026-01-01T10:00:21Z"));
+        assert_eq!(
+            p.step,
+            Step::AlreadyRestarted {
+                slot: ts("2026-01-01T10:00:20Z")
+            }
+        );
+    }
+
+    #[test]
+    fn suspended_consumes_slots_and_has_no_next_restart() {
+        let mut e = eru(None);
+        e.spec.suspend = Some(true);
+        let p = plan(&e, Some(&settled()), ts("2026-01-01T10:00:41Z"));
+        assert_eq!(
+            p.step,
+            Step::Suspended {
+                slot: Some(ts("2026-01-01T10:00:40Z"))
+            }
+        );
+        assert_eq!(p.next, None);
+    }
+
+    #[test]
+    fn slots_missed_while_suspended_are_not_made_up() {
+        let mut e = eru(Some("2026-01-01T10:00:20Z"));
+        e.status.as_mut().unwrap().conditions = opkit::conditions::merge(
+            &[],
+            &[opkit::conditions::Desired::no("Scheduled", "Suspended", "")],
+            None,
+            &Time(ts("2026-01-01T10:00:30Z")),
+        );
+        let p = plan(&e, Some(&settled()), ts("2026-01-01T10:01:05Z"));
+        assert_eq!(
+            p.step,
+            Step::Resumed {
+                slot: Some(ts("2026-01-01T10:01:00Z"))
+            }
+        );
+        assert_eq!(p.next, Some(ts("2026-01-01T10:01:20Z")));
+    }
+
+    #[test]
+    fn a_missing_deployment_consumes_the_slot() {
+        let p = plan(&eru(None), None, ts("2026-01-01T10:00:21Z"));
+        assert_eq!(
+            p.step,
+            Step::TargetMissing {
+                slot: ts("2026-01-01T10:00:20Z")
+            }
+        );
+        assert!(!p.target_found);
+    }
+
+    #[test]
+    fn bad_schedules_and_time_zones_are_invalid_with_the_field_named() {
+        let mut e = eru(None);
+        e.spec.schedule = "61 * * * *".into();
+        assert!(matches!(plan(&e, None, ts("2026-01-01T10:00:21Z")).step,
+            Step::Invalid(r, m) if r == "InvalidSchedule" && m.contains("minute: 61")));
+        e.spec.schedule = "0 0 30 2 *".into();
+        assert!(matches!(plan(&e, None, ts("2026-01-01T10:00:21Z")).step,
+            Step::Invalid(_, m) if m.contains("never fires")));
+        let mut e = eru(None);
+        e.spec.time_zone = Some("Mars/Olympus".into());
+        assert!(matches!(plan(&e, None, ts("2026-01-01T10:00:21Z")).step,
+            Step::Invalid(r, m) if r == "InvalidTimeZone" && m.contains("spec.timeZone")));
+    }
+
+    #[test]
+    fn the_restart_patch_touches_only_the_annotation() {
+        let p = restart_patch("web", ts("2026-01-01T10:00:20Z"));
+        assert_eq!(
+            p["spec"],
+            json!({"template": {"metadata": {"annotations": {RESTARTED_AT: "2026-01-01T10:00:20Z"}}}})
+        );
+    }
+
+    #[test]
+    fn an_annotated_deployment_gets_an_owned_eru_with_its_schedule() {
+        let mut d = settled();
+        d.metadata.annotations = Some(
+            [
+                (ANNOTATION.to_string(), "true".to_string()),
+                (TIME_ZONE_ANNOTATION.to_string(), "Asia/Shanghai".to_string()),
+            ]
+            .into(),
+        );
+        assert!(wants_eru(&d));
+        let e = build_eru_for(&d).unwrap();
+        assert_eq!(e.spec.schedule, DEFAULT_SCHEDULE);
+        assert_eq!(e.spec.time_zone.as_deref(), Some("Asia/Shanghai"));
+        assert_eq!(
+            (e.name_any(), e.spec.deployment_name.as_str()),
+            ("web".into(), "web")
+        );
+        assert!(created_from(&e, &d));
+        d.metadata.annotations = Some([(ANNOTATION.to_string(), "false".to_string())].into());
+        assert!(!wants_eru(&d));
+    }
+
+    #[test]
+    fn waits_round_up_and_are_capped() {
+        let now = ts("2026-01-01T10:00:00Z");
+        assert_eq!(
+            wait_for(ts("2026-01-01T10:00:00.0000001Z"), now),
+            Duration::from_millis(1)
+        );
+        assert_eq!(wait_for(ts("2026-01-01T10:00:20Z"), now), Duration::from_secs(20));
+        assert_eq!(wait_for(ts("2027-01-01T10:00:20Z"), now), MAX_WAIT);
+    }
+}

@@ -1,0 +1,464 @@
+//! The Eru controller on the real local control plane.
+
+use anyhow::{Context, anyhow, ensure};
+use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
+use kube::core::ApiResource;
+use kube::{Client, CustomResourceExt, ResourceExt};
+use opkit::ManagerOptions;
+use opkit_api::eru::{ANNOTATION, Eru, EruStatus, SCHEDULE_ANNOTATION};
+use opkit_controllers::{Scope, eru};
+use opkit_testenv::{shared, wait_for};
+use serde_json::json;
+
+mod common;
+use common::{Operator, T, install_crd, run_controller};
+
+async fn start(client: &Client, ns: &str) -> anyhow::Result<Operator> {
+    install_crd(client, Eru::crd()).await?;
+    let cfg = eru::Config {
+        scope: Scope::namespaces(vec![ns.to_string()]),
+        ..Default::default()
+    };
+    Ok(run_controller(
+        client,
+        eru::NAME,
+        ManagerOptions::default(),
+        move |ctx| eru::run(ctx, cfg),
+    ))
+}
+
+fn deployment(
+    name: &str,
+    annotations: serde_json::Value,
+    min_ready_seconds: i32,
+) -> anyhow::Result<Deployment> {
+    Ok(serde_json::from_value(json!({
+        "metadata": {"name": name, "annotations": annotations},
+        "spec": {
+            "replicas": 2,
+            "minReadySeconds": min_ready_seconds,
+            "selector": {"matchLabels": {"app": name}},
+            "strategy": {"rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "template": {
+                "metadata": {"labels": {"app": name}},
+                "spec": {"containers": [{"name": "web", "image": "nginx:1.27"}]}
+            }
+        }
+    }))?)
+}
+
+fn hand_written(name: &str, target: &str, schedule: &str) -> Eru {
+    let mut e = Eru::new(
+        name,
+        opkit_api::eru::EruSpec {
+            deployment_name: target.into(),
+            schedule: schedule.into(),
+            time_zone: None,
+            suspend: None,
+            starting_deadline_seconds: None,
+        },
+    );
+    e.metadata.namespace = None;
+    e
+}
+
+/// Waits until the Deployment has no rollout in progress.
+async fn settled(deploys: &Api<Deployment>, name: &str) -> anyhow::Result<Deployment> {
+    wait_for(&format!("{name} to settle"), T, || async {
+        let d = deploys.get(name).await?;
+        match eru::rollout_in_progress(&d) {
+            None if d.status.as_ref().and_then(|s| s.ready_replicas) == Some(2) => Ok(d),
+            other => Err(anyhow!("{other:?}")),
+        }
+    })
+    .await
+}
+
+async fn eru_status(
+    erus: &Api<Eru>,
+    name: &str,
+    what: &str,
+    ok: impl Fn(&EruStatus) -> bool,
+) -> anyhow::Result<EruStatus> {
+    wait_for(&format!("Eru {name}: {what}"), T, || async {
+        let s = erus.get(name).await?.status.unwrap_or_default();
+        if ok(&s) { Ok(s) } else { Err(anyhow!("{s:?}")) }
+    })
+    .await
+}
+
+fn condition(s: &EruStatus, type_: &str) -> Option<(String, String)> {
+    s.conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+        .map(|c| (c.status.clone(), c.reason.clone()))
+}
+
+async fn has_event(client: &Client, ns: &str, name: &str, reason: &str) -> anyhow::Result<()> {
+    let events: Api<Event> = Api::namespaced(client.clone(), ns);
+    wait_for(&format!("a {reason} Event about {name}"), T, || async {
+        let found = events
+            .list(&ListParams::default())
+            .await?
+            .items
+            .into_iter()
+            .any(|e| {
+                e.reason.as_deref() == Some(reason)
+                    && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)
+            });
+        if found {
+            Ok(())
+        } else {
+            Err(anyhow!("no such Event yet"))
+        }
+    })
+    .await
+}
+
+#[tokio::test]
+async fn an_annotated_deployment_gets_an_eru_and_rolls_on_schedule() {
+    shared()
+        .in_namespace("eru-roll", |client, ns| async move {
+            let _op = start(&client, &ns).await?;
+            let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+            let erus: Api<Eru> = Api::namespaced(client.clone(), &ns);
+            let d = deployment(
+                "web",
+                json!({ANNOTATION: "true", SCHEDULE_ANNOTATION: "*/10 * * * * *"}),
+                0,
+            )?;
+            let d = deploys.create(&PostParams::default(), &d).await?;
+            let e = wait_for("the Eru web", T, || async {
+                erus.get("web").await.map_err(anyhow::Error::from)
+            })
+            .await?;
+            ensure!(e.spec.deployment_name == "web" && e.spec.schedule == "*/10 * * * * *");
+            ensure!(
+                e.owner_references()
+                    .iter()
+                    .any(|o| Some(&o.uid) == d.metadata.uid.as_ref())
+            );
+            has_event(&client, &ns, "web", "EruCreated").await?;
+            settled(&deploys, "web").await?;
+
+            let s = eru_status(&erus, "web", "restarted once", |s| s.restart_count >= 1).await?;
+            let slot = s.last_schedule_time.context("no lastScheduleTime")?.0;
+            let d = deploys.get("web").await?;
+            ensure!(
+                eru::restarted_at(&d) == Some(eru::restart_stamp(slot).as_str()),
+                "restartedAt does not match the slot"
+            );
+            ensure!(slot.as_second() % 10 == 0, "slot {slot} is not on the schedule");
+            let restart = s.last_restart_time.context("no lastRestartTime")?.0;
+            ensure!(
+                restart.duration_since(slot).as_secs() < 2,
+                "restarted {restart}, slot {slot}"
+            );
+            ensure!(s.next_restart_time.is_some());
+            // The Deployment controller rolled a new ReplicaSet and its Pods became Ready.
+            let rss: Api<ReplicaSet> = Api::namespaced(client.clone(), &ns);
+            wait_for("a second ReplicaSet", T, || async {
+                let n = rss
+                    .list(&ListParams::default().labels("app=web"))
+                    .await?
+                    .items
+                    .len();
+                if n >= 2 {
+                    Ok(())
+                } else {
+                    Err(anyhow!("{n} ReplicaSets"))
+                }
+            })
+            .await?;
+            settled(&deploys, "web").await?;
+            // opkit owns only the restart annotation of the Deployment.
+            let d = deploys.get("web").await?;
+            let ours: Vec<_> = d
+                .managed_fields()
+                .iter()
+                .filter(|m| m.manager.as_deref() == Some("opkit-eru"))
+                .collect();
+            ensure!(ours.len() == 1, "{ours:?}");
+            let fields = serde_json::to_string(&ours[0].fields_v1)?;
+            ensure!(
+                fields.contains("kubectl.kubernetes.io/restartedAt") && !fields.contains("replicas"),
+                "{fields}"
+            );
+            Ok(())
+        })
+        .await;
+}
+
+#[tokio::test]
+async fn removing_the_annotation_deletes_only_the_eru_opkit_created() {
+    shared()
+        .in_namespace("eru-unannotate", |client, ns| async move {
+            let _op = start(&client, &ns).await?;
+            let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+            let erus: Api<Eru> = Api::namespaced(client.clone(), &ns);
+            deploys
+                .create(
+                    &PostParams::default(),
+                    &deployment("web", json!({ANNOTATION: "true"}), 0)?,
+                )
+                .await?;
+            erus.create(&PostParams::default(), &hand_written("manual", "web", "@daily"))
+                .await?;
+            wait_for("the Eru web", T, || async {
+                erus.get("web").await.map_err(anyhow::Error::from)
+            })
+            .await?;
+            deploys
+                .patch(
+                    "web",
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({"metadata": {"annotations": {ANNOTATION: null}}})),
+                )
+                .await?;
+            wait_for("the Eru web to be deleted", T, || async {
+                match erus.get_opt("web").await? {
+                    None => Ok(()),
+                    Some(_) => Err(anyhow!("still there")),
+                }
+            })
+            .await?;
+            ensure!(
+                erus.get_opt("manual").await?.is_some(),
+                "the hand-written Eru was deleted"
+            );
+            Ok(())
+        })
+        .await;
+}
+
+#[tokio::test]
+async fn deleting_the_deployment_removes_its_eru() {
+    shared()
+        .in_namespace("eru-gc", |client, ns| async move {
+            let _op = start(&client, &ns).await?;
+            let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+            let erus: Api<Eru> = Api::namespaced(client.clone(), &ns);
+            deploys
+                .create(
+                    &PostParams::default(),
+                    &deployment("web", json!({ANNOTATION: "true"}), 0)?,
+                )
+                .await?;
+            wait_for("the Eru web", T, || async {
+                erus.get("web").await.map_err(anyhow::Error::from)
+            })
+            .await?;
+            deploys.delete("web", &DeleteParams::background()).await?;
+            wait_for("the Eru web to be collected", T, || async {
+                match erus.get_opt("web").await? {
+                    None => Ok(()),
+                    Some(_) => Err(anyhow!("still there")),
+                }
+            })
+            .await?;
+            Ok(())
+        })
+        .await;
+}
+
+#[tokio::test]
+async fn a_rollout_in_progress_postpones_the_restart() {
+    shared()
+        .in_namespace("eru-slow", |client, ns| async move {
+            let _op = start(&client, &ns).await?;
+            let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+            let erus: Api<Eru> = Api::namespaced(client.clone(), &ns);
+            // minReadySeconds keeps the rollout going for a minute after the Pods are Ready.
+            deploys
+                .create(&PostParams::default(), &deployment("slow", json!({}), 60)?)
+                .await?;
+            erus.create(
+                &PostParams::default(),
+                &hand_written("slow", "slow", "*/3 * * * * *"),
+            )
+            .await?;
+            let s = eru_status(&erus, "slow", "postponed", |s| {
+                condition(s, "Postponed") == Some(("True".into(), "RolloutInProgress".into()))
+            })
+            .await?;
+            ensure!(s.restart_count == 0, "restarted during a rollout: {s:?}");
+            ensure!(
+                eru::restarted_at(&deploys.get("slow").await?).is_none(),
+                "restartedAt was set"
+            );
+            has_event(&client, &ns, "slow", "Postponed").await?;
+            // Once the rollout completes, the postponed restart happens.
+            deploys
+                .patch(
+                    "slow",
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({"spec": {"minReadySeconds": 0}})),
+                )
+                .await?;
+            let s = eru_status(&erus, "slow", "restarted", |s| s.restart_count >= 1).await?;
+            ensure!(
+                condition(&s, "Postponed").map(|c| c.0) == Some("False".into()),
+                "{s:?}"
+            );
+            Ok(())
+        })
+        .await;
+}
+
+#[tokio::test]
+async fn suspend_stops_restarts_and_missed_slots_are_not_made_up() {
+    shared()
+        .in_namespace("eru-suspend", |client, ns| async move {
+            let _op = start(&client, &ns).await?;
+            let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+            let erus: Api<Eru> = Api::namespaced(client.clone(), &ns);
+            deploys
+                .create(&PostParams::default(), &deployment("web", json!({}), 0)?)
+                .await?;
+            settled(&deploys, "web").await?;
+            let mut e = hand_written("web", "web", "*/2 * * * * *");
+            e.spec.suspend = Some(true);
+            erus.create(&PostParams::default(), &e).await?;
+            eru_status(&erus, "web", "suspended", |s| {
+                condition(s, "Scheduled") == Some(("False".into(), "Suspended".into()))
+                    && s.next_restart_time.is_none()
+            })
+            .await?;
+            // Let several slots pass.
+            let until = Timestamp::now().as_second() + 5;
+            wait_for("5 s to pass", T, || async {
+                if Timestamp::now().as_second() >= until {
+                    Ok(())
+                } else {
+                    Err(anyhow!("waiting"))
+                }
+            })
+            .await?;
+            ensure!(erus.get("web").await?.status.unwrap_or_default().restart_count == 0);
+            ensure!(
+                eru::restarted_at(&deploys.get("web").await?).is_none(),
+                "restarted while suspended"
+            );
+
+            let resumed = Timestamp::now();
+            erus.patch(
+                "web",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"spec": {"suspend": false}})),
+            )
+            .await?;
+            let s = eru_status(&erus, "web", "restarted after resuming", |s| s.restart_count >= 1).await?;
+            let slot = s.last_schedule_time.clone().context("no slot")?.0;
+            ensure!(
+                slot >= resumed,
+                "made up slot {slot} from before resuming at {resumed}"
+            );
+            ensure!(s.restart_count == 1, "{s:?}");
+            Ok(())
+        })
+        .await;
+}
+
+#[tokio::test]
+async fn an_operator_restart_does_not_restart_twice_for_one_slot() {
+    shared()
+        .in_namespace("eru-oprestart", |client, ns| async move {
+            let op = start(&client, &ns).await?;
+            let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+            let erus: Api<Eru> = Api::namespaced(client.clone(), &ns);
+            deploys
+                .create(&PostParams::default(), &deployment("web", json!({}), 0)?)
+                .await?;
+            settled(&deploys, "web").await?;
+            erus.create(
+                &PostParams::default(),
+                &hand_written("web", "web", "*/15 * * * * *"),
+            )
+            .await?;
+            let s = eru_status(&erus, "web", "restarted once", |s| s.restart_count == 1).await?;
+            let slot = s.last_schedule_time.context("no slot")?.0;
+            let next = s.next_restart_time.context("no next")?.0;
+            op.stop().await;
+
+            let op = start(&client, &ns).await?;
+            wait_for("the new operator to reconcile", T, || async {
+                if op.ctx.metrics().reconciles_total() >= 1 {
+                    Ok(())
+                } else {
+                    Err(anyhow!("not yet"))
+                }
+            })
+            .await?;
+            ensure!(
+                Timestamp::now() < next,
+                "the next slot came too soon for this check"
+            );
+            let s = erus.get("web").await?.status.unwrap_or_default();
+            ensure!(s.restart_count == 1, "restarted again: {s:?}");
+            let d = deploys.get("web").await?;
+            ensure!(eru::restarted_at(&d) == Some(eru::restart_stamp(slot).as_str()));
+            Ok(())
+        })
+        .await;
+}
+
+#[tokio::test]
+async fn bad_schedules_and_time_zones_are_refused_or_reported() {
+    shared()
+        .in_namespace("eru-bad", |client, ns| async move {
+            let _op = start(&client, &ns).await?;
+            let dynamic: Api<DynamicObject> =
+                Api::namespaced_with(client.clone(), &ns, &ApiResource::erase::<Eru>(&()));
+            for (spec, field) in [
+                (
+                    json!({"deploymentName": "web", "schedule": "every day"}),
+                    "spec.schedule",
+                ),
+                (
+                    json!({"deploymentName": "web", "schedule": "@daily", "timeZone": "Mars/Olympus"}),
+                    "spec.timeZone",
+                ),
+                (
+                    json!({"deploymentName": "Web_1", "schedule": "@daily"}),
+                    "spec.deploymentName",
+                ),
+            ] {
+                let obj: DynamicObject = serde_json::from_value(json!({
+                    "apiVersion": "mtsre.meitu.com/v1", "kind": "Eru",
+                    "metadata": {"name": "bad"}, "spec": spec,
+                }))?;
+                let err = dynamic
+                    .create(&PostParams::default(), &obj)
+                    .await
+                    .err()
+                    .context("accepted")?;
+                ensure!(err.to_string().contains(field), "{err}");
+            }
+            // Well-formed but out of range: only the controller can tell.
+            let erus: Api<Eru> = Api::namespaced(client.clone(), &ns);
+            erus.create(
+                &PostParams::default(),
+                &hand_written("range", "web", "61 * * * *"),
+            )
+            .await?;
+            let s = eru_status(&erus, "range", "invalid", |s| {
+                condition(s, "Scheduled") == Some(("False".into(), "InvalidSchedule".into()))
+            })
+            .await?;
+            let msg = &s
+                .conditions
+                .iter()
+                .find(|c| c.type_ == "Scheduled")
+                .context("no condition")?
+                .message;
+            ensure!(msg.contains("minute: 61"), "{msg}");
+            has_event(&client, &ns, "range", "InvalidSchedule").await?;
+            // And a target that does not exist.
+            ensure!(condition(&s, "TargetFound") == Some(("False".into(), "DeploymentNotFound".into())));
+            Ok(())
+        })
+        .await;
+}
