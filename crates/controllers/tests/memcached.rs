@@ -7,7 +7,7 @@ use kube::{Client, ResourceExt};
 use opkit::ManagerOptions;
 use opkit_api::memcached::Memcached;
 use opkit_controllers::{Scope, memcached};
-use opkit_testenv::{shared, wait_for};
+use opkit_testenv::{http_get, shared, wait_for};
 use serde_json::json;
 
 mod common;
@@ -244,21 +244,6 @@ async fn a_converged_resync_writes_nothing() {
             Ok(())
         })
         .await;
-}
-
-async fn http_get(addr: std::net::SocketAddr, path: &str) -> anyhow::Result<(u16, String)> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await?;
-    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").as_bytes())
-        .await?;
-    let mut buf = String::new();
-    s.read_to_string(&mut buf).await?;
-    let code = buf.split_whitespace().nth(1).context("no status line")?.parse()?;
-    let body = buf
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    Ok((code, body))
 }
 
 fn free_addr() -> std::net::SocketAddr {

@@ -80,6 +80,59 @@ struct RunArgs {
     /// Seconds in-flight reconciles get to finish after SIGTERM.
     #[arg(long, default_value_t = 30)]
     shutdown_timeout: u64,
+    /// Run controllers only while holding a Lease, so that one of several replicas reconciles.
+    #[arg(long)]
+    leader_elect: bool,
+    /// Name of the leader-election Lease.
+    #[arg(long, default_value = "opkit-leader")]
+    leader_election_id: String,
+    /// Namespace of the Lease (default: the Pod's namespace in a cluster, else `default`).
+    #[arg(long)]
+    leader_election_namespace: Option<String>,
+    /// Seconds a Lease stays valid without renewal (a standby takes over after a crash).
+    #[arg(long, default_value_t = 15)]
+    leader_elect_lease_duration: u64,
+    /// Seconds a leader keeps trying to renew before it gives up and exits.
+    #[arg(long, default_value_t = 10)]
+    leader_elect_renew_deadline: u64,
+    /// Seconds between renewals.
+    #[arg(long, default_value_t = 2)]
+    leader_elect_retry_period: u64,
+}
+
+/// The namespace this process runs in, when it runs in a Pod.
+fn own_namespace() -> Option<String> {
+    std::env::var("POD_NAMESPACE").ok().or_else(|| {
+        std::fs::read_to_string("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+            .ok()
+            .map(|s| s.trim().to_string())
+    })
+}
+
+fn leader_election(args: &RunArgs) -> anyhow::Result<Option<opkit::leader::LeaderElectionConfig>> {
+    if !args.leader_elect {
+        return Ok(None);
+    }
+    let (lease, renew, retry) = (
+        args.leader_elect_lease_duration,
+        args.leader_elect_renew_deadline,
+        args.leader_elect_retry_period,
+    );
+    if !(retry < renew && renew < lease) {
+        bail!(
+            "leader election needs retry period < renew deadline < lease duration, got {retry}s, {renew}s, {lease}s"
+        );
+    }
+    let ns = args
+        .leader_election_namespace
+        .clone()
+        .or_else(own_namespace)
+        .unwrap_or_else(|| "default".into());
+    let mut cfg = opkit::leader::LeaderElectionConfig::new(ns, args.leader_election_id.clone());
+    cfg.lease_duration = Duration::from_secs(lease);
+    cfg.renew_deadline = Duration::from_secs(renew);
+    cfg.retry_period = Duration::from_secs(retry);
+    Ok(Some(cfg))
 }
 
 fn addr(s: &str, what: &str) -> anyhow::Result<Option<SocketAddr>> {
@@ -147,6 +200,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         health_addr: addr(&args.health_probe_bind_address, "health-probe-bind-address")?,
         shutdown_timeout: Duration::from_secs(args.shutdown_timeout),
         handle_signals: true,
+        leader_election: leader_election(&args)?,
     };
     let client = Client::try_from(client_config(&args).await?)?;
     let scope = Scope::namespaces(args.namespaces.clone());

@@ -10,6 +10,7 @@ pub mod backoff;
 pub mod clock;
 pub mod conditions;
 pub mod context;
+pub mod leader;
 pub mod manager;
 pub mod metrics;
 mod server;

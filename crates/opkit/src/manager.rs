@@ -11,6 +11,7 @@ use kube::Client;
 use tokio_util::sync::CancellationToken;
 
 use crate::context::ControllerContext;
+use crate::leader::{LeaderElectionConfig, LeaderElector, LeaderError};
 use crate::metrics::Metrics;
 use crate::server;
 
@@ -26,6 +27,8 @@ pub struct ManagerOptions {
     /// Shut down on SIGTERM/SIGINT. Off for managers embedded in tests, where a Ctrl-C must
     /// still stop the whole test process.
     pub handle_signals: bool,
+    /// Run controllers only while holding this Lease; `None` runs them at once.
+    pub leader_election: Option<LeaderElectionConfig>,
 }
 
 impl Default for ManagerOptions {
@@ -35,6 +38,7 @@ impl Default for ManagerOptions {
             health_addr: None,
             shutdown_timeout: Duration::from_secs(30),
             handle_signals: true,
+            leader_election: None,
         }
     }
 }
@@ -52,6 +56,8 @@ pub enum ManagerError {
     ControllerExited(&'static str),
     #[error("installing signal handlers: {0}")]
     Signals(std::io::Error),
+    #[error(transparent)]
+    Leader(#[from] LeaderError),
 }
 
 pub(crate) struct Registered {
@@ -111,13 +117,15 @@ impl Manager {
     }
 
     /// Serves the HTTP endpoints and runs every controller until SIGTERM, SIGINT or the
-    /// shutdown token; then lets in-flight reconciles finish (bounded by the timeout).
+    /// shutdown token; then lets in-flight reconciles finish (bounded by the timeout). With
+    /// leader election, controllers start only once the Lease is held, the process stops with
+    /// an error if it is lost, and it is released on the way out.
     pub async fn run(self, opts: ManagerOptions) -> Result<(), ManagerError> {
         let Manager {
+            client,
             metrics,
             shutdown,
             controllers,
-            ..
         } = self;
         let readiness: Vec<(&'static str, Arc<AtomicBool>)> =
             controllers.iter().map(|c| (c.name, c.ready.clone())).collect();
@@ -138,6 +146,37 @@ impl Manager {
         } else {
             None
         };
+
+        let elector = opts
+            .leader_election
+            .clone()
+            .map(|cfg| LeaderElector::new(client.clone(), cfg));
+        let mut renewal = None;
+        let lost = CancellationToken::new();
+        if let Some(e) = &elector {
+            // A standby is healthy and ready (to take over); readiness then tracks the
+            // controllers' caches once this replica leads.
+            set_all(&controllers, true);
+            tracing::info!(identity = e.identity(), "waiting to become the leader");
+            if !e.acquire(&shutdown).await? {
+                tracing::info!("manager stopped before becoming the leader");
+                stop(signals, http);
+                return Ok(());
+            }
+            tracing::info!(identity = e.identity(), "became the leader");
+            set_all(&controllers, false);
+            let (shutdown, lost) = (shutdown.clone(), lost.clone());
+            let e = e.clone();
+            renewal = Some(tokio::spawn(async move {
+                let r = e.renew(&shutdown).await;
+                if let Err(err) = &r {
+                    tracing::error!(error = %err, "leader election lost, stopping");
+                    lost.cancel();
+                    shutdown.cancel();
+                }
+                r
+            }));
+        }
 
         let mut running = futures::stream::FuturesUnordered::new();
         for c in controllers {
@@ -162,13 +201,36 @@ impl Manager {
                 tracing::warn!(timeout = ?opts.shutdown_timeout, "controllers did not stop in time");
             }
         }
-        if let Some(s) = signals {
-            s.abort();
+        if let Some(e) = &elector {
+            if let Some(r) = renewal {
+                if let Ok(Err(err)) = r.await {
+                    result = result.and(Err(err.into()));
+                }
+            }
+            if !lost.is_cancelled() {
+                match e.release().await {
+                    Ok(()) => tracing::info!("released the leader Lease"),
+                    Err(err) => tracing::warn!(error = %err, "releasing the leader Lease failed"),
+                }
+            }
         }
-        for h in http {
-            h.abort();
-        }
+        stop(signals, http);
         tracing::info!("manager stopped");
         result
+    }
+}
+
+fn set_all(controllers: &[Registered], ready: bool) {
+    for c in controllers {
+        c.ready.store(ready, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+fn stop(signals: Option<tokio::task::JoinHandle<()>>, http: Vec<tokio::task::JoinHandle<()>>) {
+    if let Some(s) = signals {
+        s.abort();
+    }
+    for h in http {
+        h.abort();
     }
 }
