@@ -163,11 +163,9 @@ impl LeaderElector {
         let mut live: Option<Lease> = None;
         let mut synced = false;
         loop {
-            if synced {
-                if self.try_hold(live.clone()).await? {
-                    return Ok(true);
-                }
-                // Lost a race or the Lease is held: look again at its expiry or its next change.
+            // Lost a race or the Lease is held: look again at its expiry or its next change.
+            if synced && self.try_hold(live.clone()).await? {
+                return Ok(true);
             }
             let wait = match live.as_ref().and_then(|l| l.spec.as_ref()).and_then(expiry) {
                 Some(e) => Duration::try_from(Timestamp::now().duration_until(e))
