@@ -202,10 +202,10 @@ impl Manager {
             }
         }
         if let Some(e) = &elector {
-            if let Some(r) = renewal {
-                if let Ok(Err(err)) = r.await {
-                    result = result.and(Err(err.into()));
-                }
+            if let Some(r) = renewal
+                && let Ok(Err(err)) = r.await
+            {
+                result = result.and(Err(err.into()));
             }
             if !lost.is_cancelled() {
                 match e.release().await {
