@@ -26,7 +26,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the controllers (the manager).
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Print every CRD as YAML (what `make install` applies).
     Crd,
     /// Write the generated manifests (CRDs, RBAC) under a directory, or check they are fresh.
@@ -299,7 +299,7 @@ fn write_manifests(dir: &std::path::Path, check: bool) -> anyhow::Result<()> {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
-        Command::Run(args) => run(args).await,
+        Command::Run(args) => run(*args).await,
         Command::Crd => {
             for crd in opkit_api::all_crds() {
                 print!("---\n{}", serde_yaml::to_string(&crd)?);
