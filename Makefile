@@ -5,6 +5,8 @@ SHELL := /usr/bin/env bash
 TESTENV_BIN_DIR = $(shell bash crates/testenv/scripts/build-binaries.sh --print)
 KUBECTL ?= $(TESTENV_BIN_DIR)/kubectl
 OPKIT := cargo run -q -p opkit-operator --
+IMG ?= opkit:latest
+CONTAINER_TOOL ?= docker
 TESTENV := cargo run -q -p opkit-testenv --
 
 .PHONY: help
@@ -57,5 +59,18 @@ dev: ## Local control plane (if none is configured) + CRDs + samples + the opera
 	bash hack/dev.sh
 
 .PHONY: manifests
-manifests: ## Regenerate the committed manifests under config/ (CRDs, RBAC) from the Rust code
+manifests: ## Regenerate config/ (CRDs, RBAC, manager Deployment, kustomizations) from the Rust code
 	$(OPKIT) manifests --dir config
+
+.PHONY: deploy
+deploy: ## Deploy the operator (config/default) to the cluster of $KUBECONFIG, running image $(IMG)
+	$(KUBECTL) apply --server-side -k config/default
+	$(KUBECTL) -n opkit-system set image deployment/opkit-controller-manager manager=$(IMG)
+
+.PHONY: undeploy
+undeploy: ## Remove everything `make deploy` created (CRDs and custom objects included)
+	$(KUBECTL) delete --ignore-not-found -k config/default
+
+.PHONY: docker-build
+docker-build: ## Build the operator image $(IMG) with $(CONTAINER_TOOL)
+	$(CONTAINER_TOOL) build -t $(IMG) .

@@ -1,0 +1,156 @@
+//! The generated `config/` on the real control plane: every manifest is accepted, the manager
+//! Pod passes the restricted Pod Security level, and the operator running as the generated
+//! ServiceAccount (only the generated RBAC applies) runs every sample — and nothing more.
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{Context, anyhow, ensure};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::authentication::v1::TokenRequest;
+use k8s_openapi::api::core::v1::ServiceAccount;
+use kube::Api;
+use kube::api::PostParams;
+use opkit_testenv::{shared, wait_for};
+
+const T: Duration = Duration::from_secs(60);
+
+fn kubectl_with(kubeconfig: Option<&std::path::Path>, args: &[&str]) -> anyhow::Result<std::process::Output> {
+    let mut c = shared().kubectl();
+    if let Some(k) = kubeconfig {
+        c.env("KUBECONFIG", k);
+    }
+    Ok(c.args(args).output()?)
+}
+
+fn kubectl(args: &[&str]) -> anyhow::Result<String> {
+    let out = kubectl_with(None, args)?;
+    ensure!(
+        out.status.success(),
+        "kubectl {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8(out.stdout)?)
+}
+
+fn config_dir() -> String {
+    format!("{}/../../config", env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Kills the operator on drop.
+struct Running(std::process::Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+async fn jsonpath_is(kind_name: &[&str], ns: &str, path: &str, want: &str) -> anyhow::Result<()> {
+    wait_for(&format!("{} {path} = {want}", kind_name.join(" ")), T, || async {
+        let mut args = vec!["get"];
+        args.extend_from_slice(kind_name);
+        let path = format!("jsonpath={path}");
+        args.extend(["-n", ns, "-o", &path]);
+        let got = kubectl(&args)?;
+        if got == want {
+            Ok(())
+        } else {
+            Err(anyhow!("{got:?}"))
+        }
+    })
+    .await
+}
+
+#[tokio::test]
+async fn the_generated_deployment_and_rbac_run_every_sample_and_nothing_more() {
+    shared()
+        .in_namespace("deploy", |client, ns| async move {
+            let config = config_dir();
+            kubectl(&["apply", "--server-side", "-k", &format!("{config}/default")])?;
+            // The manager Pod is admitted in the restricted namespace (kwok runs no container).
+            let deploys: Api<Deployment> = Api::namespaced(client.clone(), "opkit-system");
+            wait_for("the manager Deployment to be available", T, || async {
+                let d = deploys.get("opkit-controller-manager").await?;
+                match d.status.and_then(|s| s.available_replicas) {
+                    Some(1) => Ok(()),
+                    other => Err(anyhow!("available {other:?}")),
+                }
+            })
+            .await?;
+
+            let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), "opkit-system");
+            let tr: TokenRequest =
+                serde_json::from_value(serde_json::json!({"spec": {"audiences": [], "expirationSeconds": 3600}}))?;
+            let token = sas
+                .create_token_request("opkit-controller-manager", &PostParams::default(), &tr)
+                .await?
+                .status
+                .context("no token")?
+                .token;
+            let kubeconfig = std::env::temp_dir().join(format!("opkit-deploy-{ns}.kubeconfig"));
+            std::fs::write(&kubeconfig, shared().kubeconfig_with_token(&token)?)?;
+
+            // Outside the rules: refused.
+            for args in [
+                vec!["get", "secrets", "-n", ns.as_str()],
+                vec!["delete", "pod", "anything", "-n", ns.as_str()],
+                vec!["create", "configmap", "x", "-n", ns.as_str()],
+            ] {
+                let out = kubectl_with(Some(&kubeconfig), &args)?;
+                let err = String::from_utf8_lossy(&out.stderr);
+                ensure!(!out.status.success() && err.contains("forbidden"), "{args:?} was allowed: {err}");
+            }
+
+            let log = std::env::temp_dir().join(format!("opkit-deploy-{ns}.log"));
+            let _op = Running(
+                Command::new(env!("CARGO_BIN_EXE_opkit"))
+                    .args(["run", "--namespace", &ns, "--leader-elect"])
+                    .args(["--leader-election-namespace", "opkit-system"])
+                    .args(["--metrics-bind-address", "0", "--health-probe-bind-address", "0"])
+                    .arg("--kubeconfig")
+                    .arg(&kubeconfig)
+                    .stdout(Stdio::null())
+                    .stderr(std::fs::File::create(&log)?)
+                    .spawn()?,
+            );
+            let result = async {
+                for f in std::fs::read_dir(format!("{config}/samples"))? {
+                    let f = f?.path();
+                    kubectl(&["apply", "-n", &ns, "-f", &f.to_string_lossy()])?;
+                }
+                jsonpath_is(&["memcached", "memcached-sample"], &ns, "{.status.readyReplicas}", "3").await?;
+                jsonpath_is(&["memcached", "example-memcached"], &ns, "{.status.readyReplicas}", "3").await?;
+                jsonpath_is(&["at", "example-at"], &ns, "{.status.phase}", "DONE").await?;
+                jsonpath_is(&["eru", "web"], &ns, "{.spec.schedule}", "0 */6 * * *").await?;
+                jsonpath_is(
+                    &["eru", "eru-sample"],
+                    &ns,
+                    "{.status.conditions[?(@.type==\"TargetFound\")].status}",
+                    "True",
+                )
+                .await?;
+                // A restart needs `patch` on Deployments: make one happen.
+                kubectl(&[
+                    "annotate", "deployment", "web", "-n", &ns, "--overwrite",
+                    "mtsre.meitu.com/eru-schedule=*/2 * * * * *",
+                ])?;
+                wait_for("web to be restarted", T, || async {
+                    let at = kubectl(&[
+                        "get", "deployment", "web", "-n", &ns, "-o",
+                        "jsonpath={.spec.template.metadata.annotations.kubectl\\.kubernetes\\.io/restartedAt}",
+                    ])?;
+                    if at.is_empty() { Err(anyhow!("not restarted yet")) } else { Ok(()) }
+                })
+                .await?;
+                anyhow::Ok(())
+            }
+            .await;
+            result.map_err(|e| anyhow!("{e:#}\n--- opkit log ---\n{}", std::fs::read_to_string(&log).unwrap_or_default()))?;
+            let lease = kubectl(&["get", "lease", "opkit-leader", "-n", "opkit-system", "-o", "jsonpath={.spec.holderIdentity}"])?;
+            ensure!(!lease.is_empty(), "the operator did not take the Lease");
+            Ok(())
+        })
+        .await;
+}
