@@ -3,6 +3,7 @@
 
 pub mod at;
 pub mod eru;
+pub mod foo;
 pub mod memcached;
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
@@ -10,7 +11,7 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomRe
 /// Every CRD opkit serves, in a stable order (for `opkit crd` and `make manifests`).
 pub fn all_crds() -> Vec<CustomResourceDefinition> {
     use kube::CustomResourceExt;
-    vec![memcached::crd(), at::At::crd(), eru::Eru::crd()]
+    vec![memcached::crd(), at::At::crd(), eru::Eru::crd(), foo::Foo::crd()]
 }
 
 /// Labels every object opkit creates carries (`app.kubernetes.io/managed-by`).

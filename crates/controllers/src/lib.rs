@@ -3,6 +3,7 @@
 
 pub mod at;
 pub mod eru;
+pub mod foo;
 pub mod memcached;
 pub mod rbac;
 mod scope;

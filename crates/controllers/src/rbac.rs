@@ -45,6 +45,7 @@ pub fn all_rules() -> Vec<PolicyRule> {
         crate::memcached::rbac_rules(),
         crate::at::rbac_rules(),
         crate::eru::rbac_rules(),
+        crate::foo::rbac_rules(),
     ])
 }
 

@@ -10,7 +10,7 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::wait::{await_condition, conditions};
 use kube::{Api, Client, Config, ResourceExt};
 use opkit::{Manager, ManagerOptions};
-use opkit_controllers::{Scope, at, eru, memcached};
+use opkit_controllers::{Scope, at, eru, foo, memcached};
 
 mod manifests;
 
@@ -49,7 +49,7 @@ enum LogFormat {
     Json,
 }
 
-const CONTROLLERS: &[&str] = &[memcached::NAME, at::NAME, eru::NAME];
+const CONTROLLERS: &[&str] = &[memcached::NAME, at::NAME, eru::NAME, foo::NAME];
 
 #[derive(clap::Args)]
 struct RunArgs {
@@ -237,6 +237,15 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             ..Default::default()
         };
         manager.add(eru::NAME, move |ctx| eru::run(ctx, cfg));
+    }
+    if args.controllers.iter().any(|c| c == foo::NAME) {
+        use kube::CustomResourceExt;
+        crd_names.push(opkit_api::foo::Foo::crd().name_any());
+        let cfg = foo::Config {
+            scope: scope.clone(),
+            concurrency: args.concurrency,
+        };
+        manager.add(foo::NAME, move |ctx| foo::run(ctx, cfg));
     }
     wait_for_crds(&client, &crd_names).await?;
     tracing::info!(controllers = ?args.controllers, namespaces = ?scope.list(), "opkit starting");

@@ -1,0 +1,100 @@
+//! The Foo controller (client-go's sample-controller contract) on the real local control plane.
+use anyhow::{anyhow, ensure};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::events::v1::Event;
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use kube::{Client, CustomResourceExt, ResourceExt};
+use opkit::ManagerOptions;
+use opkit_api::foo::Foo;
+use opkit_controllers::{Scope, foo};
+use opkit_testenv::{shared, wait_for};
+use serde_json::json;
+
+mod common;
+use common::{Operator, T, install_crd, run_controller, sample};
+
+async fn start(client: &Client, ns: &str) -> anyhow::Result<Operator> {
+    install_crd(client, Foo::crd()).await?;
+    let cfg = foo::Config {
+        scope: Scope::namespaces(vec![ns.to_string()]),
+        ..Default::default()
+    };
+    Ok(run_controller(client, foo::NAME, ManagerOptions::default(), move |ctx| {
+        foo::run(ctx, cfg)
+    }))
+}
+
+async fn available(foos: &Api<Foo>, name: &str, n: i32) -> anyhow::Result<()> {
+    wait_for(&format!("{name} to show {n} available"), T, || async {
+        let a = foos.get(name).await?.status.map(|s| s.available_replicas);
+        if a == Some(n) { Ok(()) } else { Err(anyhow!("available {a:?}")) }
+    })
+    .await
+}
+
+#[tokio::test]
+async fn the_upstream_example_gets_its_deployment_and_follows_replicas() {
+    shared()
+        .in_namespace("foo-example", |client, ns| async move {
+            let op = start(&client, &ns).await?;
+            let foos: Api<Foo> = Api::namespaced(client.clone(), &ns);
+            let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+            let example: Foo = serde_yaml::from_str(&sample("samplecontroller_v1alpha1_foo.yaml"))?;
+            let created = foos.create(&PostParams::default(), &example).await?;
+            available(&foos, "example-foo", 1).await?;
+            let d = deploys.get("example-foo").await?;
+            ensure!(d.owner_references().iter().any(|o| Some(&o.uid) == created.uid().as_ref()));
+            let labels = d.spec.as_ref().and_then(|s| s.selector.match_labels.clone()).unwrap_or_default();
+            ensure!(labels.get("app").map(String::as_str) == Some("nginx"));
+            ensure!(labels.get("controller").map(String::as_str) == Some("example-foo"));
+            // Converging one Foo took one Deployment create and one status write, nothing else.
+            ensure!(op.ctx.metrics().writes_total() == 2, "{} writes", op.ctx.metrics().writes_total());
+
+            foos.patch("example-foo", &PatchParams::default(), &Patch::Merge(json!({"spec": {"replicas": 3}})))
+                .await?;
+            available(&foos, "example-foo", 3).await?;
+            ensure!(deploys.get("example-foo").await?.spec.and_then(|s| s.replicas) == Some(3));
+            Ok(())
+        })
+        .await;
+}
+
+#[tokio::test]
+async fn a_deployment_the_foo_does_not_own_is_left_alone_and_reported() {
+    shared()
+        .in_namespace("foo-conflict", |client, ns| async move {
+            let _op = start(&client, &ns).await?;
+            let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+            let theirs: Deployment = serde_json::from_value(json!({
+                "metadata": {"name": "taken"},
+                "spec": {"replicas": 2, "selector": {"matchLabels": {"app": "theirs"}},
+                    "template": {"metadata": {"labels": {"app": "theirs"}},
+                        "spec": {"containers": [{"name": "c", "image": "busybox"}]}}}
+            }))?;
+            deploys.create(&PostParams::default(), &theirs).await?;
+            let foos: Api<Foo> = Api::namespaced(client.clone(), &ns);
+            let f: Foo = serde_json::from_value(json!({
+                "apiVersion": "samplecontroller.k8s.io/v1alpha1", "kind": "Foo",
+                "metadata": {"name": "intruder"}, "spec": {"deploymentName": "taken", "replicas": 5}
+            }))?;
+            foos.create(&PostParams::default(), &f).await?;
+            let events: Api<Event> = Api::namespaced(client.clone(), &ns);
+            let note = wait_for("an ErrResourceExists Event", T, || async {
+                events
+                    .list(&ListParams::default())
+                    .await?
+                    .items
+                    .into_iter()
+                    .find(|e| e.reason.as_deref() == Some(foo::ERR_RESOURCE_EXISTS))
+                    .and_then(|e| e.note)
+                    .ok_or_else(|| anyhow!("no Event yet"))
+            })
+            .await?;
+            ensure!(note.contains("\"taken\" already exists and is not managed by Foo"), "{note}");
+            let d = deploys.get("taken").await?;
+            ensure!(d.owner_references().is_empty(), "the Deployment was taken over");
+            ensure!(d.spec.and_then(|s| s.replicas) == Some(2), "the Deployment was scaled");
+            Ok(())
+        })
+        .await;
+}
