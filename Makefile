@@ -34,6 +34,11 @@ testenv-build: ## Build (or find cached) the local control-plane binaries
 test: testenv-build ## Run every test: unit tests and controller tests on the real local control plane
 	cargo test --workspace
 
+.PHONY: bench
+bench: testenv-build ## Benchmark opkit vs the Go sample-controller vs a direct client (N=300; N=1000 make bench)
+	cargo build --release -p opkit-operator -p opkit-bench
+	./target/release/opkit-bench
+
 .PHONY: testenv-up
 testenv-up: testenv-build ## Start the long-lived local control plane and print its KUBECONFIG
 	$(TESTENV) up

@@ -7,5 +7,6 @@ pub mod foo;
 pub mod memcached;
 pub mod rbac;
 mod scope;
+pub mod webhooks;
 
 pub use scope::Scope;

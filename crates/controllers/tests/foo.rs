@@ -19,15 +19,22 @@ async fn start(client: &Client, ns: &str) -> anyhow::Result<Operator> {
         scope: Scope::namespaces(vec![ns.to_string()]),
         ..Default::default()
     };
-    Ok(run_controller(client, foo::NAME, ManagerOptions::default(), move |ctx| {
-        foo::run(ctx, cfg)
-    }))
+    Ok(run_controller(
+        client,
+        foo::NAME,
+        ManagerOptions::default(),
+        move |ctx| foo::run(ctx, cfg),
+    ))
 }
 
 async fn available(foos: &Api<Foo>, name: &str, n: i32) -> anyhow::Result<()> {
     wait_for(&format!("{name} to show {n} available"), T, || async {
         let a = foos.get(name).await?.status.map(|s| s.available_replicas);
-        if a == Some(n) { Ok(()) } else { Err(anyhow!("available {a:?}")) }
+        if a == Some(n) {
+            Ok(())
+        } else {
+            Err(anyhow!("available {a:?}"))
+        }
     })
     .await
 }
@@ -43,15 +50,31 @@ async fn the_upstream_example_gets_its_deployment_and_follows_replicas() {
             let created = foos.create(&PostParams::default(), &example).await?;
             available(&foos, "example-foo", 1).await?;
             let d = deploys.get("example-foo").await?;
-            ensure!(d.owner_references().iter().any(|o| Some(&o.uid) == created.uid().as_ref()));
-            let labels = d.spec.as_ref().and_then(|s| s.selector.match_labels.clone()).unwrap_or_default();
+            ensure!(
+                d.owner_references()
+                    .iter()
+                    .any(|o| Some(&o.uid) == created.uid().as_ref())
+            );
+            let labels = d
+                .spec
+                .as_ref()
+                .and_then(|s| s.selector.match_labels.clone())
+                .unwrap_or_default();
             ensure!(labels.get("app").map(String::as_str) == Some("nginx"));
             ensure!(labels.get("controller").map(String::as_str) == Some("example-foo"));
             // Converging one Foo took one Deployment create and one status write, nothing else.
-            ensure!(op.ctx.metrics().writes_total() == 2, "{} writes", op.ctx.metrics().writes_total());
+            ensure!(
+                op.ctx.metrics().writes_total() == 2,
+                "{} writes",
+                op.ctx.metrics().writes_total()
+            );
 
-            foos.patch("example-foo", &PatchParams::default(), &Patch::Merge(json!({"spec": {"replicas": 3}})))
-                .await?;
+            foos.patch(
+                "example-foo",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"spec": {"replicas": 3}})),
+            )
+            .await?;
             available(&foos, "example-foo", 3).await?;
             ensure!(deploys.get("example-foo").await?.spec.and_then(|s| s.replicas) == Some(3));
             Ok(())
@@ -90,10 +113,16 @@ async fn a_deployment_the_foo_does_not_own_is_left_alone_and_reported() {
                     .ok_or_else(|| anyhow!("no Event yet"))
             })
             .await?;
-            ensure!(note.contains("\"taken\" already exists and is not managed by Foo"), "{note}");
+            ensure!(
+                note.contains("\"taken\" already exists and is not managed by Foo"),
+                "{note}"
+            );
             let d = deploys.get("taken").await?;
             ensure!(d.owner_references().is_empty(), "the Deployment was taken over");
-            ensure!(d.spec.and_then(|s| s.replicas) == Some(2), "the Deployment was scaled");
+            ensure!(
+                d.spec.and_then(|s| s.replicas) == Some(2),
+                "the Deployment was scaled"
+            );
             Ok(())
         })
         .await;

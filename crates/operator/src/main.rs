@@ -101,6 +101,80 @@ struct RunArgs {
     /// Seconds between renewals.
     #[arg(long, default_value_t = 2)]
     leader_elect_retry_period: u64,
+    /// Where to serve the admission webhooks (HTTPS); "0" disables them.
+    #[arg(long, default_value = "0")]
+    webhook_bind_address: String,
+    /// Directory with `tls.crt`, `tls.key` (and `ca.crt`), e.g. a cert-manager Secret; reloaded
+    /// when they change. Without it a self-signed certificate is made at start.
+    #[arg(long)]
+    webhook_cert_dir: Option<std::path::PathBuf>,
+    /// Base URL the apiserver uses to reach the webhooks when opkit runs outside the cluster
+    /// (e.g. `https://127.0.0.1:9443`); in a cluster, the Service `opkit-webhook-service`.
+    #[arg(long)]
+    webhook_url: Option<String>,
+}
+
+/// Starts the webhook server and points the webhook configurations at it (with its CA).
+async fn start_webhooks(
+    args: &RunArgs,
+    client: &Client,
+    shutdown: tokio_util::sync::CancellationToken,
+) -> anyhow::Result<()> {
+    use opkit::webhook::{CertSource, self_signed, serve};
+    use opkit_controllers::webhooks::{Endpoint, SERVICE, configurations, webhooks};
+    let Some(addr) = addr(&args.webhook_bind_address, "webhook-bind-address")? else {
+        return Ok(());
+    };
+    let own_ns = own_namespace().unwrap_or_else(|| manifests::NAMESPACE.into());
+    let endpoint = match &args.webhook_url {
+        Some(u) => Endpoint::Url(u.clone()),
+        None => Endpoint::Service {
+            namespace: own_ns.clone(),
+        },
+    };
+    let (certs, ca) = match &args.webhook_cert_dir {
+        Some(dir) => (
+            CertSource::Dir(dir.clone()),
+            std::fs::read_to_string(dir.join("ca.crt")).ok(),
+        ),
+        None => {
+            let hosts = match &endpoint {
+                Endpoint::Url(u) => {
+                    let host = u
+                        .trim_start_matches("https://")
+                        .split(['/', ':'])
+                        .next()
+                        .unwrap_or_default()
+                        .to_string();
+                    vec![host]
+                }
+                Endpoint::Service { namespace } => vec![
+                    format!("{SERVICE}.{namespace}.svc"),
+                    format!("{SERVICE}.{namespace}.svc.cluster.local"),
+                ],
+            };
+            let cert = self_signed(&hosts).context("making the webhook certificate")?;
+            let ca = cert.ca_pem.clone();
+            (CertSource::Generated(cert), Some(ca))
+        }
+    };
+    serve(&webhooks(client.clone()), addr, certs, shutdown).await?;
+    let (m, v) = configurations(&endpoint, &own_ns, ca.as_deref());
+    let pp = kube::api::PatchParams::apply("opkit-webhooks").force();
+    let mutating: Api<k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration> =
+        Api::all(client.clone());
+    mutating
+        .patch(&m.name_any(), &pp, &kube::api::Patch::Apply(&m))
+        .await
+        .context("configuring the mutating webhooks")?;
+    let validating: Api<k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration> =
+        Api::all(client.clone());
+    validating
+        .patch(&v.name_any(), &pp, &kube::api::Patch::Apply(&v))
+        .await
+        .context("configuring the validating webhooks")?;
+    tracing::info!(?endpoint, "webhook configurations point at this server");
+    Ok(())
 }
 
 /// The namespace this process runs in, when it runs in a Pod.
@@ -248,6 +322,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         manager.add(foo::NAME, move |ctx| foo::run(ctx, cfg));
     }
     wait_for_crds(&client, &crd_names).await?;
+    start_webhooks(&args, &client, manager.shutdown_token()).await?;
     tracing::info!(controllers = ?args.controllers, namespaces = ?scope.list(), "opkit starting");
     manager.run(opts).await?;
     Ok(())

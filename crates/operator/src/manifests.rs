@@ -105,6 +105,7 @@ pub fn deployment() -> Deployment {
                 "--health-probe-bind-address=:8081",
                 "--log-format=json",
                 "--shutdown-timeout=25",
+                "--webhook-bind-address=:9443",
             ]
             .map(String::from)
             .to_vec(),
@@ -131,6 +132,12 @@ pub fn deployment() -> Deployment {
             ContainerPort {
                 name: Some("health".into()),
                 container_port: 8081,
+                protocol: Some("TCP".into()),
+                ..Default::default()
+            },
+            ContainerPort {
+                name: Some("webhook-server".into()),
+                container_port: 9443,
                 protocol: Some("TCP".into()),
                 ..Default::default()
             },
@@ -226,6 +233,7 @@ pub fn all() -> anyhow::Result<Vec<(String, String)>> {
         },
         rules: Some({
             let mut rules = all_rules();
+            rules.extend(opkit_controllers::webhooks::rbac_rules());
             // `opkit run` waits for its own CRDs to be Established before starting.
             let mut crds = rule(
                 &["apiextensions.k8s.io"],
@@ -336,10 +344,53 @@ pub fn all() -> anyhow::Result<Vec<(String, String)>> {
         ..Default::default()
     };
     files.push(("default/metrics_service.yaml".into(), to_yaml(&[metrics])?));
+
+    use opkit_controllers::webhooks::{Endpoint, SERVICE, configurations};
+    // No caBundle here: the operator fills it in at start (its own CA, or the mounted ca.crt).
+    let (mutating, validating) = configurations(
+        &Endpoint::Service {
+            namespace: NAMESPACE.into(),
+        },
+        NAMESPACE,
+        None,
+    );
+    let webhook_service = Service {
+        metadata: meta(SERVICE, Some(NAMESPACE)),
+        spec: Some(ServiceSpec {
+            selector: Some(selector()),
+            ports: Some(vec![ServicePort {
+                name: Some("https".into()),
+                port: 443,
+                target_port: Some(IntOrString::String("webhook-server".into())),
+                protocol: Some("TCP".into()),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    files.push((
+        "webhook/manifests.yaml".into(),
+        to_yaml(&[serde_json::to_value(mutating)?, serde_json::to_value(validating)?])?,
+    ));
+    files.push(("webhook/service.yaml".into(), to_yaml(&[webhook_service])?));
+    files.push((
+        "webhook/kustomization.yaml".into(),
+        to_yaml(&[kustomization(
+            &["manifests.yaml", "service.yaml"].map(String::from),
+        )])?,
+    ));
     files.push((
         "default/kustomization.yaml".into(),
         to_yaml(&[kustomization(
-            &["../crd", "../rbac", "../manager", "metrics_service.yaml"].map(String::from),
+            &[
+                "../crd",
+                "../rbac",
+                "../manager",
+                "../webhook",
+                "metrics_service.yaml",
+            ]
+            .map(String::from),
         )])?,
     ));
     Ok(files)

@@ -14,6 +14,7 @@ pub mod leader;
 pub mod manager;
 pub mod metrics;
 mod server;
+pub mod webhook;
 
 pub use clock::Clock;
 pub use context::{ControllerContext, ReconcileError};

@@ -229,7 +229,11 @@ impl ControlPlane {
             "--concurrent-gc-syncs=20".into(),
         ]);
         self.launch("kube-controller-manager", kcm)?;
-        self.launch("kube-scheduler", common(free_port()?))?;
+        let mut scheduler = common(free_port()?);
+        // Pods of large tests and the benchmark are bound by the scheduler: don't let its
+        // client-side rate limit be the bottleneck.
+        scheduler.extend(["--kube-api-qps=200".into(), "--kube-api-burst=400".into()]);
+        self.launch("kube-scheduler", scheduler)?;
 
         let stages = dir.join("kwok-stages.yaml");
         std::fs::write(&stages, format!("{STAGES_NODE}\n---\n{STAGES_POD}"))?;

@@ -11,7 +11,7 @@ mod pki;
 mod process;
 
 pub use binaries::{Binaries, Versions};
-pub use cluster::{ControlPlane, Options};
+pub use cluster::{ControlPlane, Options, config_from_file};
 pub use harness::{Shared, TestNamespace, http_get, shared, wait_for};
 
 /// Annotation that makes kwok finish a one-shot Pod with the given exit code (`Failed` unless

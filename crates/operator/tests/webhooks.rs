@@ -1,0 +1,224 @@
+//! Admission webhooks on the real control plane: the apiserver calls the `opkit` binary's
+//! webhook server (URL configuration, as for an operator run outside the cluster), and
+//! `kubectl apply` shows what it says.
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, anyhow, ensure};
+use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
+use kube::Api;
+use opkit_testenv::{shared, wait_for};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const T: Duration = Duration::from_secs(60);
+
+struct Running(Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `kubectl apply -f -` of `yaml`: (succeeded, stdout + stderr).
+fn apply(ns: &str, yaml: &str) -> anyhow::Result<(bool, String)> {
+    let mut c = shared()
+        .kubectl()
+        .args(["apply", "-n", ns, "-f", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    std::io::Write::write_all(c.stdin.as_mut().context("stdin")?, yaml.as_bytes())?;
+    let out = c.wait_with_output()?;
+    Ok((
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    ))
+}
+
+fn kubectl(args: &[&str]) -> anyhow::Result<String> {
+    let out = shared().kubectl().args(args).output()?;
+    ensure!(
+        out.status.success(),
+        "kubectl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8(out.stdout)?)
+}
+
+fn at(name: &str, schedule: &str) -> String {
+    format!(
+        "{{\"apiVersion\":\"cnat.programming-kubernetes.info/v1alpha1\",\"kind\":\"At\",\"metadata\":{{\"name\":\"{name}\"}},\"spec\":{{\"schedule\":\"{schedule}\",\"command\":\"echo YAY\"}}}}"
+    )
+}
+
+fn eru(name: &str, schedule: &str, target: &str) -> String {
+    format!(
+        "{{\"apiVersion\":\"mtsre.meitu.com/v1\",\"kind\":\"Eru\",\"metadata\":{{\"name\":\"{name}\"}},\"spec\":{{\"deploymentName\":\"{target}\",\"schedule\":\"{schedule}\"}}}}"
+    )
+}
+
+const MEMCACHED_WITHOUT_SIZE: &str = "{\"apiVersion\":\"cache.example.com/v1\",\"kind\":\"Memcached\",\"metadata\":{\"name\":\"nosize\"},\"spec\":{}}";
+
+/// POSTs `body` to the webhook server over TLS, trusting `ca`; returns the HTTP status.
+async fn post(port: u16, path: &str, ca: &[u8], body: &str) -> anyhow::Result<u16> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_slice_iter(ca) {
+        roots.add(c?)?;
+    }
+    let config =
+        rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+    let mut tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect("127.0.0.1".try_into()?, tcp)
+        .await?;
+    let req = format!(
+        "POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    tls.write_all(req.as_bytes()).await?;
+    let mut resp = Vec::new();
+    let _ = tls.read_to_end(&mut resp).await;
+    let text = String::from_utf8_lossy(&resp);
+    Ok(text
+        .split_whitespace()
+        .nth(1)
+        .context("no status line")?
+        .parse()?)
+}
+
+#[tokio::test]
+async fn the_apiserver_calls_the_webhooks_and_kubectl_shows_their_answers() {
+    shared()
+        .in_namespace("webhooks", |client, ns| async move {
+            let crds = Command::new(env!("CARGO_BIN_EXE_opkit")).arg("crd").output()?;
+            let mut c = shared()
+                .kubectl()
+                .args(["apply", "--server-side", "-f", "-"])
+                .stdin(Stdio::piped())
+                .spawn()?;
+            std::io::Write::write_all(c.stdin.as_mut().context("stdin")?, &crds.stdout)?;
+            ensure!(c.wait()?.success());
+
+            let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+            let log = std::env::temp_dir().join(format!("opkit-webhooks-{ns}.log"));
+            let mut op = Running(
+                Command::new(env!("CARGO_BIN_EXE_opkit"))
+                    .args(["run", "--controllers", "memcached", "--namespace", &ns])
+                    .args(["--metrics-bind-address", "0", "--health-probe-bind-address", "0"])
+                    .args(["--webhook-bind-address", &format!("127.0.0.1:{port}")])
+                    .args(["--webhook-url", &format!("https://127.0.0.1:{port}")])
+                    .env("KUBECONFIG", shared().kubeconfig())
+                    .stdout(Stdio::null())
+                    .stderr(std::fs::File::create(&log)?)
+                    .spawn()?,
+            );
+            let logs = || std::fs::read_to_string(&log).unwrap_or_default();
+
+            // A Memcached without size is stored defaulted (retry until the apiserver has
+            // loaded the new configuration; until then the schema refuses it).
+            wait_for("a Memcached without size to be defaulted", T, || async {
+                let (ok, out) = apply(&ns, MEMCACHED_WITHOUT_SIZE)?;
+                if ok { Ok(()) } else { Err(anyhow!("{out}")) }
+            })
+            .await
+            .with_context(logs)?;
+            let size = kubectl(&[
+                "get",
+                "memcached",
+                "nosize",
+                "-n",
+                &ns,
+                "-o",
+                "jsonpath={.spec.size}",
+            ])?;
+            ensure!(size == "1", "size {size:?}");
+
+            // Refusals and warnings come back in kubectl's output.
+            let (ok, out) = apply(&ns, &at("ancient", "2010-01-01T00:00:00Z"))?;
+            ensure!(!ok && out.contains("more than 10 years in the past"), "{out}");
+            let (ok, out) = apply(&ns, &at("book", "2019-04-12T10:12:00Z"))?;
+            ensure!(
+                ok && out.contains("Warning:") && out.contains("runs at once"),
+                "{out}"
+            );
+            let (ok, out) = apply(&ns, &eru("range", "61 * * * *", "web"))?;
+            ensure!(!ok && out.contains("minute: 61 is outside 0-59"), "{out}");
+            let (ok, out) = apply(&ns, &eru("orphan", "@daily", "nope"))?;
+            ensure!(
+                ok && out.contains("Warning:") && out.contains("Deployment nope does not exist"),
+                "{out}"
+            );
+            // Immutable once started: pretend the At ran (status is the operator's to write).
+            kubectl(&[
+                "patch",
+                "at",
+                "book",
+                "-n",
+                &ns,
+                "--subresource=status",
+                "--type=merge",
+                "-p",
+                "{\"status\":{\"phase\":\"DONE\"}}",
+            ])?;
+            let (ok, out) = apply(&ns, &at("book", "2030-01-01T00:00:00Z"))?;
+            ensure!(!ok && out.contains("immutable once the At has started"), "{out}");
+
+            // A malformed body is a 400, and the server keeps serving.
+            let vwc: Api<ValidatingWebhookConfiguration> = Api::all(client.clone());
+            let cfg = vwc.get("opkit-validating-webhook-configuration").await?;
+            let ca = cfg.webhooks.unwrap_or_default()[0]
+                .client_config
+                .ca_bundle
+                .clone()
+                .context("no caBundle")?
+                .0;
+            ensure!(
+                post(
+                    port,
+                    "/validate-cnat-programming-kubernetes-info-at",
+                    &ca,
+                    "{not json"
+                )
+                .await?
+                    == 400
+            );
+            ensure!(
+                post(
+                    port,
+                    "/validate-cnat-programming-kubernetes-info-at",
+                    &ca,
+                    "{\"kind\":\"AdmissionReview\"}"
+                )
+                .await?
+                    == 400
+            );
+            let (ok, out) = apply(&ns, &at("ancient2", "2010-01-01T00:00:00Z"))?;
+            ensure!(!ok && out.contains("more than 10 years"), "{out}");
+
+            // With the operator stopped, failurePolicy Ignore: nothing is blocked, and the schema
+            // still refuses a Memcached without size.
+            let _ = Command::new("kill")
+                .args(["-TERM", &op.0.id().to_string()])
+                .status();
+            op.0.wait()?;
+            let (ok, out) = apply(&ns, &at("ancient3", "2010-01-01T00:00:00Z"))?;
+            ensure!(ok, "refused with the webhook down: {out}");
+            let (ok, out) = apply(&ns, &MEMCACHED_WITHOUT_SIZE.replace("nosize", "nosize2"))?;
+            ensure!(!ok && out.contains("spec.size: Required value"), "{out}");
+            Ok(())
+        })
+        .await;
+}
