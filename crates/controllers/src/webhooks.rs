@@ -277,19 +277,15 @@ pub fn configurations(
 
 /// What the operator needs to keep the configurations' `caBundle` (and endpoint) current.
 pub fn rbac_rules() -> Vec<PolicyRule> {
-    let mut m = rule(
-        &["admissionregistration.k8s.io"],
-        &["mutatingwebhookconfigurations"],
-        &["get", "patch"],
-    );
-    m.resource_names = Some(vec![MUTATING.into()]);
-    let mut v = rule(
-        &["admissionregistration.k8s.io"],
-        &["validatingwebhookconfigurations"],
-        &["get", "patch"],
-    );
-    v.resource_names = Some(vec![VALIDATING.into()]);
-    vec![m, v]
+    [
+        ("mutatingwebhookconfigurations", MUTATING),
+        ("validatingwebhookconfigurations", VALIDATING),
+    ]
+    .map(|(resource, name)| PolicyRule {
+        resource_names: Some(vec![name.into()]),
+        ..rule(&["admissionregistration.k8s.io"], &[resource], &["get", "patch"])
+    })
+    .to_vec()
 }
 
 #[cfg(test)]

@@ -90,6 +90,24 @@ async fn eru_status(
     .await
 }
 
+async fn gone(erus: &Api<Eru>, name: &str) -> anyhow::Result<()> {
+    wait_for(&format!("the Eru {name} to be gone"), T, || async {
+        match erus.get_opt(name).await? {
+            None => Ok(()),
+            Some(_) => Err(anyhow!("still there")),
+        }
+    })
+    .await
+}
+
+/// Waits until the Eru `name` exists.
+async fn exists(erus: &Api<Eru>, name: &str) -> anyhow::Result<Eru> {
+    wait_for(&format!("the Eru {name}"), T, || async {
+        erus.get(name).await.map_err(anyhow::Error::from)
+    })
+    .await
+}
+
 fn condition(s: &EruStatus, type_: &str) -> Option<(String, String)> {
     s.conditions
         .iter()
@@ -131,10 +149,7 @@ async fn an_annotated_deployment_gets_an_eru_and_rolls_on_schedule() {
                 0,
             )?;
             let d = deploys.create(&PostParams::default(), &d).await?;
-            let e = wait_for("the Eru web", T, || async {
-                erus.get("web").await.map_err(anyhow::Error::from)
-            })
-            .await?;
+            let e = exists(&erus, "web").await?;
             ensure!(e.spec.deployment_name == "web" && e.spec.schedule == "*/10 * * * * *");
             ensure!(
                 e.owner_references()
@@ -207,10 +222,7 @@ async fn removing_the_annotation_deletes_only_the_eru_opkit_created() {
                 .await?;
             erus.create(&PostParams::default(), &hand_written("manual", "web", "@daily"))
                 .await?;
-            wait_for("the Eru web", T, || async {
-                erus.get("web").await.map_err(anyhow::Error::from)
-            })
-            .await?;
+            exists(&erus, "web").await?;
             deploys
                 .patch(
                     "web",
@@ -218,13 +230,7 @@ async fn removing_the_annotation_deletes_only_the_eru_opkit_created() {
                     &Patch::Merge(json!({"metadata": {"annotations": {ANNOTATION: null}}})),
                 )
                 .await?;
-            wait_for("the Eru web to be deleted", T, || async {
-                match erus.get_opt("web").await? {
-                    None => Ok(()),
-                    Some(_) => Err(anyhow!("still there")),
-                }
-            })
-            .await?;
+            gone(&erus, "web").await?;
             ensure!(
                 erus.get_opt("manual").await?.is_some(),
                 "the hand-written Eru was deleted"
@@ -247,18 +253,9 @@ async fn deleting_the_deployment_removes_its_eru() {
                     &deployment("web", json!({ANNOTATION: "true"}), 0)?,
                 )
                 .await?;
-            wait_for("the Eru web", T, || async {
-                erus.get("web").await.map_err(anyhow::Error::from)
-            })
-            .await?;
+            exists(&erus, "web").await?;
             deploys.delete("web", &DeleteParams::background()).await?;
-            wait_for("the Eru web to be collected", T, || async {
-                match erus.get_opt("web").await? {
-                    None => Ok(()),
-                    Some(_) => Err(anyhow!("still there")),
-                }
-            })
-            .await?;
+            gone(&erus, "web").await?;
             Ok(())
         })
         .await;

@@ -283,41 +283,41 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let scope = Scope::namespaces(args.namespaces.clone());
     let mut crd_names = Vec::new();
     let mut manager = Manager::new(client.clone());
-    if args.controllers.iter().any(|c| c == memcached::NAME) {
+    use kube::CustomResourceExt;
+    let wanted = |name: &str| args.controllers.iter().any(|c| c == name);
+    let (concurrency, clock) = (args.concurrency, opkit::clock::system());
+    if wanted(memcached::NAME) {
         crd_names.push(opkit_api::memcached::crd().name_any());
         let cfg = memcached::Config {
             image: args.memcached_image.clone(),
             scope: scope.clone(),
-            concurrency: args.concurrency,
+            concurrency,
         };
         manager.add(memcached::NAME, move |ctx| memcached::run(ctx, cfg));
     }
-    if args.controllers.iter().any(|c| c == at::NAME) {
-        use kube::CustomResourceExt;
+    if wanted(at::NAME) {
         crd_names.push(opkit_api::at::At::crd().name_any());
         let cfg = at::Config {
             scope: scope.clone(),
-            concurrency: args.concurrency,
-            ..Default::default()
+            concurrency,
+            clock: clock.clone(),
         };
         manager.add(at::NAME, move |ctx| at::run(ctx, cfg));
     }
-    if args.controllers.iter().any(|c| c == eru::NAME) {
-        use kube::CustomResourceExt;
+    if wanted(eru::NAME) {
         crd_names.push(opkit_api::eru::Eru::crd().name_any());
         let cfg = eru::Config {
             scope: scope.clone(),
-            concurrency: args.concurrency,
-            ..Default::default()
+            concurrency,
+            clock,
         };
         manager.add(eru::NAME, move |ctx| eru::run(ctx, cfg));
     }
-    if args.controllers.iter().any(|c| c == foo::NAME) {
-        use kube::CustomResourceExt;
+    if wanted(foo::NAME) {
         crd_names.push(opkit_api::foo::Foo::crd().name_any());
         let cfg = foo::Config {
             scope: scope.clone(),
-            concurrency: args.concurrency,
+            concurrency,
         };
         manager.add(foo::NAME, move |ctx| foo::run(ctx, cfg));
     }
