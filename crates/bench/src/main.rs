@@ -340,6 +340,12 @@ fn start_contender(cp: &ControlPlane, lane: &str, kubeconfig: &Path) -> anyhow::
             .args(["run", "--controllers", "foo", "--metrics-bind-address", "0"])
             .args(["--health-probe-bind-address", "0", "--kubeconfig"])
             .arg(kubeconfig)
+            // For experiments only (e.g. `--concurrency 1`); the published numbers use none.
+            .args(
+                std::env::var("BENCH_OPKIT_ARGS")
+                    .unwrap_or_default()
+                    .split_whitespace(),
+            )
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()?,

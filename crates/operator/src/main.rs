@@ -65,8 +65,8 @@ struct RunArgs {
     /// Where to serve /healthz and /readyz; "0" disables.
     #[arg(long, default_value = "0.0.0.0:8081")]
     health_probe_bind_address: String,
-    /// Reconciles running at once, per controller.
-    #[arg(long, default_value_t = 4)]
+    /// Reconciles running at once, per controller (0: no limit).
+    #[arg(long, default_value_t = opkit_controllers::DEFAULT_CONCURRENCY)]
     concurrency: u16,
     /// Kubeconfig file (in-cluster config, then $KUBECONFIG, when absent).
     #[arg(long)]

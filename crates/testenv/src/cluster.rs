@@ -187,6 +187,8 @@ impl ControlPlane {
             args.push("--audit-log-format=json".into());
             args.push("--audit-log-mode=batch".into());
             args.push("--audit-log-batch-max-wait=1s".into());
+            // No rotation (the default rotates at 100 MB, which a large benchmark exceeds).
+            args.push("--audit-log-maxsize=1000000".into());
         }
         self.launch("kube-apiserver", args)?;
 

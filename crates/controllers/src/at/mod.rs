@@ -65,7 +65,7 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             scope: Scope::all(),
-            concurrency: 4,
+            concurrency: crate::DEFAULT_CONCURRENCY,
             clock: opkit::clock::system(),
         }
     }

@@ -46,7 +46,7 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             scope: Scope::all(),
-            concurrency: 4,
+            concurrency: crate::DEFAULT_CONCURRENCY,
         }
     }
 }
@@ -184,7 +184,16 @@ pub async fn run(ctx: ControllerContext, cfg: Config) {
             }),
         )
         .touched_objects();
-        let controller = Controller::new(foos, watcher::Config::default())
+        // The Foos themselves, without managed fields (a good part of each object, never read).
+        let (foo_store, foo_writer) = reflector::store();
+        let foo_stream = reflector::reflector(
+            foo_writer,
+            watcher(foos, watcher::Config::default())
+                .default_backoff()
+                .modify(|f| f.managed_fields_mut().clear()),
+        )
+        .applied_objects();
+        let controller = Controller::for_stream(foo_stream, foo_store)
             .with_config(ControllerConfig::default().concurrency(cfg.concurrency))
             .owns_stream(stream)
             .graceful_shutdown_on(ctx.shutdown_signal());

@@ -59,7 +59,7 @@ impl Default for Config {
         Config {
             image: DEFAULT_IMAGE.into(),
             scope: Scope::all(),
-            concurrency: 4,
+            concurrency: crate::DEFAULT_CONCURRENCY,
         }
     }
 }
