@@ -32,8 +32,14 @@ cat <<EOT
      kubectl patch memcached memcached-sample --type merge -p '{"spec":{"size":5}}'
      kubectl scale deployment memcached-sample --replicas=7   # reverted by opkit
      kubectl describe memcached memcached-sample # conditions and events
+     kubectl get at,eru,foo                      # the cnat, Eru and sample-controller samples
+     kubectl apply -f - <<< '{"apiVersion":"cache.example.com/v1","kind":"Memcached","metadata":{"name":"nosize"},"spec":{}}'
+                                                 # defaulted to size 1 by opkit's webhook
      curl -s localhost:8080/metrics | grep opkit_
    Ctrl-C stops the operator; 'make testenv-down' stops the local control plane.
 
 EOT
-exec "$opkit" run --metrics-bind-address 127.0.0.1:8080 --health-probe-bind-address 127.0.0.1:8081
+# The apiserver reaches the webhooks at 127.0.0.1:9443 (failurePolicy Ignore: harmless when
+# the operator is not running).
+exec "$opkit" run --metrics-bind-address 127.0.0.1:8080 --health-probe-bind-address 127.0.0.1:8081 \
+  --webhook-bind-address 127.0.0.1:9443 --webhook-url https://127.0.0.1:9443
