@@ -421,10 +421,12 @@ async fn run_lane(
     let limit = Duration::from_secs(env_or("BENCH_LIMIT_SECONDS", 1800));
     let window_start = Timestamp::now();
 
-    // The floor's status writer: mirrors availableReplicas as soon as a Deployment reports it.
+    // The floor's status writer: mirrors availableReplicas as soon as a Deployment reports it,
+    // with as many writes in flight as the benchmark's own requests.
     let status_writer = (lane == "floor").then(|| {
         let (d_api, f_api) = (floor_deploys.clone(), floor_foos.clone());
         tokio::spawn(async move {
+            let slots = Arc::new(tokio::sync::Semaphore::new(PARALLEL));
             let mut written: BTreeMap<String, i32> = BTreeMap::new();
             let mut s = watcher(d_api, watcher::Config::default()).applied_objects().boxed();
             while let Some(Ok(d)) = s.next().await {
@@ -433,14 +435,16 @@ async fn run_lane(
                 if a == 0 || written.get(&owner) == Some(&a) {
                     continue;
                 }
-                let body = json!({"apiVersion": "samplecontroller.k8s.io/v1alpha1", "kind": "Foo", "status": {"availableReplicas": a}});
-                if f_api
-                    .patch_status(&owner, &PatchParams::apply("floor").force(), &Patch::Apply(&body))
-                    .await
-                    .is_ok()
-                {
-                    written.insert(owner, a);
-                }
+                written.insert(owner.clone(), a);
+                let Ok(slot) = slots.clone().acquire_owned().await else { return };
+                let f_api = f_api.clone();
+                tokio::spawn(async move {
+                    let _slot = slot;
+                    let body = json!({"apiVersion": "samplecontroller.k8s.io/v1alpha1", "kind": "Foo", "status": {"availableReplicas": a}});
+                    let _ = f_api
+                        .patch_status(&owner, &PatchParams::apply("floor").force(), &Patch::Apply(&body))
+                        .await;
+                });
             }
         })
     });
