@@ -40,13 +40,7 @@ pub const FROM_ANNOTATION_LABEL: &str = "mtsre.meitu.com/eru-from-annotation";
 #[serde(rename_all = "camelCase")]
 pub struct EruSpec {
     /// The Deployment to restart, in the same namespace.
-    #[schemars(extend(
-        "maxLength" = 253,
-        "x-kubernetes-validations" = [{
-            "rule": "self.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$')",
-            "message": "must be a Deployment name (lowercase letters, digits, '-' and '.')"
-        }]
-    ))]
+    #[schemars(schema_with = "crate::deployment_name")]
     pub deployment_name: String,
     /// Cron schedule: 5 fields (`minute hour day-of-month month day-of-week`), 6 fields with
     /// seconds first, or a macro (`@hourly`, `@daily`, `@weekly`, `@monthly`, `@yearly`).

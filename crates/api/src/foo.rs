@@ -27,13 +27,7 @@ use serde::{Deserialize, Serialize};
 #[serde(rename_all = "camelCase")]
 pub struct FooSpec {
     /// Name of the Deployment to run, in the Foo's namespace.
-    #[schemars(extend(
-        "maxLength" = 253,
-        "x-kubernetes-validations" = [{
-            "rule": "self.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$')",
-            "message": "must be a Deployment name (lowercase letters, digits, '-' and '.')"
-        }]
-    ))]
+    #[schemars(schema_with = "crate::deployment_name")]
     pub deployment_name: String,
     /// Number of nginx Pods, 1 to 10 (default 1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
