@@ -112,17 +112,8 @@ pub fn validate_at(review: &Review<At>, now: Timestamp) -> Verdict {
 
 /// Checks an Eru's schedule and time zone fully; `deployment_exists` answers for the target.
 pub fn validate_eru(eru: &Eru, deployment_exists: Option<bool>) -> Verdict {
-    if let Err(e) = eru.spec.schedule.parse::<crate::eru::Schedule>() {
-        return Verdict::deny(format!("spec.schedule: {e}"));
-    }
-    let tz = match crate::eru::time_zone(eru.spec.time_zone.as_deref()) {
-        Ok(tz) => tz,
-        Err(e) => return Verdict::deny(format!("spec.timeZone: {e}")),
-    };
-    if let Ok(s) = eru.spec.schedule.parse::<crate::eru::Schedule>()
-        && s.next_after(Timestamp::now(), &tz).is_none()
-    {
-        return Verdict::deny(format!("spec.schedule: {:?} never fires", eru.spec.schedule));
+    if let Err((_, msg)) = crate::eru::check_spec(&eru.spec, Timestamp::now()) {
+        return Verdict::deny(msg);
     }
     match deployment_exists {
         Some(false) => Verdict::allow().warn(format!(

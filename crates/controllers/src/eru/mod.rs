@@ -32,8 +32,8 @@ use opkit_api::eru::{Eru, EruStatus, FROM_ANNOTATION_LABEL};
 
 pub use cron::{Schedule, time_zone};
 pub use plan::{
-    MAX_WAIT, Plan, RESTARTED_AT, Step, build_eru_for, created_from, plan, restart_patch, restart_stamp,
-    restarted_at, rollout_in_progress, wait_for, wants_eru,
+    MAX_WAIT, Plan, RESTARTED_AT, Step, build_eru_for, check_spec, created_from, plan, restart_patch,
+    restart_stamp, restarted_at, rollout_in_progress, wait_for, wants_eru,
 };
 
 use crate::Scope;

@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::jiff::tz::TimeZone;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::{Resource, ResourceExt};
 use opkit_api::MANAGED_BY;
@@ -96,27 +97,39 @@ pub fn rollout_in_progress(d: &Deployment) -> Option<String> {
     None
 }
 
-/// Decides what to do for `eru` at `now`, given its Deployment as last seen.
-pub fn plan(eru: &Eru, deployment: Option<&Deployment>, now: Timestamp) -> Plan {
-    let invalid = |reason, msg| Plan {
-        step: Step::Invalid(reason, msg),
-        next: None,
-        target_found: deployment.is_some(),
-    };
-    let spec = &eru.spec;
-    let schedule: Schedule = match spec.schedule.parse() {
-        Ok(s) => s,
-        Err(e) => return invalid(super::reason::INVALID_SCHEDULE, format!("spec.schedule: {e}")),
-    };
-    let tz = match time_zone(spec.time_zone.as_deref()) {
-        Ok(tz) => tz,
-        Err(e) => return invalid(super::reason::INVALID_TIME_ZONE, format!("spec.timeZone: {e}")),
-    };
-    let Some(next) = schedule.next_after(now, &tz) else {
-        return invalid(
+/// Parses the schedule and time zone and finds the next slot after `now`; on failure, the
+/// condition reason and a message naming the field. Shared by the controller and the webhook.
+pub fn check_spec(
+    spec: &EruSpec,
+    now: Timestamp,
+) -> Result<(Schedule, TimeZone, Timestamp), (&'static str, String)> {
+    let schedule: Schedule = spec
+        .schedule
+        .parse()
+        .map_err(|e| (super::reason::INVALID_SCHEDULE, format!("spec.schedule: {e}")))?;
+    let tz = time_zone(spec.time_zone.as_deref())
+        .map_err(|e| (super::reason::INVALID_TIME_ZONE, format!("spec.timeZone: {e}")))?;
+    let next = schedule.next_after(now, &tz).ok_or_else(|| {
+        (
             super::reason::INVALID_SCHEDULE,
             format!("spec.schedule: {:?} never fires", spec.schedule),
-        );
+        )
+    })?;
+    Ok((schedule, tz, next))
+}
+
+/// Decides what to do for `eru` at `now`, given its Deployment as last seen.
+pub fn plan(eru: &Eru, deployment: Option<&Deployment>, now: Timestamp) -> Plan {
+    let spec = &eru.spec;
+    let (schedule, tz, next) = match check_spec(spec, now) {
+        Ok(v) => v,
+        Err((reason, msg)) => {
+            return Plan {
+                step: Step::Invalid(reason, msg),
+                next: None,
+                target_found: deployment.is_some(),
+            };
+        }
     };
     let status = eru.status.clone().unwrap_or_default();
     let earliest = status
