@@ -7,6 +7,7 @@ pub mod foo;
 pub mod memcached;
 pub mod rbac;
 mod scope;
+pub mod security;
 pub mod webhooks;
 
 pub use scope::Scope;

@@ -3,9 +3,9 @@
 //! (`kubectl apply -k config/default`).
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, ContainerPort, EnvVar, EnvVarSource, HTTPGetAction, Namespace,
-    ObjectFieldSelector, PodSecurityContext, PodSpec, PodTemplateSpec, Probe, ResourceRequirements,
-    SeccompProfile, SecurityContext, Service, ServiceAccount, ServicePort, ServiceSpec,
+    Container, ContainerPort, EnvVar, EnvVarSource, HTTPGetAction, Namespace, ObjectFieldSelector, PodSpec,
+    PodTemplateSpec, Probe, ResourceRequirements, SecurityContext, Service, ServiceAccount, ServicePort,
+    ServiceSpec,
 };
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding, RoleRef, Subject};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -13,6 +13,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::ResourceExt;
 use opkit_controllers::rbac::{all_rules, rule};
+use opkit_controllers::security::{restricted_container, restricted_pod};
 use serde_json::json;
 use std::collections::BTreeMap;
 
@@ -156,14 +157,9 @@ pub fn deployment() -> Deployment {
             ..Default::default()
         }),
         security_context: Some(SecurityContext {
-            allow_privilege_escalation: Some(false),
             read_only_root_filesystem: Some(true),
             run_as_non_root: Some(true),
-            capabilities: Some(Capabilities {
-                drop: Some(vec!["ALL".into()]),
-                ..Default::default()
-            }),
-            ..Default::default()
+            ..restricted_container()
         }),
         ..Default::default()
     };
@@ -195,14 +191,7 @@ pub fn deployment() -> Deployment {
                     containers: vec![container],
                     service_account_name: Some(MANAGER.into()),
                     termination_grace_period_seconds: Some(30),
-                    security_context: Some(PodSecurityContext {
-                        run_as_non_root: Some(true),
-                        seccomp_profile: Some(SeccompProfile {
-                            type_: "RuntimeDefault".into(),
-                            ..Default::default()
-                        }),
-                        ..Default::default()
-                    }),
+                    security_context: Some(restricted_pod()),
                     ..Default::default()
                 }),
             },

@@ -2,15 +2,14 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{
-    Capabilities, Container, Pod, PodSecurityContext, PodSpec, ResourceRequirements, SeccompProfile,
-    SecurityContext,
-};
+use k8s_openapi::api::core::v1::{Container, Pod, PodSecurityContext, PodSpec, ResourceRequirements};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::jiff::Timestamp;
 use kube::{Resource, ResourceExt};
 use opkit_api::MANAGED_BY;
+
+use crate::security::{restricted_container, restricted_pod};
 use opkit_api::at::{At, DEFAULT_IMAGE, Outcome, Phase};
 
 /// The `app.kubernetes.io/name` of every Pod this controller starts.
@@ -185,25 +184,13 @@ pub fn build_pod(at: &At) -> Result<Pod, String> {
                     limits: Some(BTreeMap::from([("memory".into(), q("128Mi"))])),
                     ..Default::default()
                 }),
-                security_context: Some(SecurityContext {
-                    allow_privilege_escalation: Some(false),
-                    capabilities: Some(Capabilities {
-                        drop: Some(vec!["ALL".into()]),
-                        ..Default::default()
-                    }),
-                    ..Default::default()
-                }),
+                security_context: Some(restricted_container()),
                 ..Default::default()
             }],
             security_context: Some(PodSecurityContext {
-                run_as_non_root: Some(true),
                 run_as_user: Some(65534),
                 run_as_group: Some(65534),
-                seccomp_profile: Some(SeccompProfile {
-                    type_: "RuntimeDefault".into(),
-                    ..Default::default()
-                }),
-                ..Default::default()
+                ..restricted_pod()
             }),
             ..Default::default()
         }),

@@ -4,8 +4,8 @@ use std::sync::Arc;
 
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, ContainerPort, Pod, PodSecurityContext, PodSpec, PodTemplateSpec, Probe,
-    ResourceRequirements, SeccompProfile, SecurityContext, TCPSocketAction,
+    Container, ContainerPort, Pod, PodSpec, PodTemplateSpec, Probe, ResourceRequirements, SecurityContext,
+    TCPSocketAction,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, Time};
@@ -13,6 +13,8 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::{Resource, ResourceExt};
 use opkit::conditions::{self, Desired};
 use opkit_api::MANAGED_BY;
+
+use crate::security::{restricted_container, restricted_pod};
 use opkit_api::memcached::{Memcached, MemcachedStatus};
 
 use super::{CR_LABEL, reason};
@@ -80,13 +82,8 @@ pub fn build_deployment(mc: &Memcached, size: i32, image: &str) -> Result<Deploy
         security_context: Some(SecurityContext {
             run_as_non_root: Some(true),
             run_as_user: Some(1001),
-            allow_privilege_escalation: Some(false),
             read_only_root_filesystem: Some(true),
-            capabilities: Some(Capabilities {
-                drop: Some(vec!["ALL".into()]),
-                ..Default::default()
-            }),
-            ..Default::default()
+            ..restricted_container()
         }),
         ..Default::default()
     };
@@ -111,14 +108,7 @@ pub fn build_deployment(mc: &Memcached, size: i32, image: &str) -> Result<Deploy
                 }),
                 spec: Some(PodSpec {
                     containers: vec![container],
-                    security_context: Some(PodSecurityContext {
-                        run_as_non_root: Some(true),
-                        seccomp_profile: Some(SeccompProfile {
-                            type_: "RuntimeDefault".into(),
-                            ..Default::default()
-                        }),
-                        ..Default::default()
-                    }),
+                    security_context: Some(restricted_pod()),
                     ..Default::default()
                 }),
             },
