@@ -88,6 +88,10 @@ pub struct EruStatus {
     /// Restarts made by this Eru.
     #[serde(default)]
     pub restart_count: i64,
+    /// Whether `spec.suspend` was in force at the last reconcile, so slots that passed while
+    /// suspended are consumed on resume instead of made up.
+    #[serde(default)]
+    pub suspended: bool,
     /// The `metadata.generation` this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,

@@ -6,14 +6,6 @@ pub mod eru;
 pub mod foo;
 pub mod memcached;
 
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-
-/// Every CRD opkit serves, in a stable order (for `opkit crd` and `make manifests`).
-pub fn all_crds() -> Vec<CustomResourceDefinition> {
-    use kube::CustomResourceExt;
-    vec![memcached::crd(), at::At::crd(), eru::Eru::crd(), foo::Foo::crd()]
-}
-
 /// Labels every object opkit creates carries (`app.kubernetes.io/managed-by`).
 pub const MANAGED_BY: &str = "opkit";
 

@@ -1,20 +1,75 @@
 //! The opkit controllers, one module per kind. Each module holds the whole story of its kind:
-//! validation, the objects it builds, how it watches, and the RBAC rules it needs.
+//! validation, the objects it builds, how it watches, its RBAC rules and its admission
+//! webhooks. [`registry`] is the one list of them.
 
 pub mod at;
 pub mod eru;
 pub mod foo;
 pub mod memcached;
-pub mod rbac;
-mod scope;
 pub mod security;
-pub mod webhooks;
 
-pub use scope::Scope;
+use kube::CustomResourceExt;
+use opkit::{Registration, Registry};
 
-/// Reconciles running at once per controller. Reconciles wait on the apiserver, not the CPU, so
-/// one (controller-runtime's default) leaves most of the time idle, while no limit (kube-runtime's
-/// default) lets a burst of thousands of objects hit the apiserver at once. Measured with 1000
-/// Foos (docs/benchmark.md): 4 took 2.8x the direct-client floor to create the Deployments, 16
-/// took 1.3x, unlimited 0.8x with more memory and some retried writes.
-pub const DEFAULT_CONCURRENCY: u16 = 16;
+/// Operator settings the controllers take from the command line.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// Image of the memcached containers.
+    pub memcached_image: String,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            memcached_image: memcached::DEFAULT_IMAGE.into(),
+        }
+    }
+}
+
+/// Prefix of the names of the operator's own objects (webhook configurations and Service).
+pub const PROJECT: &str = "opkit";
+
+/// Every controller opkit ships, in start order. Adding a kind: its folder, its types, and one
+/// entry here.
+pub fn registry() -> Registry<Settings> {
+    Registry::new(vec![
+        Registration {
+            name: memcached::NAME,
+            crds: || vec![opkit_api::memcached::crd()],
+            rbac: memcached::rbac_rules,
+            webhooks: memcached::webhooks,
+            add: |m, s| {
+                m.add(memcached::MemcachedController {
+                    image: s.memcached_image.clone(),
+                });
+            },
+        },
+        Registration {
+            name: at::NAME,
+            crds: || vec![opkit_api::at::At::crd()],
+            rbac: at::rbac_rules,
+            webhooks: at::webhooks,
+            add: |m, _| {
+                m.add(at::AtController);
+            },
+        },
+        Registration {
+            name: eru::NAME,
+            crds: || vec![opkit_api::eru::Eru::crd()],
+            rbac: eru::rbac_rules,
+            webhooks: eru::webhooks,
+            add: |m, _| {
+                m.add(eru::EruController).add(eru::AnnotationController);
+            },
+        },
+        Registration {
+            name: foo::NAME,
+            crds: || vec![opkit_api::foo::Foo::crd()],
+            rbac: foo::rbac_rules,
+            webhooks: |w, _| w,
+            add: |m, _| {
+                m.add(foo::FooController);
+            },
+        },
+    ])
+}

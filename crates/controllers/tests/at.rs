@@ -10,26 +10,15 @@ use kube::core::ApiResource;
 use kube::{Client, ResourceExt};
 use opkit::ManagerOptions;
 use opkit_api::at::{At, AtStatus, Outcome, Phase};
-use opkit_controllers::{Scope, at};
+use opkit_controllers::at;
 use opkit_testenv::{shared, wait_for};
 use serde_json::json;
 
 mod common;
-use common::{Operator, T, install_crd, run_controller, sample};
+use common::{Operator, T, install_crd, sample};
 
 async fn start(client: &Client, ns: &str) -> anyhow::Result<Operator> {
-    use kube::CustomResourceExt;
-    install_crd(client, At::crd()).await?;
-    let cfg = at::Config {
-        scope: Scope::namespaces(vec![ns.to_string()]),
-        ..Default::default()
-    };
-    Ok(run_controller(
-        client,
-        at::NAME,
-        ManagerOptions::default(),
-        move |ctx| at::run(ctx, cfg),
-    ))
+    common::start(client, ns, at::NAME, ManagerOptions::default()).await
 }
 
 /// The book's sample, optionally with another schedule and command.
@@ -115,7 +104,7 @@ async fn the_book_sample_runs_once_at_its_scheduled_time() {
                 at_pods(&client, &ns).await?.is_empty(),
                 "a Pod before the schedule"
             );
-            let reconciles_while_pending = op.ctx.metrics().reconciles_total();
+            let reconciles_while_pending = op.metrics().reconciles_total();
 
             let running = wait_phase(&client, &ns, "example-at", Phase::Running).await?;
             let started = running.start_time.context("no startTime")?.0;
@@ -126,7 +115,7 @@ async fn the_book_sample_runs_once_at_its_scheduled_time() {
                 "started {late:#} after the schedule"
             );
             // A timer, not a polling loop: no reconcile between PENDING and the due time.
-            let reconciles_at_start = op.ctx.metrics().reconciles_total();
+            let reconciles_at_start = op.metrics().reconciles_total();
             ensure!(
                 reconciles_at_start - reconciles_while_pending <= 2,
                 "{} reconciles while waiting",

@@ -6,28 +6,18 @@ use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use kube::core::ApiResource;
-use kube::{Client, CustomResourceExt, ResourceExt};
+use kube::{Client, ResourceExt};
 use opkit::ManagerOptions;
 use opkit_api::eru::{ANNOTATION, Eru, EruStatus, SCHEDULE_ANNOTATION};
-use opkit_controllers::{Scope, eru};
+use opkit_controllers::eru;
 use opkit_testenv::{shared, wait_for};
 use serde_json::json;
 
 mod common;
-use common::{Operator, T, install_crd, run_controller};
+use common::{Operator, T};
 
 async fn start(client: &Client, ns: &str) -> anyhow::Result<Operator> {
-    install_crd(client, Eru::crd()).await?;
-    let cfg = eru::Config {
-        scope: Scope::namespaces(vec![ns.to_string()]),
-        ..Default::default()
-    };
-    Ok(run_controller(
-        client,
-        eru::NAME,
-        ManagerOptions::default(),
-        move |ctx| eru::run(ctx, cfg),
-    ))
+    common::start(client, ns, eru::NAME, ManagerOptions::default()).await
 }
 
 fn deployment(
@@ -382,7 +372,7 @@ async fn an_operator_restart_does_not_restart_twice_for_one_slot() {
 
             let op = start(&client, &ns).await?;
             wait_for("the new operator to reconcile", T, || async {
-                if op.ctx.metrics().reconciles_total() >= 1 {
+                if op.metrics().reconciles_total() >= 1 {
                     Ok(())
                 } else {
                     Err(anyhow!("not yet"))

@@ -3,28 +3,18 @@ use anyhow::{anyhow, ensure};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
-use kube::{Client, CustomResourceExt, ResourceExt};
+use kube::{Client, ResourceExt};
 use opkit::ManagerOptions;
 use opkit_api::foo::Foo;
-use opkit_controllers::{Scope, foo};
+use opkit_controllers::foo;
 use opkit_testenv::{shared, wait_for};
 use serde_json::json;
 
 mod common;
-use common::{Operator, T, install_crd, run_controller, sample};
+use common::{Operator, T, sample};
 
 async fn start(client: &Client, ns: &str) -> anyhow::Result<Operator> {
-    install_crd(client, Foo::crd()).await?;
-    let cfg = foo::Config {
-        scope: Scope::namespaces(vec![ns.to_string()]),
-        ..Default::default()
-    };
-    Ok(run_controller(
-        client,
-        foo::NAME,
-        ManagerOptions::default(),
-        move |ctx| foo::run(ctx, cfg),
-    ))
+    common::start(client, ns, foo::NAME, ManagerOptions::default()).await
 }
 
 async fn available(foos: &Api<Foo>, name: &str, n: i32) -> anyhow::Result<()> {
@@ -64,9 +54,9 @@ async fn the_upstream_example_gets_its_deployment_and_follows_replicas() {
             ensure!(labels.get("controller").map(String::as_str) == Some("example-foo"));
             // Converging one Foo took one Deployment create and one status write, nothing else.
             ensure!(
-                op.ctx.metrics().writes_total() == 2,
+                op.metrics().writes_total() == 2,
                 "{} writes",
-                op.ctx.metrics().writes_total()
+                op.metrics().writes_total()
             );
 
             foos.patch(

@@ -6,22 +6,15 @@ use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use opkit::ManagerOptions;
 use opkit_api::memcached::Memcached;
-use opkit_controllers::{Scope, memcached};
+use opkit_controllers::memcached;
 use opkit_testenv::{http_get, shared, wait_for};
 use serde_json::json;
 
 mod common;
-use common::{Operator, T, install_crd, run_controller, sample};
+use common::{Operator, T, assert_quiescent, install_crd, sample};
 
 async fn start(client: &Client, ns: &str, opts: ManagerOptions) -> anyhow::Result<Operator> {
-    install_crd(client, opkit_api::memcached::crd()).await?;
-    let cfg = memcached::Config {
-        scope: Scope::namespaces(vec![ns.to_string()]),
-        ..Default::default()
-    };
-    Ok(run_controller(client, memcached::NAME, opts, move |ctx| {
-        memcached::run(ctx, cfg)
-    }))
+    common::start(client, ns, memcached::NAME, opts).await
 }
 
 async fn apply_yaml(client: &Client, ns: &str, yaml: &str) -> anyhow::Result<Memcached> {
@@ -209,20 +202,25 @@ async fn a_converged_resync_writes_nothing() {
                 }
             })
             .await?;
-            let writes = op.ctx.metrics().writes_total();
-            let reconciles = op.ctx.metrics().reconciles_total();
             let deploy_rv = deploys.get("memcached-sample").await?.resource_version();
-            let mc_rv = mcs.get("memcached-sample").await?.resource_version();
+            assert_quiescent(
+                &op.metrics(),
+                &mcs,
+                "memcached-sample",
+                std::time::Duration::from_secs(5),
+            )
+            .await?;
 
             // An annotation changes nothing the controller cares about but triggers a reconcile.
+            let reconciles = op.metrics().reconciles_total();
             mcs.patch(
                 "memcached-sample",
                 &PatchParams::default(),
                 &Patch::Merge(json!({"metadata": {"annotations": {"touch": "1"}}})),
             )
             .await?;
-            wait_for("a reconcile after the touch", T, || async {
-                let r = op.ctx.metrics().reconciles_total();
+            wait_for("a finished reconcile after the touch", T, || async {
+                let r = op.metrics().reconciles_total();
                 if r > reconciles {
                     Ok(())
                 } else {
@@ -230,13 +228,13 @@ async fn a_converged_resync_writes_nothing() {
                 }
             })
             .await?;
-            let touched_rv = mcs.get("memcached-sample").await?.resource_version();
-            ensure!(touched_rv != mc_rv, "the touch should have changed the object");
-            ensure!(
-                op.ctx.metrics().writes_total() == writes,
-                "writes went from {writes} to {}",
-                op.ctx.metrics().writes_total()
-            );
+            assert_quiescent(
+                &op.metrics(),
+                &mcs,
+                "memcached-sample",
+                std::time::Duration::from_secs(5),
+            )
+            .await?;
             ensure!(
                 deploys.get("memcached-sample").await?.resource_version() == deploy_rv,
                 "the Deployment was rewritten"
@@ -279,7 +277,7 @@ async fn metrics_and_probes_answer() {
             let (code, body) = http_get(m, "/metrics").await?;
             ensure!(code == 200, "/metrics answered {code}");
             for needle in [
-                "opkit_reconcile_total{controller=\"memcached\"}",
+                "opkit_reconcile_total{controller=\"memcached\",result=\"success\"}",
                 "opkit_reconcile_duration_seconds_bucket{le=",
                 "opkit_api_writes_total{controller=\"memcached\",verb=\"apply\"} 1",
             ] {

@@ -9,8 +9,8 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomRe
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::wait::{await_condition, conditions};
 use kube::{Api, Client, Config, ResourceExt};
-use opkit::{Manager, ManagerOptions};
-use opkit_controllers::{Scope, at, eru, foo, memcached};
+use opkit::{Manager, ManagerOptions, Scope};
+use opkit_controllers::{PROJECT, Settings, memcached, registry};
 
 mod manifests;
 
@@ -49,12 +49,10 @@ enum LogFormat {
     Json,
 }
 
-const CONTROLLERS: &[&str] = &[memcached::NAME, at::NAME, eru::NAME, foo::NAME];
-
 #[derive(clap::Args)]
 struct RunArgs {
     /// Controllers to run, comma-separated (default: all).
-    #[arg(long, value_delimiter = ',', default_values_t = CONTROLLERS.iter().map(|s| s.to_string()).collect::<Vec<_>>())]
+    #[arg(long, value_delimiter = ',', default_values_t = registry().names().iter().map(|s| s.to_string()).collect::<Vec<_>>())]
     controllers: Vec<String>,
     /// Watch only this namespace (repeatable); all namespaces when absent.
     #[arg(long = "namespace", short = 'n')]
@@ -65,8 +63,8 @@ struct RunArgs {
     /// Where to serve /healthz and /readyz; "0" disables.
     #[arg(long, default_value = "0.0.0.0:8081")]
     health_probe_bind_address: String,
-    /// Reconciles running at once, per controller (0: no limit).
-    #[arg(long, default_value_t = opkit_controllers::DEFAULT_CONCURRENCY)]
+    /// Reconciles running at once, per controller over all its namespaces (0: no limit).
+    #[arg(long, default_value_t = opkit::DEFAULT_CONCURRENCY)]
     concurrency: u16,
     /// Kubeconfig file (in-cluster config, then $KUBECONFIG, when absent).
     #[arg(long)]
@@ -112,69 +110,6 @@ struct RunArgs {
     /// (e.g. `https://127.0.0.1:9443`); in a cluster, the Service `opkit-webhook-service`.
     #[arg(long)]
     webhook_url: Option<String>,
-}
-
-/// Starts the webhook server and points the webhook configurations at it (with its CA).
-async fn start_webhooks(
-    args: &RunArgs,
-    client: &Client,
-    shutdown: tokio_util::sync::CancellationToken,
-) -> anyhow::Result<()> {
-    use opkit::webhook::{CertSource, self_signed, serve};
-    use opkit_controllers::webhooks::{Endpoint, SERVICE, configurations, webhooks};
-    let Some(addr) = addr(&args.webhook_bind_address, "webhook-bind-address")? else {
-        return Ok(());
-    };
-    let own_ns = own_namespace().unwrap_or_else(|| manifests::NAMESPACE.into());
-    let endpoint = match &args.webhook_url {
-        Some(u) => Endpoint::Url(u.clone()),
-        None => Endpoint::Service {
-            namespace: own_ns.clone(),
-        },
-    };
-    let (certs, ca) = match &args.webhook_cert_dir {
-        Some(dir) => (
-            CertSource::Dir(dir.clone()),
-            std::fs::read_to_string(dir.join("ca.crt")).ok(),
-        ),
-        None => {
-            let hosts = match &endpoint {
-                Endpoint::Url(u) => {
-                    let host = u
-                        .trim_start_matches("https://")
-                        .split(['/', ':'])
-                        .next()
-                        .unwrap_or_default()
-                        .to_string();
-                    vec![host]
-                }
-                Endpoint::Service { namespace } => vec![
-                    format!("{SERVICE}.{namespace}.svc"),
-                    format!("{SERVICE}.{namespace}.svc.cluster.local"),
-                ],
-            };
-            let cert = self_signed(&hosts).context("making the webhook certificate")?;
-            let ca = cert.ca_pem.clone();
-            (CertSource::Generated(cert), Some(ca))
-        }
-    };
-    serve(&webhooks(client.clone()), addr, certs, shutdown).await?;
-    let (m, v) = configurations(&endpoint, &own_ns, ca.as_deref());
-    let pp = kube::api::PatchParams::apply("opkit-webhooks").force();
-    let mutating: Api<k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration> =
-        Api::all(client.clone());
-    mutating
-        .patch(&m.name_any(), &pp, &kube::api::Patch::Apply(&m))
-        .await
-        .context("configuring the mutating webhooks")?;
-    let validating: Api<k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration> =
-        Api::all(client.clone());
-    validating
-        .patch(&v.name_any(), &pp, &kube::api::Patch::Apply(&v))
-        .await
-        .context("configuring the validating webhooks")?;
-    tracing::info!(?endpoint, "webhook configurations point at this server");
-    Ok(())
 }
 
 /// The namespace this process runs in, when it runs in a Pod.
@@ -267,11 +202,8 @@ async fn wait_for_crds(client: &Client, names: &[String]) -> anyhow::Result<()> 
 
 async fn run(args: RunArgs) -> anyhow::Result<()> {
     init_logging(args.log_format);
-    for c in &args.controllers {
-        if !CONTROLLERS.contains(&c.as_str()) {
-            bail!("unknown controller {c:?}; known: {}", CONTROLLERS.join(", "));
-        }
-    }
+    let registry = registry();
+    let selected = registry.select(&args.controllers).map_err(anyhow::Error::msg)?;
     let opts = ManagerOptions {
         metrics_addr: addr(&args.metrics_bind_address, "metrics-bind-address")?,
         health_addr: addr(&args.health_probe_bind_address, "health-probe-bind-address")?,
@@ -281,48 +213,33 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     let client = Client::try_from(client_config(&args).await?)?;
     let scope = Scope::namespaces(args.namespaces.clone());
-    let mut crd_names = Vec::new();
-    let mut manager = Manager::new(client.clone());
-    use kube::CustomResourceExt;
-    let wanted = |name: &str| args.controllers.iter().any(|c| c == name);
-    let (concurrency, clock) = (args.concurrency, opkit::clock::system());
-    if wanted(memcached::NAME) {
-        crd_names.push(opkit_api::memcached::crd().name_any());
-        let cfg = memcached::Config {
-            image: args.memcached_image.clone(),
-            scope: scope.clone(),
-            concurrency,
-        };
-        manager.add(memcached::NAME, move |ctx| memcached::run(ctx, cfg));
+    let mut manager = Manager::new(client.clone())
+        .with_scope(scope.clone())
+        .with_concurrency(args.concurrency);
+    let settings = Settings {
+        memcached_image: args.memcached_image.clone(),
+    };
+    for r in &selected {
+        (r.add)(&mut manager, &settings);
     }
-    if wanted(at::NAME) {
-        crd_names.push(opkit_api::at::At::crd().name_any());
-        let cfg = at::Config {
-            scope: scope.clone(),
-            concurrency,
-            clock: clock.clone(),
+    let crds: Vec<String> = opkit::registry::crds(&selected)
+        .iter()
+        .map(|c| c.name_any())
+        .collect();
+    wait_for_crds(&client, &crds).await?;
+    if let Some(bind) = addr(&args.webhook_bind_address, "webhook-bind-address")? {
+        // Every kind's admission rules, whichever controllers run here: the configurations are
+        // shared by all replicas and must not depend on one process's `--controllers`.
+        let hooks = registry.webhooks(&client);
+        let webhook_opts = opkit::webhook::WebhookOptions {
+            project: PROJECT,
+            bind,
+            cert_dir: args.webhook_cert_dir.clone(),
+            url: args.webhook_url.clone(),
+            namespace: own_namespace().unwrap_or_else(|| manifests::NAMESPACE.into()),
         };
-        manager.add(at::NAME, move |ctx| at::run(ctx, cfg));
+        opkit::webhook::start(&client, &hooks, &webhook_opts, manager.shutdown_token()).await?;
     }
-    if wanted(eru::NAME) {
-        crd_names.push(opkit_api::eru::Eru::crd().name_any());
-        let cfg = eru::Config {
-            scope: scope.clone(),
-            concurrency,
-            clock,
-        };
-        manager.add(eru::NAME, move |ctx| eru::run(ctx, cfg));
-    }
-    if wanted(foo::NAME) {
-        crd_names.push(opkit_api::foo::Foo::crd().name_any());
-        let cfg = foo::Config {
-            scope: scope.clone(),
-            concurrency,
-        };
-        manager.add(foo::NAME, move |ctx| foo::run(ctx, cfg));
-    }
-    wait_for_crds(&client, &crd_names).await?;
-    start_webhooks(&args, &client, manager.shutdown_token()).await?;
     tracing::info!(controllers = ?args.controllers, namespaces = ?scope.list(), "opkit starting");
     manager.run(opts).await?;
     Ok(())
@@ -357,7 +274,7 @@ async fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Run(args) => run(*args).await,
         Command::Crd => {
-            for crd in opkit_api::all_crds() {
+            for crd in registry().crds() {
                 print!("---\n{}", serde_yaml::to_string(&crd)?);
             }
             Ok(())

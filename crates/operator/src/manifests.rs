@@ -12,8 +12,10 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::ResourceExt;
-use opkit_controllers::rbac::{all_rules, rule};
+use opkit::rbac::rule;
+use opkit::webhook::{Endpoint, configurations, service_name};
 use opkit_controllers::security::{restricted_container, restricted_pod};
+use opkit_controllers::{PROJECT, registry};
 use serde_json::json;
 use std::collections::BTreeMap;
 
@@ -203,9 +205,10 @@ pub fn deployment() -> Deployment {
 
 /// Every generated file, relative to the config directory.
 pub fn all() -> anyhow::Result<Vec<(String, String)>> {
+    let registry = registry();
     let mut files = Vec::new();
     let mut crd_files = Vec::new();
-    for crd in opkit_api::all_crds() {
+    for crd in registry.crds() {
         let file = format!("{}.yaml", crd.name_any());
         files.push((format!("crd/{file}"), to_yaml(&[crd])?));
         crd_files.push(file);
@@ -221,15 +224,15 @@ pub fn all() -> anyhow::Result<Vec<(String, String)>> {
             ..Default::default()
         },
         rules: Some({
-            let mut rules = all_rules();
-            rules.extend(opkit_controllers::webhooks::rbac_rules());
+            let mut rules = registry.rbac();
+            rules.extend(opkit::webhook::rbac_rules(PROJECT));
             // `opkit run` waits for its own CRDs to be Established before starting.
             let mut crds = rule(
                 &["apiextensions.k8s.io"],
                 &["customresourcedefinitions"],
                 &["get", "list", "watch"],
             );
-            crds.resource_names = Some(opkit_api::all_crds().iter().map(|c| c.name_any()).collect());
+            crds.resource_names = Some(registry.crds().iter().map(|c| c.name_any()).collect());
             rules.push(crds);
             rules
         }),
@@ -334,9 +337,12 @@ pub fn all() -> anyhow::Result<Vec<(String, String)>> {
     };
     files.push(("default/metrics_service.yaml".into(), to_yaml(&[metrics])?));
 
-    use opkit_controllers::webhooks::{Endpoint, SERVICE, configurations};
+    // The handlers are never called here; only their rules are read, so the client is offline.
+    let offline = kube::Client::try_from(kube::Config::new("https://127.0.0.1:1".parse()?))?;
     // No caBundle here: the operator fills it in at start (its own CA, or the mounted ca.crt).
     let (mutating, validating) = configurations(
+        PROJECT,
+        &registry.webhooks(&offline),
         &Endpoint::Service {
             namespace: NAMESPACE.into(),
         },
@@ -344,7 +350,7 @@ pub fn all() -> anyhow::Result<Vec<(String, String)>> {
         None,
     );
     let webhook_service = Service {
-        metadata: meta(SERVICE, Some(NAMESPACE)),
+        metadata: meta(&service_name(PROJECT), Some(NAMESPACE)),
         spec: Some(ServiceSpec {
             selector: Some(selector()),
             ports: Some(vec![ServicePort {

@@ -1,24 +1,33 @@
-//! opkit: the thin layer kube-rs leaves to each operator author — a manager that runs several
-//! controllers with metrics and health probes, server-side apply that skips no-op writes,
-//! status conditions, Events and per-object backoff.
+//! opkit: the thin layer kube-rs leaves to each operator author — a controller skeleton
+//! ([`Reconciler`]: declare watches, return a pure [`Plan`]), a runtime that carries plans out
+//! (server-side apply that skips no-op writes, orphan pruning, status through the subresource,
+//! Events, per-object backoff, synced caches), a manager with metrics, health probes and
+//! leader election, admission webhooks, and one [`registry::Registry`] that drives RBAC,
+//! manifests and `--controllers`.
 //!
 //! Watching, caching, queueing and the reconcile loop itself are kube-runtime's `Controller`;
 //! opkit only wires them together the way an operator in production needs.
 
-pub mod apply;
 pub mod backoff;
-pub mod clock;
 pub mod conditions;
-pub mod context;
+mod context;
+pub mod diff;
 pub mod leader;
 pub mod manager;
 pub mod metrics;
+pub mod rbac;
+pub mod reconciler;
+pub mod registry;
+pub mod runtime;
+mod scope;
 mod server;
 pub mod webhook;
 
-pub use clock::Clock;
-pub use context::{ControllerContext, ReconcileError};
-pub use manager::{Manager, ManagerOptions};
+pub use manager::{DEFAULT_CONCURRENCY, Manager, ManagerOptions};
+pub use reconciler::{Child, Event, Invalid, Plan, Reconciler, Requeue};
+pub use registry::{Registration, Registry};
+pub use runtime::{Cache, Watch, Watches};
+pub use scope::Scope;
 
 pub use k8s_openapi;
 /// Re-exported so controllers and opkit agree on one version.

@@ -1,16 +1,25 @@
 //! Prometheus metrics shared by every controller of a manager.
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ControllerLabel {
     controller: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabels {
+    controller: String,
+    result: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -33,10 +42,19 @@ fn duration_histogram() -> Histogram {
 #[derive(Clone)]
 pub struct Metrics {
     registry: Arc<Registry>,
-    reconciles: Family<ControllerLabel, Counter>,
+    reconciles: Family<ResultLabels, Counter>,
+    active: Family<ControllerLabel, Gauge>,
     failures: Family<ErrorLabels, Counter>,
     duration: Family<ControllerLabel, Histogram, fn() -> Histogram>,
     writes: Family<WriteLabels, Counter>,
+    totals: Arc<Mutex<HashMap<String, Arc<Totals>>>>,
+}
+
+/// Running totals per controller, for tests and benchmarks that wait on them.
+#[derive(Debug, Default)]
+struct Totals {
+    finished: AtomicU64,
+    writes: AtomicU64,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -48,13 +66,19 @@ impl std::fmt::Debug for Metrics {
 impl Default for Metrics {
     fn default() -> Self {
         let mut registry = Registry::with_prefix("opkit");
-        let reconciles = Family::<ControllerLabel, Counter>::default();
+        let reconciles = Family::<ResultLabels, Counter>::default();
+        let active = Family::<ControllerLabel, Gauge>::default();
         let failures = Family::<ErrorLabels, Counter>::default();
         let duration = Family::<ControllerLabel, Histogram, fn() -> Histogram>::new_with_constructor(
             duration_histogram as fn() -> Histogram,
         );
         let writes = Family::<WriteLabels, Counter>::default();
-        registry.register("reconcile", "Reconciles started", reconciles.clone());
+        registry.register(
+            "reconcile",
+            "Reconciles finished, by result (success, invalid, error)",
+            reconciles.clone(),
+        );
+        registry.register("reconcile_active", "Reconciles running now", active.clone());
         registry.register(
             "reconcile_errors",
             "Reconciles that failed, by error category",
@@ -73,9 +97,11 @@ impl Default for Metrics {
         Metrics {
             registry: Arc::new(registry),
             reconciles,
+            active,
             failures,
             duration,
             writes,
+            totals: Arc::default(),
         }
     }
 }
@@ -91,9 +117,17 @@ impl Metrics {
 
     /// The handle one controller records through.
     pub fn for_controller(&self, controller: &str) -> ControllerMetrics {
+        let totals = self
+            .totals
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(controller.to_string())
+            .or_default()
+            .clone();
         ControllerMetrics {
             metrics: self.clone(),
             controller: controller.to_string(),
+            totals,
         }
     }
 }
@@ -103,13 +137,15 @@ impl Metrics {
 pub struct ControllerMetrics {
     metrics: Metrics,
     controller: String,
+    totals: Arc<Totals>,
 }
 
 impl ControllerMetrics {
-    /// Counts a reconcile and returns a guard that records its duration when dropped, so
-    /// early returns and errors are measured too.
-    pub fn reconcile_started(&self) -> ReconcileTimer {
-        self.metrics.reconciles.get_or_create(&self.label()).inc();
+    /// Marks a reconcile as running and returns the guard that records how it finished (and
+    /// how long it took) — counted at the end, so a test waiting on the count waits for the
+    /// work, not its start.
+    pub(crate) fn reconcile_started(&self) -> ReconcileTimer {
+        self.metrics.active.get_or_create(&self.label()).inc();
         ReconcileTimer {
             metrics: self.clone(),
             start: Instant::now(),
@@ -132,25 +168,22 @@ impl ControllerMetrics {
             verb: verb.to_string(),
         };
         self.metrics.writes.get_or_create(&l).inc();
+        self.totals.writes.fetch_add(1, Ordering::SeqCst);
     }
 
     /// Writes made so far by this controller, over all verbs (for tests and benchmarks).
     pub fn writes_total(&self) -> u64 {
-        ["apply", "apply_status", "create", "delete", "event"]
-            .iter()
-            .map(|v| {
-                let l = WriteLabels {
-                    controller: self.controller.clone(),
-                    verb: v.to_string(),
-                };
-                self.metrics.writes.get_or_create(&l).get()
-            })
-            .sum()
+        self.totals.writes.load(Ordering::SeqCst)
     }
 
-    /// Reconciles started so far by this controller (for tests and benchmarks).
+    /// Reconciles finished so far by this controller, whatever the result.
     pub fn reconciles_total(&self) -> u64 {
-        self.metrics.reconciles.get_or_create(&self.label()).get()
+        self.totals.finished.load(Ordering::SeqCst)
+    }
+
+    /// Reconciles running right now.
+    pub fn reconciles_active(&self) -> i64 {
+        self.metrics.active.get_or_create(&self.label()).get()
     }
 
     fn label(&self) -> ControllerLabel {
@@ -160,20 +193,37 @@ impl ControllerMetrics {
     }
 }
 
-/// Records a reconcile's duration on drop.
-pub struct ReconcileTimer {
+/// Records how a reconcile finished; dropped unfinished (cancelled), it still leaves the
+/// active count.
+pub(crate) struct ReconcileTimer {
     metrics: ControllerMetrics,
     start: Instant,
 }
 
+impl ReconcileTimer {
+    /// Counts the reconcile under `result` and records its duration.
+    pub(crate) fn finish(self, result: &str) {
+        let m = &self.metrics;
+        let l = ResultLabels {
+            controller: m.controller.clone(),
+            result: result.to_string(),
+        };
+        m.metrics.reconciles.get_or_create(&l).inc();
+        m.metrics
+            .duration
+            .get_or_create(&m.label())
+            .observe(self.start.elapsed().as_secs_f64());
+        m.totals.finished.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
 impl Drop for ReconcileTimer {
     fn drop(&mut self) {
-        let l = self.metrics.label();
         self.metrics
             .metrics
-            .duration
-            .get_or_create(&l)
-            .observe(self.start.elapsed().as_secs_f64());
+            .active
+            .get_or_create(&self.metrics.label())
+            .dec();
     }
 }
 
@@ -185,13 +235,16 @@ mod tests {
     fn encoded_metrics_carry_controller_and_verb_labels() {
         let m = Metrics::default();
         let c = m.for_controller("memcached");
-        drop(c.reconcile_started());
+        let t = c.reconcile_started();
+        assert_eq!(c.reconciles_active(), 1);
+        t.finish("success");
+        assert_eq!(c.reconciles_active(), 0);
         c.reconcile_failed("apply");
         c.write("apply");
         c.write("apply");
         let text = m.encode();
         assert!(
-            text.contains("opkit_reconcile_total{controller=\"memcached\"} 1"),
+            text.contains("opkit_reconcile_total{controller=\"memcached\",result=\"success\"} 1"),
             "{text}"
         );
         assert!(
@@ -206,6 +259,6 @@ mod tests {
             text.contains("opkit_reconcile_duration_seconds_count{controller=\"memcached\"} 1"),
             "{text}"
         );
-        assert_eq!(c.writes_total(), 2);
+        assert_eq!((c.writes_total(), c.reconciles_total()), (2, 1));
     }
 }

@@ -5,41 +5,41 @@
 //! and the phase turns DONE, for good. The Pod's name is fixed, so a retry or a restarted
 //! operator finds the Pod it started instead of starting another.
 //!
-//! reconcile = fetch (cache, client on a cache miss) → decide (pure) → build (pure) → apply
-//! (client) → status (client).
+//! observe (cache; a read when a running Pod is missing from it) → plan (pure, [`next`] then
+//! status, conditions and Events per step); opkit starts the Pod and writes the rest.
 mod build;
+mod webhook;
 
 use std::sync::Arc;
+use std::time::Duration;
 
-use futures::{FutureExt, StreamExt, future};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::rbac::v1::PolicyRule;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
-use kube::runtime::controller::{Action, Config as ControllerConfig, Controller};
-use kube::runtime::events::EventType;
-use kube::runtime::reflector::{self, ObjectRef, Store};
-use kube::runtime::{WatchStreamExt, watcher};
-use kube::{Api, ResourceExt};
+use kube::{Api, Client, ResourceExt};
 use opkit::conditions::{self, Desired};
-use opkit::{Clock, ControllerContext, ReconcileError};
+use opkit::rbac::{events, rule};
+use opkit::{Cache, Child, Event, Invalid, Plan, Reconciler, Requeue, Watch, Watches};
 use opkit_api::at::{At, AtStatus, Outcome, Phase};
 
 pub use build::{
     CONTAINER, Finished, MAX_WAIT, Next, build_pod, controlled_by, finished, next, parse_schedule, pod_name,
     selector,
 };
-
-use crate::Scope;
-use crate::rbac::{events, rule};
+pub use webhook::{AT_HORIZON_YEARS, validate_at, webhooks};
 
 /// The controller's name (`--controllers at`) and metrics label.
 pub const NAME: &str = "at";
 
-/// Condition types and reasons (what `kubectl describe` shows).
-pub mod reason {
+/// Condition types (what `kubectl describe` shows).
+pub mod condition {
     pub const SCHEDULED: &str = "Scheduled";
     pub const SUCCEEDED: &str = "Succeeded";
+}
+
+/// Condition and Event reasons.
+pub mod reason {
     pub const VALID: &str = "ScheduleValid";
     pub const INVALID_SCHEDULE: &str = "InvalidSchedule";
     pub const INVALID_SPEC: &str = "InvalidSpec";
@@ -52,24 +52,8 @@ pub mod reason {
     pub const POD_CONFLICT: &str = "PodConflict";
 }
 
-/// Settings from the command line.
-#[derive(Clone, Debug)]
-pub struct Config {
-    pub scope: Scope,
-    pub concurrency: u16,
-    /// Where "now" comes from; the system clock outside tests.
-    pub clock: Arc<dyn Clock>,
-}
-
-impl Default for Config {
-    fn default() -> Self {
-        Config {
-            scope: Scope::all(),
-            concurrency: crate::DEFAULT_CONCURRENCY,
-            clock: opkit::clock::system(),
-        }
-    }
-}
+/// How often a Pod of the At's name that belongs to something else is looked at again.
+const CONFLICT_RETRY: Duration = Duration::from_secs(60);
 
 /// The API access this controller uses, for the generated ClusterRole.
 pub fn rbac_rules() -> Vec<PolicyRule> {
@@ -90,234 +74,176 @@ pub fn rbac_rules() -> Vec<PolicyRule> {
     ]
 }
 
-/// Errors, one variant per reconcile step that can fail.
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    #[error("reading Pod {name}: {source}")]
-    Fetch { name: String, source: kube::Error },
-    #[error("Pod {name} exists but is not controlled by this At; waiting for it to go away")]
-    Conflict { name: String },
-    #[error("starting Pod {name}: {source}")]
-    Apply { name: String, source: kube::Error },
-    #[error("writing status: {source}")]
-    Status { source: kube::Error },
-    #[error("encoding status: {0}")]
-    Encode(#[from] serde_json::Error),
-}
+/// The At reconciler.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AtController;
 
-/// `Result` of a reconcile step.
-pub type Result<T, E = Error> = std::result::Result<T, E>;
-
-impl ReconcileError for Error {
-    fn category(&self) -> &'static str {
-        match self {
-            Error::Fetch { .. } => "fetch",
-            Error::Conflict { .. } => "conflict",
-            Error::Apply { .. } => "apply",
-            Error::Status { .. } => "status",
-            Error::Encode(_) => "build",
-        }
-    }
-}
-
-struct State {
-    ctx: ControllerContext,
-    clock: Arc<dyn Clock>,
-    pods: Store<Pod>,
-}
-
-/// Runs the controller until the manager shuts down.
-pub async fn run(ctx: ControllerContext, cfg: Config) {
-    let client = ctx.client().clone();
-    let owned = watcher::Config::default().labels(&selector());
-    let mut runs = Vec::new();
-    let mut ready = Vec::new();
-    for (ats, pods) in cfg
-        .scope
-        .apis::<At>(&client)
-        .into_iter()
-        .zip(cfg.scope.apis::<Pod>(&client))
-    {
-        let (pod_store, pod_writer) = reflector::store();
-        // Only ownership and how the Pod ended matter here: drop the spec before caching.
-        let pod_stream = reflector::reflector(
-            pod_writer,
-            watcher(pods, owned.clone()).default_backoff().modify(|p| {
-                p.managed_fields_mut().clear();
-                p.spec = None;
-            }),
-        )
-        .touched_objects();
-        let controller = Controller::new(ats, watcher::Config::default())
-            .with_config(ControllerConfig::default().concurrency(cfg.concurrency))
-            .owns_stream(pod_stream)
-            .graceful_shutdown_on(ctx.shutdown_signal());
-        let (c, p) = (controller.store(), pod_store.clone());
-        ready.push(async move { c.wait_until_ready().await }.boxed());
-        ready.push(async move { p.wait_until_ready().await }.boxed());
-        let state = Arc::new(State {
-            ctx: ctx.clone(),
-            clock: cfg.clock.clone(),
-            pods: pod_store,
-        });
-        runs.push(
-            controller
-                .run(
-                    reconcile,
-                    |at, err, st| st.ctx.error_policy(at.as_ref(), err),
-                    state,
-                )
-                .for_each(|_| future::ready(())),
-        );
-    }
-    ctx.ready_when(future::join_all(ready));
-    future::join_all(runs).await;
+/// What the plan reads: the At's Pod as last seen (`None`: it does not exist).
+#[derive(Clone, Debug, Default)]
+pub struct World {
+    pub pod: Option<Arc<Pod>>,
 }
 
 fn fmt_time(t: Timestamp) -> String {
     t.strftime("%Y-%m-%dT%H:%M:%SZ").to_string()
 }
 
-#[tracing::instrument(skip(at, st), fields(namespace = at.namespace(), name = at.name_any()))]
-async fn reconcile(at: Arc<At>, st: Arc<State>) -> Result<Action> {
-    let _timer = st.ctx.reconcile_started();
-    let ctx = &st.ctx;
-    let ns = at.namespace().unwrap_or_default();
-    let now = st.clock.now();
+/// Only ownership and how the Pod ended matter here.
+fn trim_pod(p: &mut Pod) {
+    p.spec = None;
+}
+
+impl Reconciler for AtController {
+    type Object = At;
+    type Cache = Cache<Pod>;
+    type World = World;
+    type Status = AtStatus;
+
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn rbac() -> Vec<PolicyRule> {
+        rbac_rules()
+    }
+
+    fn watch(&self, w: &mut Watches<At>) -> Cache<Pod> {
+        w.owns(Watch::labels(&selector()).trim(trim_pod))
+    }
+
+    async fn observe(&self, at: &At, pods: &Cache<Pod>, client: &Client) -> kube::Result<World> {
+        let ns = at.namespace().unwrap_or_default();
+        let phase = at.status.as_ref().and_then(|s| s.phase).unwrap_or_default();
+        let name = pod_name(at);
+        let mut pod = match phase {
+            Phase::Done => None,
+            _ => pods.get(&ns, &name),
+        };
+        // The Pod watch can lag the At's: a running At whose Pod is not cached yet must not
+        // be taken for one whose Pod was deleted.
+        if phase == Phase::Running && pod.is_none() {
+            pod = Api::<Pod>::namespaced(client.clone(), &ns)
+                .get_opt(&name)
+                .await?
+                .map(Arc::new);
+        }
+        Ok(World { pod })
+    }
+
+    fn plan(&self, at: &At, world: &World, now: Timestamp) -> Result<Plan<AtStatus>, Invalid> {
+        plan(at, world.pod.as_deref(), now)
+    }
+}
+
+/// Everything the At controller decides: the step from [`next`], and for it the status,
+/// conditions, Events, Pod and next look.
+pub fn plan(at: &At, pod: Option<&Pod>, now: Timestamp) -> Result<Plan<AtStatus>, Invalid> {
     let live = at.status.clone().unwrap_or_default();
-    let phase = live.phase.unwrap_or_default();
-    let pod_name = pod_name(&at);
-    let pods: Api<Pod> = Api::namespaced(ctx.client().clone(), &ns);
-
-    // fetch (cache; the client only when a running Pod is missing from the cache, which may lag)
-    let mut pod = match phase {
-        Phase::Done => None,
-        _ => st.pods.get(&ObjectRef::new(&pod_name).within(&ns)),
-    };
-    if phase == Phase::Running && pod.is_none() {
-        pod = pods
-            .get_opt(&pod_name)
-            .await
-            .map_err(|source| Error::Fetch {
-                name: pod_name.clone(),
-                source,
-            })?
-            .map(Arc::new);
-    }
-    if let Some(p) = &pod
-        && !controlled_by(p, &at)
-    {
-        ctx.event(
-            at.as_ref(),
-            EventType::Warning,
-            reason::POD_CONFLICT,
-            "Start",
-            format!("Pod {pod_name} exists but belongs to something else"),
-        )
-        .await;
-        return Err(Error::Conflict { name: pod_name });
-    }
-
-    // decide (pure)
-    let step = next(&at, pod.as_deref(), now);
-    tracing::debug!(?phase, ?step, "decided");
+    let name = pod_name(at);
     let t = Time(now);
     let cond = |d: &[Desired<'_>]| conditions::merge(&live.conditions, d, at.metadata.generation, &t);
     let base = AtStatus {
         observed_generation: at.metadata.generation,
         ..live.clone()
     };
-    match step {
-        Next::Done => Ok(Action::await_change()),
-        Next::Invalid(msg) => {
-            invalid(&st, &at, &live, reason::INVALID_SCHEDULE, msg).await?;
-            Ok(Action::await_change())
+    if let Some(p) = pod
+        && !controlled_by(p, at)
+    {
+        let msg = format!("Pod {name} exists but belongs to something else; waiting for it to go away");
+        let news = conditions::find(&live.conditions, condition::SUCCEEDED)
+            .is_none_or(|c| c.reason != reason::POD_CONFLICT);
+        let status = AtStatus {
+            conditions: cond(&[Desired::unknown(
+                condition::SUCCEEDED,
+                reason::POD_CONFLICT,
+                msg.clone(),
+            )]),
+            ..base
+        };
+        let mut p = Plan::status(status, Requeue::After(CONFLICT_RETRY));
+        if news {
+            p = p.event(Event::warning(reason::POD_CONFLICT, "Start", msg));
         }
-        Next::Wait { due, after } => {
-            let status = AtStatus {
+        return Ok(p);
+    }
+    let invalid =
+        |reason: &'static str, message: String| Invalid::new(condition::SCHEDULED, false, reason, message);
+    Ok(match next(at, pod, now) {
+        Next::Done => Plan {
+            children: Vec::new(),
+            status: None,
+            events: Vec::new(),
+            requeue: Requeue::OnChange,
+        },
+        Next::Invalid(msg) => return Err(invalid(reason::INVALID_SCHEDULE, msg)),
+        Next::Wait { due, after } => Plan::status(
+            AtStatus {
                 phase: Some(Phase::Pending),
                 conditions: cond(&[
                     Desired::yes(
-                        reason::SCHEDULED,
+                        condition::SCHEDULED,
                         reason::VALID,
                         format!("runs at {}", fmt_time(due)),
                     ),
                     Desired::unknown(
-                        reason::SUCCEEDED,
+                        condition::SUCCEEDED,
                         reason::WAITING,
                         format!("waiting until {}", fmt_time(due)),
                     ),
                 ]),
                 ..base
-            };
-            write_status(ctx, &at, &status, &live).await?;
-            ctx.reconcile_succeeded(at.as_ref());
-            Ok(Action::requeue(after))
-        }
+            },
+            Requeue::After(after),
+        ),
         Next::Start { due } => {
-            // build (pure)
-            let desired = match build_pod(&at) {
-                Ok(p) => p,
-                Err(msg) => {
-                    invalid(&st, &at, &live, reason::INVALID_SPEC, msg).await?;
-                    return Ok(Action::await_change());
-                }
-            };
-            // apply (client): a Pod already there is the one this At started before a restart.
-            if pod.is_none() {
-                ctx.apply(&pods, &desired, None)
-                    .await
-                    .map_err(|source| Error::Apply {
-                        name: pod_name.clone(),
-                        source,
-                    })?;
-            }
-            // status (client)
+            let desired = build_pod(at).map_err(|m| invalid(reason::INVALID_SPEC, m))?;
             let status = AtStatus {
                 phase: Some(Phase::Running),
-                pod_name: Some(pod_name.clone()),
+                pod_name: Some(name.clone()),
                 start_time: Some(Time(now)),
                 conditions: cond(&[
                     Desired::yes(
-                        reason::SCHEDULED,
+                        condition::SCHEDULED,
                         reason::VALID,
                         format!("ran at {}", fmt_time(due)),
                     ),
                     Desired::unknown(
-                        reason::SUCCEEDED,
+                        condition::SUCCEEDED,
                         reason::RUNNING,
-                        format!("Pod {pod_name} is running the command"),
+                        format!("Pod {name} is running the command"),
                     ),
                 ]),
                 ..base
             };
-            write_status(ctx, &at, &status, &live).await?;
             let late = now.duration_since(due).as_secs_f64();
-            ctx.event(
-                at.as_ref(),
-                EventType::Normal,
+            let note = format!(
+                "Started Pod {name} for {} ({late:.1}s after the schedule)",
+                fmt_time(due)
+            );
+            let mut p = Plan::status(status, Requeue::After(MAX_WAIT)).event(Event::normal(
                 reason::STARTED,
                 "Start",
-                format!(
-                    "Started Pod {pod_name} for {} ({late:.1}s after the schedule)",
-                    fmt_time(due)
-                ),
-            )
-            .await;
-            ctx.reconcile_succeeded(at.as_ref());
-            Ok(Action::requeue(MAX_WAIT))
+                note,
+            ));
+            // A Pod already there is the one this At started before a restart.
+            if pod.is_none() {
+                p = p.child(Child::apply(&desired, None));
+            }
+            p
         }
-        Next::Running => {
-            ctx.reconcile_succeeded(at.as_ref());
-            // The Pod watch brings the end; the hourly look is a safety net.
-            Ok(Action::requeue(MAX_WAIT))
-        }
+        // The Pod watch brings the end; the hourly look is a safety net.
+        Next::Running => Plan {
+            children: Vec::new(),
+            status: None,
+            events: Vec::new(),
+            requeue: Requeue::After(MAX_WAIT),
+        },
         Next::Finish(f) => {
-            let (succeeded, cond_reason, note) = match (f.outcome, f.reason.as_str()) {
+            let (succeeded, why, note) = match (f.outcome, f.reason.as_str()) {
                 (Outcome::Succeeded, _) => (
                     true,
                     reason::COMMAND_SUCCEEDED,
-                    format!("Command succeeded in Pod {pod_name}"),
+                    format!("Command succeeded in Pod {name}"),
                 ),
                 (Outcome::Failed, reason::POD_DELETED) => {
                     (false, reason::POD_DELETED, f.message.clone().unwrap_or_default())
@@ -326,7 +252,7 @@ async fn reconcile(at: Arc<At>, st: Arc<State>) -> Result<Action> {
                     false,
                     reason::COMMAND_FAILED,
                     format!(
-                        "Command failed in Pod {pod_name}: {r}{}{}",
+                        "Command failed in Pod {name}: {r}{}{}",
                         f.exit_code
                             .map(|c| format!(", exit code {c}"))
                             .unwrap_or_default(),
@@ -334,70 +260,197 @@ async fn reconcile(at: Arc<At>, st: Arc<State>) -> Result<Action> {
                     ),
                 ),
             };
-            let condition = Desired {
-                type_: reason::SUCCEEDED,
-                status: Some(succeeded),
-                reason: cond_reason,
-                message: note.clone(),
-            };
-            let event_type = if succeeded {
-                EventType::Normal
-            } else {
-                EventType::Warning
-            };
             let status = AtStatus {
                 phase: Some(Phase::Done),
-                pod_name: Some(pod_name.clone()),
+                pod_name: Some(name.clone()),
                 completion_time: Some(Time(f.at)),
                 outcome: Some(f.outcome),
                 exit_code: f.exit_code,
                 reason: Some(f.reason.clone()),
                 message: f.message.clone(),
-                conditions: cond(&[condition]),
+                conditions: cond(&[Desired {
+                    type_: condition::SUCCEEDED,
+                    status: Some(succeeded),
+                    reason: why,
+                    message: note.clone(),
+                }]),
                 ..base
             };
-            write_status(ctx, &at, &status, &live).await?;
-            ctx.event(at.as_ref(), event_type, cond_reason, "Finish", note)
-                .await;
-            ctx.reconcile_succeeded(at.as_ref());
-            Ok(Action::await_change())
+            let event = if succeeded {
+                Event::normal(why, "Finish", note)
+            } else {
+                Event::warning(why, "Finish", note)
+            };
+            Plan::status(status, Requeue::OnChange).event(event)
         }
-    }
+    })
 }
 
-/// Records a spec the controller cannot act on: `Scheduled=False`, and a Warning Event when
-/// that is news. Nothing is retried until the spec changes.
-async fn invalid(st: &State, at: &At, live: &AtStatus, why: &str, msg: String) -> Result<()> {
-    let now = Time(st.clock.now());
-    let was_invalid =
-        conditions::find(&live.conditions, reason::SCHEDULED).is_some_and(|c| c.status == "False");
-    let status = AtStatus {
-        phase: Some(live.phase.unwrap_or_default()),
-        observed_generation: at.metadata.generation,
-        conditions: conditions::merge(
-            &live.conditions,
-            &[Desired::no(reason::SCHEDULED, why, msg.clone())],
-            at.metadata.generation,
-            &now,
-        ),
-        ..live.clone()
-    };
-    write_status(&st.ctx, at, &status, live).await?;
-    if !was_invalid {
-        st.ctx.event(at, EventType::Warning, why, "Validate", msg).await;
-    }
-    Ok(())
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::{ContainerState, ContainerStateTerminated, ContainerStatus, PodStatus};
+    use opkit_api::at::AtSpec;
 
-async fn write_status(ctx: &ControllerContext, at: &At, desired: &AtStatus, live: &AtStatus) -> Result<()> {
-    let api: Api<At> = Api::namespaced(ctx.client().clone(), &at.namespace().unwrap_or_default());
-    ctx.apply_status(
-        &api,
-        &at.name_any(),
-        serde_json::to_value(desired)?,
-        Some(serde_json::to_value(live)?),
-    )
-    .await
-    .map_err(|source| Error::Status { source })?;
-    Ok(())
+    fn ts(s: &str) -> Timestamp {
+        s.parse().unwrap()
+    }
+
+    fn at(phase: Option<Phase>) -> At {
+        let mut a = At::new(
+            "example-at",
+            AtSpec {
+                schedule: "2026-01-01T10:00:00Z".into(),
+                command: "echo YAY".into(),
+                image: None,
+            },
+        );
+        a.metadata.namespace = Some("ns".into());
+        a.metadata.uid = Some("uid-1".into());
+        a.metadata.generation = Some(1);
+        a.status = phase.map(|p| AtStatus {
+            phase: Some(p),
+            ..Default::default()
+        });
+        a
+    }
+
+    fn pod(a: &At, phase: &str, code: Option<i32>) -> Pod {
+        let mut p = build_pod(a).unwrap();
+        p.status = Some(PodStatus {
+            phase: Some(phase.into()),
+            container_statuses: code.map(|c| {
+                vec![ContainerStatus {
+                    name: CONTAINER.into(),
+                    state: Some(ContainerState {
+                        terminated: Some(ContainerStateTerminated {
+                            exit_code: c,
+                            reason: Some("Error".into()),
+                            ..Default::default()
+                        }),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }]
+            }),
+            ..Default::default()
+        });
+        p
+    }
+
+    fn cond<'a>(s: &'a AtStatus, t: &str) -> &'a k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
+        conditions::find(&s.conditions, t).unwrap()
+    }
+
+    #[test]
+    fn pending_waits_with_scheduled_true_and_no_pod() {
+        let p = plan(&at(None), None, ts("2026-01-01T09:59:50Z")).unwrap();
+        assert!(p.children.is_empty() && p.events.is_empty());
+        assert_eq!(p.requeue, Requeue::After(Duration::from_secs(10)));
+        let s = p.status.unwrap();
+        assert_eq!(s.phase, Some(Phase::Pending));
+        assert_eq!(cond(&s, condition::SCHEDULED).status, "True");
+        assert_eq!(cond(&s, condition::SUCCEEDED).reason, reason::WAITING);
+    }
+
+    #[test]
+    fn due_starts_the_pod_records_running_and_says_so() {
+        let p = plan(&at(None), None, ts("2026-01-01T10:00:00.5Z")).unwrap();
+        assert_eq!(p.children.len(), 1);
+        assert_eq!(p.children[0].name(), "example-at-pod");
+        let s = p.status.unwrap();
+        assert_eq!(
+            (s.phase, s.pod_name.as_deref()),
+            (Some(Phase::Running), Some("example-at-pod"))
+        );
+        assert_eq!(p.events[0].reason, reason::STARTED);
+        assert!(
+            p.events[0].note.contains("0.5s after the schedule"),
+            "{:?}",
+            p.events
+        );
+    }
+
+    #[test]
+    fn a_pod_already_there_is_not_started_again() {
+        let a = at(None);
+        let existing = pod(&a, "Running", None);
+        let p = plan(&a, Some(&existing), ts("2026-01-01T10:00:01Z")).unwrap();
+        assert!(p.children.is_empty());
+        assert_eq!(p.status.unwrap().phase, Some(Phase::Running));
+    }
+
+    #[test]
+    fn running_writes_nothing_until_the_pod_ends() {
+        let a = at(Some(Phase::Running));
+        let p = plan(&a, Some(&pod(&a, "Running", None)), ts("2026-01-01T10:00:05Z")).unwrap();
+        assert!(p.status.is_none() && p.children.is_empty() && p.events.is_empty());
+        assert_eq!(p.requeue, Requeue::After(MAX_WAIT));
+    }
+
+    #[test]
+    fn success_and_failure_end_done_with_matching_conditions_and_events() {
+        let a = at(Some(Phase::Running));
+        let now = ts("2026-01-01T10:00:05Z");
+        let ok = plan(&a, Some(&pod(&a, "Succeeded", Some(0))), now).unwrap();
+        let s = ok.status.unwrap();
+        assert_eq!(
+            (s.phase, s.outcome),
+            (Some(Phase::Done), Some(Outcome::Succeeded))
+        );
+        assert_eq!(cond(&s, condition::SUCCEEDED).status, "True");
+        assert_eq!(ok.events[0].type_, kube::runtime::events::EventType::Normal);
+        assert_eq!(ok.requeue, Requeue::OnChange);
+
+        let bad = plan(&a, Some(&pod(&a, "Failed", Some(3))), now).unwrap();
+        let s = bad.status.unwrap();
+        assert_eq!((s.outcome, s.exit_code), (Some(Outcome::Failed), Some(3)));
+        assert_eq!(cond(&s, condition::SUCCEEDED).reason, reason::COMMAND_FAILED);
+        assert_eq!(bad.events[0].type_, kube::runtime::events::EventType::Warning);
+        assert!(bad.events[0].note.contains("exit code 3"), "{:?}", bad.events);
+    }
+
+    #[test]
+    fn a_pod_deleted_while_running_ends_done_with_pod_deleted() {
+        let p = plan(&at(Some(Phase::Running)), None, ts("2026-01-01T10:00:05Z")).unwrap();
+        let s = p.status.unwrap();
+        assert_eq!(s.reason.as_deref(), Some(reason::POD_DELETED));
+        assert_eq!(cond(&s, condition::SUCCEEDED).reason, reason::POD_DELETED);
+        assert!(p.children.is_empty(), "never started again");
+    }
+
+    #[test]
+    fn done_is_final_and_writes_nothing() {
+        let p = plan(&at(Some(Phase::Done)), None, ts("2030-01-01T00:00:00Z")).unwrap();
+        assert!(p.status.is_none() && p.children.is_empty() && p.events.is_empty());
+        assert_eq!(p.requeue, Requeue::OnChange);
+    }
+
+    #[test]
+    fn a_foreign_pod_of_that_name_is_reported_once_and_never_taken_over() {
+        let a = at(None);
+        let mut theirs = pod(&a, "Running", None);
+        theirs.metadata.owner_references = None;
+        let now = ts("2026-01-01T10:00:01Z");
+        let p = plan(&a, Some(&theirs), now).unwrap();
+        assert!(p.children.is_empty());
+        assert_eq!(p.events[0].reason, reason::POD_CONFLICT);
+        assert_eq!(p.requeue, Requeue::After(CONFLICT_RETRY));
+        let mut reported = a.clone();
+        reported.status = p.status;
+        let again = plan(&reported, Some(&theirs), now).unwrap();
+        assert!(again.events.is_empty(), "reported once");
+    }
+
+    #[test]
+    fn an_unparseable_schedule_is_invalid_on_scheduled() {
+        let mut a = at(None);
+        a.spec.schedule = "tomorrow".into();
+        let e = plan(&a, None, ts("2026-01-01T10:00:00Z")).unwrap_err();
+        assert_eq!(
+            (e.condition, e.status, e.reason),
+            (condition::SCHEDULED, false, reason::INVALID_SCHEDULE)
+        );
+        assert!(e.message.contains("spec.schedule"));
+    }
 }

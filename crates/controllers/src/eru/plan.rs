@@ -46,7 +46,7 @@ pub enum Step {
 
 /// The decision, with the next slot after now (none when suspended or invalid).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Plan {
+pub struct Decision {
     pub step: Step,
     pub next: Option<Timestamp>,
     pub target_found: bool,
@@ -119,12 +119,12 @@ pub fn check_spec(
 }
 
 /// Decides what to do for `eru` at `now`, given its Deployment as last seen.
-pub fn plan(eru: &Eru, deployment: Option<&Deployment>, now: Timestamp) -> Plan {
+pub fn decide(eru: &Eru, deployment: Option<&Deployment>, now: Timestamp) -> Decision {
     let spec = &eru.spec;
     let (schedule, tz, next) = match check_spec(spec, now) {
         Ok(v) => v,
         Err((reason, msg)) => {
-            return Plan {
+            return Decision {
                 step: Step::Invalid(reason, msg),
                 next: None,
                 target_found: deployment.is_some(),
@@ -138,23 +138,19 @@ pub fn plan(eru: &Eru, deployment: Option<&Deployment>, now: Timestamp) -> Plan 
         .or_else(|| eru.metadata.creation_timestamp.as_ref().map(|t| t.0))
         .unwrap_or(now);
     let slot = schedule.latest_in(earliest, now, &tz);
-    let done = |step| Plan {
+    let done = |step| Decision {
         step,
         next: Some(next),
         target_found: deployment.is_some(),
     };
     if spec.suspend == Some(true) {
-        return Plan {
+        return Decision {
             step: Step::Suspended { slot },
             next: None,
             target_found: deployment.is_some(),
         };
     }
-    let was_suspended = status
-        .conditions
-        .iter()
-        .any(|c| c.type_ == super::reason::SCHEDULED && c.reason == super::reason::SUSPENDED);
-    if was_suspended {
+    if status.suspended {
         return done(Step::Resumed { slot });
     }
     let Some(slot) = slot else {
@@ -308,14 +304,14 @@ mod tests {
 
     #[test]
     fn nothing_is_due_right_after_creation() {
-        let p = plan(&eru(None), Some(&settled()), ts("2026-01-01T10:00:05Z"));
+        let p = decide(&eru(None), Some(&settled()), ts("2026-01-01T10:00:05Z"));
         assert_eq!(p.step, Step::Wait);
         assert_eq!(p.next, Some(ts("2026-01-01T10:00:20Z")));
     }
 
     #[test]
     fn a_due_slot_restarts_a_settled_deployment() {
-        let p = plan(&eru(None), Some(&settled()), ts("2026-01-01T10:00:20.300Z"));
+        let p = decide(&eru(None), Some(&settled()), ts("2026-01-01T10:00:20.300Z"));
         assert_eq!(
             p.step,
             Step::Restart {
@@ -327,7 +323,7 @@ mod tests {
 
     #[test]
     fn a_slot_is_acted_on_once() {
-        let p = plan(
+        let p = decide(
             &eru(Some("2026-01-01T10:00:20Z")),
             Some(&settled()),
             ts("2026-01-01T10:00:25Z"),
@@ -337,7 +333,7 @@ mod tests {
 
     #[test]
     fn many_missed_slots_give_one_catch_up_restart_for_the_latest() {
-        let p = plan(
+        let p = decide(
             &eru(Some("2026-01-01T10:00:20Z")),
             Some(&settled()),
             ts("2026-01-01T13:07:05Z"),
@@ -354,9 +350,9 @@ mod tests {
     fn a_slot_later_than_the_starting_deadline_is_skipped() {
         let mut e = eru(Some("2026-01-01T10:00:20Z"));
         e.spec.starting_deadline_seconds = Some(5);
-        let p = plan(&e, Some(&settled()), ts("2026-01-01T10:00:47Z"));
+        let p = decide(&e, Some(&settled()), ts("2026-01-01T10:00:47Z"));
         assert!(matches!(p.step, Step::TooLate { slot, .. } if slot == ts("2026-01-01T10:00:40Z")));
-        let p = plan(&e, Some(&settled()), ts("2026-01-01T10:00:44Z"));
+        let p = decide(&e, Some(&settled()), ts("2026-01-01T10:00:44Z"));
         assert_eq!(
             p.step,
             Step::Restart {
@@ -373,7 +369,7 @@ mod tests {
             deployment(3, 3, 4, 3),
             deployment(3, 3, 3, 2),
         ] {
-            match plan(&eru(None), Some(&d), now).step {
+            match decide(&eru(None), Some(&d), now).step {
                 Step::Postpone { slot, why } => {
                     assert_eq!(slot, ts("2026-01-01T10:00:20Z"));
                     assert!(!why.is_empty());
@@ -384,7 +380,7 @@ mod tests {
         let mut unobserved = settled();
         unobserved.metadata.generation = Some(3);
         assert!(matches!(
-            plan(&eru(None), Some(&unobserved), now).step,
+            decide(&eru(None), Some(&unobserved), now).step,
             Step::Postpone { .. }
         ));
     }
@@ -398,7 +394,7 @@ mod tests {
         });
         // Even though that restart's rollout is still running.
         d.status.as_mut().unwrap().updated_replicas = Some(1);
-        let p = plan(&eru(None), Some(&d), ts("2026-01-01T10:00:21Z"));
+        let p = decide(&eru(None), Some(&d), ts("2026-01-01T10:00:21Z"));
         assert_eq!(
             p.step,
             Step::AlreadyRestarted {
@@ -411,7 +407,7 @@ mod tests {
     fn suspended_consumes_slots_and_has_no_next_restart() {
         let mut e = eru(None);
         e.spec.suspend = Some(true);
-        let p = plan(&e, Some(&settled()), ts("2026-01-01T10:00:41Z"));
+        let p = decide(&e, Some(&settled()), ts("2026-01-01T10:00:41Z"));
         assert_eq!(
             p.step,
             Step::Suspended {
@@ -424,13 +420,8 @@ mod tests {
     #[test]
     fn slots_missed_while_suspended_are_not_made_up() {
         let mut e = eru(Some("2026-01-01T10:00:20Z"));
-        e.status.as_mut().unwrap().conditions = opkit::conditions::merge(
-            &[],
-            &[opkit::conditions::Desired::no("Scheduled", "Suspended", "")],
-            None,
-            &Time(ts("2026-01-01T10:00:30Z")),
-        );
-        let p = plan(&e, Some(&settled()), ts("2026-01-01T10:01:05Z"));
+        e.status.as_mut().unwrap().suspended = true;
+        let p = decide(&e, Some(&settled()), ts("2026-01-01T10:01:05Z"));
         assert_eq!(
             p.step,
             Step::Resumed {
@@ -442,7 +433,7 @@ mod tests {
 
     #[test]
     fn a_missing_deployment_consumes_the_slot() {
-        let p = plan(&eru(None), None, ts("2026-01-01T10:00:21Z"));
+        let p = decide(&eru(None), None, ts("2026-01-01T10:00:21Z"));
         assert_eq!(
             p.step,
             Step::TargetMissing {
@@ -456,14 +447,14 @@ mod tests {
     fn bad_schedules_and_time_zones_are_invalid_with_the_field_named() {
         let mut e = eru(None);
         e.spec.schedule = "61 * * * *".into();
-        assert!(matches!(plan(&e, None, ts("2026-01-01T10:00:21Z")).step,
+        assert!(matches!(decide(&e, None, ts("2026-01-01T10:00:21Z")).step,
             Step::Invalid(r, m) if r == "InvalidSchedule" && m.contains("minute: 61")));
         e.spec.schedule = "0 0 30 2 *".into();
-        assert!(matches!(plan(&e, None, ts("2026-01-01T10:00:21Z")).step,
+        assert!(matches!(decide(&e, None, ts("2026-01-01T10:00:21Z")).step,
             Step::Invalid(_, m) if m.contains("never fires")));
         let mut e = eru(None);
         e.spec.time_zone = Some("Mars/Olympus".into());
-        assert!(matches!(plan(&e, None, ts("2026-01-01T10:00:21Z")).step,
+        assert!(matches!(decide(&e, None, ts("2026-01-01T10:00:21Z")).step,
             Step::Invalid(r, m) if r == "InvalidTimeZone" && m.contains("spec.timeZone")));
     }
 

@@ -1,32 +1,27 @@
 //! The Foo controller: client-go's sample-controller contract on opkit. A Deployment named
 //! `spec.deploymentName` (nginx, labels `app=nginx`, `controller=<foo>`), owned by the Foo, with
 //! `spec.replicas`; `status.availableReplicas` mirrors it. A Deployment of that name the Foo
-//! does not control is left alone and reported (upstream's `ErrResourceExists`).
+//! does not control is left alone and reported (upstream's `ErrResourceExists`); when
+//! `spec.deploymentName` changes, the Deployment under the old name is deleted.
 //!
 //! Unlike upstream, nothing is written when nothing changed: no status update and no `Synced`
 //! Event per sync, so a converged Foo costs no API requests.
 //!
-//! reconcile = fetch (cache) → build (pure) → create or apply (client) → status (client).
+//! observe (cache; a read when the Deployment is not cached) → plan (pure); opkit creates or
+//! applies the Deployment, prunes the old one and writes the status.
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::{FutureExt, StreamExt, future};
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
 use k8s_openapi::api::core::v1::{Container, PodSpec, PodTemplateSpec};
 use k8s_openapi::api::rbac::v1::PolicyRule;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
-use kube::api::PostParams;
-use kube::runtime::controller::{Action, Config as ControllerConfig, Controller};
-use kube::runtime::events::EventType;
-use kube::runtime::reflector::{self, ObjectRef};
-use kube::runtime::{WatchStreamExt, watcher};
-use kube::{Api, Resource, ResourceExt};
-use opkit::{ControllerContext, ReconcileError};
+use k8s_openapi::jiff::Timestamp;
+use kube::{Api, Client, Resource, ResourceExt};
+use opkit::rbac::{events, rule};
+use opkit::{Cache, Child, Event, Invalid, Plan, Reconciler, Requeue, Watch, Watches};
 use opkit_api::foo::{Foo, FooStatus};
-
-use crate::Scope;
-use crate::rbac::{events, rule};
 
 /// The controller's name (`--controllers foo`) and metrics label.
 pub const NAME: &str = "foo";
@@ -34,22 +29,9 @@ pub const NAME: &str = "foo";
 pub const IMAGE: &str = "nginx:latest";
 /// Upstream's Event reason for a Deployment the Foo does not control.
 pub const ERR_RESOURCE_EXISTS: &str = "ErrResourceExists";
-
-/// Settings from the command line.
-#[derive(Clone, Debug)]
-pub struct Config {
-    pub scope: Scope,
-    pub concurrency: u16,
-}
-
-impl Default for Config {
-    fn default() -> Self {
-        Config {
-            scope: Scope::all(),
-            concurrency: crate::DEFAULT_CONCURRENCY,
-        }
-    }
-}
+/// Condition type and reason for a Foo that cannot own a Deployment.
+const READY: &str = "Ready";
+const INVALID_SPEC: &str = "InvalidSpec";
 
 /// The API access this controller uses, for the generated ClusterRole.
 pub fn rbac_rules() -> Vec<PolicyRule> {
@@ -59,42 +41,10 @@ pub fn rbac_rules() -> Vec<PolicyRule> {
         rule(
             &["apps"],
             &["deployments"],
-            &["get", "list", "watch", "create", "patch"],
+            &["get", "list", "watch", "create", "patch", "delete"],
         ),
         events(),
     ]
-}
-
-/// Errors, one variant per reconcile step that can fail.
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    #[error("Foo {0} has no uid yet")]
-    Build(String),
-    #[error("Resource {0:?} already exists and is not managed by Foo")]
-    Exists(String),
-    #[error("creating Deployment {name}: {source}")]
-    Create { name: String, source: kube::Error },
-    #[error("updating Deployment {name}: {source}")]
-    Apply { name: String, source: kube::Error },
-    #[error("writing status: {source}")]
-    Status { source: kube::Error },
-    #[error("encoding status: {0}")]
-    Encode(#[from] serde_json::Error),
-}
-
-/// `Result` of a reconcile step.
-pub type Result<T, E = Error> = std::result::Result<T, E>;
-
-impl ReconcileError for Error {
-    fn category(&self) -> &'static str {
-        match self {
-            Error::Build(_) | Error::Encode(_) => "build",
-            Error::Exists(_) => "conflict",
-            Error::Create { .. } => "create",
-            Error::Apply { .. } => "apply",
-            Error::Status { .. } => "status",
-        }
-    }
 }
 
 /// Upstream's labels (also put on the Deployment itself, so the cache can select by them).
@@ -106,10 +56,10 @@ pub fn labels(foo: &Foo) -> BTreeMap<String, String> {
 }
 
 /// The Deployment a Foo should have (upstream's `newDeployment`), owned by it.
-pub fn build_deployment(foo: &Foo) -> Result<Deployment> {
+pub fn build_deployment(foo: &Foo) -> Result<Deployment, String> {
     let owner = foo
         .controller_owner_ref(&())
-        .ok_or_else(|| Error::Build(foo.name_any()))?;
+        .ok_or_else(|| format!("Foo {} has no uid yet", foo.name_any()))?;
     Ok(Deployment {
         metadata: ObjectMeta {
             name: Some(foo.spec.deployment_name.clone()),
@@ -151,150 +101,104 @@ pub fn controlled_by(d: &Deployment, foo: &Foo) -> bool {
         .any(|o| o.controller == Some(true) && Some(&o.uid) == foo.uid().as_ref())
 }
 
-struct State {
-    ctx: ControllerContext,
-    deployments: reflector::Store<Deployment>,
+/// The Foo reconciler.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FooController;
+
+/// What the plan reads: the Deployment named by the Foo, cached or read.
+#[derive(Clone, Debug, Default)]
+pub struct World {
+    pub deployment: Option<Arc<Deployment>>,
 }
 
-/// Runs the controller until the manager shuts down.
-pub async fn run(ctx: ControllerContext, cfg: Config) {
-    let client = ctx.client().clone();
-    // Upstream's Deployments carry `app=nginx` and `controller`; so do ours, on the object too.
-    let owned = watcher::Config::default().labels("app=nginx,controller");
-    let mut runs = Vec::new();
-    let mut ready = Vec::new();
-    for (foos, deploys) in cfg
-        .scope
-        .apis::<Foo>(&client)
-        .into_iter()
-        .zip(cfg.scope.apis::<Deployment>(&client))
-    {
-        let (store, writer) = reflector::store();
-        // Only ownership, replicas and availability matter here.
-        let stream = reflector::reflector(
-            writer,
-            watcher(deploys, owned.clone()).default_backoff().modify(|d| {
-                d.managed_fields_mut().clear();
-                if let Some(s) = d.spec.as_mut() {
-                    s.template.spec = None;
-                }
-                if let Some(s) = d.status.as_mut() {
-                    s.conditions = None;
-                }
-            }),
-        )
-        .touched_objects();
-        // The Foos themselves, without managed fields (a good part of each object, never read).
-        let (foo_store, foo_writer) = reflector::store();
-        let foo_stream = reflector::reflector(
-            foo_writer,
-            watcher(foos, watcher::Config::default())
-                .default_backoff()
-                .modify(|f| f.managed_fields_mut().clear()),
-        )
-        .applied_objects();
-        let controller = Controller::for_stream(foo_stream, foo_store)
-            .with_config(ControllerConfig::default().concurrency(cfg.concurrency))
-            .owns_stream(stream)
-            .graceful_shutdown_on(ctx.shutdown_signal());
-        let (c, d) = (controller.store(), store.clone());
-        ready.push(async move { c.wait_until_ready().await }.boxed());
-        ready.push(async move { d.wait_until_ready().await }.boxed());
-        let state = Arc::new(State {
-            ctx: ctx.clone(),
-            deployments: store,
-        });
-        runs.push(
-            controller
-                .run(
-                    reconcile,
-                    |f, err, st| st.ctx.error_policy(f.as_ref(), err),
-                    state,
-                )
-                .for_each(|_| future::ready(())),
-        );
+/// Only ownership, replicas and availability matter here.
+fn trim_deployment(d: &mut Deployment) {
+    if let Some(s) = d.spec.as_mut() {
+        s.template.spec = None;
     }
-    ctx.ready_when(future::join_all(ready));
-    future::join_all(runs).await;
+    if let Some(s) = d.status.as_mut() {
+        s.conditions = None;
+    }
 }
 
-#[tracing::instrument(skip(foo, st), fields(namespace = foo.namespace(), name = foo.name_any()))]
-async fn reconcile(foo: Arc<Foo>, st: Arc<State>) -> Result<Action> {
-    let _timer = st.ctx.reconcile_started();
-    let ctx = &st.ctx;
-    let ns = foo.namespace().unwrap_or_default();
-    let name = foo.spec.deployment_name.clone();
-    let deploys: Api<Deployment> = Api::namespaced(ctx.client().clone(), &ns);
+impl Reconciler for FooController {
+    type Object = Foo;
+    type Cache = Cache<Deployment>;
+    type World = World;
+    type Status = FooStatus;
 
-    // fetch (cache)
-    let cached = st.deployments.get(&ObjectRef::new(&name).within(&ns));
-    // build (pure)
-    let desired = build_deployment(&foo)?;
+    fn name(&self) -> &'static str {
+        NAME
+    }
 
-    // create or apply (client)
-    let live: Arc<Deployment> = match cached {
-        Some(d) => d,
-        // Not in the cache: create, which (unlike an apply) cannot take over a Deployment of
-        // that name someone else made — it fails with 409 instead.
-        None => match deploys.create(&PostParams::default(), &desired).await {
-            Ok(d) => {
-                ctx.metrics().write("create");
-                Arc::new(d)
-            }
-            Err(kube::Error::Api(s)) if s.code == 409 => {
-                ctx.metrics().write("create");
-                let d = deploys.get(&name).await.map_err(|source| Error::Create {
-                    name: name.clone(),
-                    source,
-                })?;
-                Arc::new(d)
-            }
-            Err(source) => return Err(Error::Create { name, source }),
-        },
-    };
-    if !controlled_by(&live, &foo) {
-        let e = Error::Exists(name);
-        ctx.event(
-            foo.as_ref(),
-            EventType::Warning,
-            ERR_RESOURCE_EXISTS,
-            "Reconcile",
-            e.to_string(),
+    fn rbac() -> Vec<PolicyRule> {
+        rbac_rules()
+    }
+
+    fn watch(&self, w: &mut Watches<Foo>) -> Cache<Deployment> {
+        // Upstream's Deployments carry `app=nginx` and `controller`; so do ours, on the object too.
+        w.owns(
+            Watch::labels("app=nginx,controller")
+                .trim(trim_deployment)
+                .prune(),
         )
-        .await;
-        // Nothing to do until the Deployment or the Foo changes; the hourly look is a safety net.
-        tracing::warn!(error = %e, "not reconciling");
-        return Ok(Action::requeue(Duration::from_secs(3600)));
-    }
-    if live.spec.as_ref().and_then(|s| s.replicas) != desired.spec.as_ref().and_then(|s| s.replicas) {
-        ctx.apply(&deploys, &desired, None)
-            .await
-            .map_err(|source| Error::Apply {
-                name: name.clone(),
-                source,
-            })?;
     }
 
-    // status (client)
-    let status = FooStatus {
-        available_replicas: live
-            .status
-            .as_ref()
-            .and_then(|s| s.available_replicas)
-            .unwrap_or(0),
-    };
-    let live_status = foo.status.clone().unwrap_or_default();
-    let api: Api<Foo> = Api::namespaced(ctx.client().clone(), &ns);
-    ctx.apply_status(
-        &api,
-        &foo.name_any(),
-        serde_json::to_value(&status)?,
-        Some(serde_json::to_value(&live_status)?),
-    )
-    .await
-    .map_err(|source| Error::Status { source })?;
-    ctx.reconcile_succeeded(foo.as_ref());
-    Ok(Action::requeue(Duration::from_secs(3600)))
+    async fn observe(&self, foo: &Foo, cache: &Cache<Deployment>, client: &Client) -> kube::Result<World> {
+        let ns = foo.namespace().unwrap_or_default();
+        let name = &foo.spec.deployment_name;
+        let deployment = match cache.get(&ns, name) {
+            Some(d) => Some(d),
+            // Not ours (or not created yet): someone else's Deployment of that name has none of
+            // our labels, so only a read tells it apart from a missing one.
+            None => Api::<Deployment>::namespaced(client.clone(), &ns)
+                .get_opt(name)
+                .await?
+                .map(Arc::new),
+        };
+        Ok(World { deployment })
+    }
+
+    fn plan(&self, foo: &Foo, world: &World, _: Timestamp) -> Result<Plan<FooStatus>, Invalid> {
+        let desired =
+            build_deployment(foo).map_err(|message| Invalid::new(READY, false, INVALID_SPEC, message))?;
+        let hourly = Requeue::After(Duration::from_secs(3600));
+        let Some(live) = &world.deployment else {
+            // Create, which (unlike an apply) cannot take over a Deployment of that name someone
+            // else made in the meantime: it fails with a conflict, and the retry reads it.
+            // No status yet: the new Deployment's own status brings the first one.
+            return Ok(Plan {
+                children: vec![Child::create(&desired, None)],
+                status: None,
+                events: Vec::new(),
+                requeue: hourly,
+            });
+        };
+        if !controlled_by(live, foo) {
+            // Nothing to do until the Deployment or the Foo changes; the hourly look is a safety net.
+            let note = format!(
+                "Resource {:?} already exists and is not managed by Foo",
+                foo.spec.deployment_name
+            );
+            return Ok(Plan {
+                children: Vec::new(),
+                status: None,
+                events: vec![Event::warning(ERR_RESOURCE_EXISTS, "Reconcile", note)],
+                requeue: hourly,
+            });
+        }
+        // The cache drops the pod template, so compare what upstream compares: replicas.
+        let same =
+            live.spec.as_ref().and_then(|s| s.replicas) == desired.spec.as_ref().and_then(|s| s.replicas);
+        let status = FooStatus {
+            available_replicas: live
+                .status
+                .as_ref()
+                .and_then(|s| s.available_replicas)
+                .unwrap_or(0),
+        };
+        Ok(Plan::status(status, hourly).child(Child::apply(&desired, None).needed(!same)))
+    }
 }
 
 #[cfg(test)]
@@ -335,10 +239,58 @@ mod tests {
         );
     }
 
+    fn now() -> Timestamp {
+        Timestamp::from_second(1_000).unwrap()
+    }
+
+    #[test]
+    fn a_missing_deployment_is_created_never_applied() {
+        let p = FooController
+            .plan(&foo(Some(2)), &World::default(), now())
+            .unwrap();
+        assert_eq!(p.children.len(), 1);
+        assert!(p.children[0].is_needed());
+        assert!(format!("{:?}", p.children[0]).contains("Create"));
+    }
+
+    #[test]
+    fn a_foreign_deployment_is_reported_and_left_alone() {
+        let mut theirs = build_deployment(&foo(None)).unwrap();
+        theirs.metadata.owner_references = None;
+        let world = World {
+            deployment: Some(Arc::new(theirs)),
+        };
+        let p = FooController.plan(&foo(Some(5)), &world, now()).unwrap();
+        assert!(p.children.is_empty() && p.status.is_none());
+        assert_eq!(p.events[0].reason, ERR_RESOURCE_EXISTS);
+        assert!(
+            p.events[0]
+                .note
+                .contains("\"example-foo\" already exists and is not managed by Foo")
+        );
+    }
+
+    #[test]
+    fn replicas_drift_is_applied_and_availability_mirrored() {
+        let mut live = build_deployment(&foo(Some(1))).unwrap();
+        live.status = Some(k8s_openapi::api::apps::v1::DeploymentStatus {
+            available_replicas: Some(1),
+            ..Default::default()
+        });
+        let world = World {
+            deployment: Some(Arc::new(live)),
+        };
+        let p = FooController.plan(&foo(Some(1)), &world, now()).unwrap();
+        assert!(!p.children[0].is_needed(), "same replicas: no write");
+        assert_eq!(p.status.unwrap().available_replicas, 1);
+        let p = FooController.plan(&foo(Some(3)), &world, now()).unwrap();
+        assert!(p.children[0].is_needed());
+    }
+
     #[test]
     fn a_foo_without_uid_cannot_own_a_deployment() {
         let mut f = foo(None);
         f.metadata.uid = None;
-        assert!(matches!(build_deployment(&f), Err(Error::Build(_))));
+        assert!(build_deployment(&f).unwrap_err().contains("no uid"));
     }
 }

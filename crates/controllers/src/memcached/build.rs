@@ -17,7 +17,7 @@ use opkit_api::MANAGED_BY;
 use crate::security::{restricted_container, restricted_pod};
 use opkit_api::memcached::{Memcached, MemcachedStatus};
 
-use super::{CR_LABEL, reason};
+use super::{CR_LABEL, condition, reason};
 
 /// Label selector for everything this controller manages (Deployments and their Pods).
 pub fn selector() -> String {
@@ -151,16 +151,16 @@ pub fn status(
     let progress = format!("{ready}/{size} replicas ready");
     let desired = [
         if ready >= size {
-            Desired::yes(reason::AVAILABLE, reason::READY, progress.clone())
+            Desired::yes(condition::AVAILABLE, reason::READY, progress.clone())
         } else {
-            Desired::no(reason::AVAILABLE, reason::NOT_READY, progress.clone())
+            Desired::no(condition::AVAILABLE, reason::NOT_READY, progress.clone())
         },
         if rolled_out {
-            Desired::no(reason::PROGRESSING, reason::COMPLETE, progress)
+            Desired::no(condition::PROGRESSING, reason::COMPLETE, progress)
         } else {
-            Desired::yes(reason::PROGRESSING, reason::SCALING, progress)
+            Desired::yes(condition::PROGRESSING, reason::SCALING, progress)
         },
-        Desired::no(reason::DEGRADED, reason::AS_EXPECTED, "spec is valid"),
+        Desired::no(condition::DEGRADED, reason::AS_EXPECTED, "spec is valid"),
     ];
     MemcachedStatus {
         nodes,
@@ -274,14 +274,14 @@ mod tests {
             ..Default::default()
         });
         let s = status(&mc, 3, Some(&d), &[], &now());
-        assert!(!conditions::is_true(&s.conditions, reason::AVAILABLE));
-        assert!(conditions::is_true(&s.conditions, reason::PROGRESSING));
+        assert!(!conditions::is_true(&s.conditions, condition::AVAILABLE));
+        assert!(conditions::is_true(&s.conditions, condition::PROGRESSING));
         assert_eq!(s.ready_replicas, Some(1));
         d.status.as_mut().unwrap().ready_replicas = Some(3);
         let s = status(&mc, 3, Some(&d), &[], &now());
-        assert!(conditions::is_true(&s.conditions, reason::AVAILABLE));
-        assert!(!conditions::is_true(&s.conditions, reason::PROGRESSING));
-        assert!(!conditions::is_true(&s.conditions, reason::DEGRADED));
+        assert!(conditions::is_true(&s.conditions, condition::AVAILABLE));
+        assert!(!conditions::is_true(&s.conditions, condition::PROGRESSING));
+        assert!(!conditions::is_true(&s.conditions, condition::DEGRADED));
         assert_eq!(s.observed_generation, Some(2));
     }
 
@@ -291,7 +291,7 @@ mod tests {
         assert!(
             super::super::validate(&memcached("m", -1))
                 .unwrap_err()
-                .0
+                .message
                 .contains("between 0 and 100")
         );
         assert!(super::super::validate(&memcached("m", 101)).is_err());

@@ -1,30 +1,27 @@
 //! The Memcached controller: one Deployment of `spec.size` memcached Pods per `Memcached`, with
 //! `status.nodes` following the Pods.
 //!
-//! reconcile = fetch (cache) → validate (pure) → build (pure) → apply (client) → status (client).
+//! observe (caches) → plan (pure: validate → build → status); opkit applies the Deployment,
+//! writes the status and publishes the Events.
 mod build;
+mod webhook;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::{FutureExt, StreamExt, future};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::rbac::v1::PolicyRule;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use kube::runtime::controller::{Action, Config as ControllerConfig, Controller};
-use kube::runtime::events::EventType;
-use kube::runtime::reflector::{self, ObjectRef, Store};
-use kube::runtime::{WatchStreamExt, watcher};
-use kube::{Api, ResourceExt};
-use opkit::conditions::{self, Desired};
-use opkit::{ControllerContext, ReconcileError};
+use k8s_openapi::jiff::Timestamp;
+use kube::runtime::reflector::ObjectRef;
+use kube::{Client, ResourceExt};
+use opkit::rbac::{events, rule};
+use opkit::{Cache, Child, Event, Invalid, Plan, Reconciler, Requeue, Watch, Watches};
 use opkit_api::memcached::{MAX_SIZE, Memcached, MemcachedStatus};
 
 pub use build::{build_deployment, labels, pod_labels, selector};
-
-use crate::Scope;
-use crate::rbac::{events, rule};
+pub use webhook::{DEFAULT_SIZE, default_memcached, webhooks};
 
 /// The controller's name (`--controllers memcached`) and metrics label.
 pub const NAME: &str = "memcached";
@@ -33,33 +30,35 @@ pub const DEFAULT_IMAGE: &str = "memcached:1.6";
 /// Label on every Pod naming its `Memcached` (as in the Operator SDK tutorial).
 pub const CR_LABEL: &str = "memcached_cr";
 
-/// Condition types and reasons (what `kubectl describe` shows).
-pub mod reason {
+/// Condition types (what `kubectl describe` shows).
+pub mod condition {
     pub const AVAILABLE: &str = "Available";
     pub const PROGRESSING: &str = "Progressing";
     pub const DEGRADED: &str = "Degraded";
+}
+
+/// Condition and Event reasons.
+pub mod reason {
     pub const READY: &str = "AllReplicasReady";
     pub const NOT_READY: &str = "ReplicasNotReady";
     pub const SCALING: &str = "Scaling";
     pub const COMPLETE: &str = "Complete";
     pub const AS_EXPECTED: &str = "AsExpected";
     pub const INVALID_SPEC: &str = "InvalidSpec";
+    pub const DEPLOYMENT_APPLIED: &str = "DeploymentApplied";
 }
 
-/// Settings from the command line.
+/// The Memcached reconciler.
 #[derive(Clone, Debug)]
-pub struct Config {
+pub struct MemcachedController {
+    /// Image of the memcached containers.
     pub image: String,
-    pub scope: Scope,
-    pub concurrency: u16,
 }
 
-impl Default for Config {
+impl Default for MemcachedController {
     fn default() -> Self {
-        Config {
+        MemcachedController {
             image: DEFAULT_IMAGE.into(),
-            scope: Scope::all(),
-            concurrency: crate::DEFAULT_CONCURRENCY,
         }
     }
 }
@@ -69,219 +68,179 @@ pub fn rbac_rules() -> Vec<PolicyRule> {
     vec![
         rule(&["cache.example.com"], &["memcacheds"], &["get", "list", "watch"]),
         rule(&["cache.example.com"], &["memcacheds/status"], &["get", "patch"]),
+        // `delete` prunes a Deployment the plan no longer produces.
         rule(
             &["apps"],
             &["deployments"],
-            &["get", "list", "watch", "create", "patch"],
+            &["get", "list", "watch", "create", "patch", "delete"],
         ),
         rule(&[""], &["pods"], &["get", "list", "watch"]),
         events(),
     ]
 }
 
-/// Errors, one variant per reconcile step that can fail.
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    #[error("building the Deployment: {0}")]
-    Build(String),
-    #[error("applying Deployment {name}: {source}")]
-    Apply { name: String, source: kube::Error },
-    #[error("writing status: {source}")]
-    Status { source: kube::Error },
-}
-
-impl ReconcileError for Error {
-    fn category(&self) -> &'static str {
-        match self {
-            Error::Build(_) => "build",
-            Error::Apply { .. } => "apply",
-            Error::Status { .. } => "status",
-        }
-    }
-}
-
-/// A spec the controller cannot act on (the CRD schema normally refuses these first).
-#[derive(Debug, PartialEq, Eq)]
-pub struct Invalid(pub String);
-
 /// Checks what the schema should already have refused, for objects stored before it did.
 pub fn validate(mc: &Memcached) -> Result<i32, Invalid> {
     let size = mc.spec.size;
     if !(0..=MAX_SIZE).contains(&size) {
-        return Err(Invalid(format!(
-            "spec.size must be between 0 and {MAX_SIZE}, got {size}"
-        )));
+        return Err(Invalid::new(
+            condition::DEGRADED,
+            true,
+            reason::INVALID_SPEC,
+            format!("spec.size must be between 0 and {MAX_SIZE}, got {size}"),
+        ));
     }
     Ok(size)
 }
 
-struct State {
-    ctx: ControllerContext,
-    image: String,
-    deployments: Store<Deployment>,
-    pods: Store<Pod>,
+/// The caches: owned Deployments and their Pods, both selected by opkit's labels.
+pub struct Caches {
+    deployments: Cache<Deployment>,
+    pods: Cache<Pod>,
 }
 
-/// Runs the controller until the manager shuts down.
-pub async fn run(ctx: ControllerContext, cfg: Config) {
-    let client = ctx.client().clone();
-    let owned = watcher::Config::default().labels(&selector());
-    let mut runs = Vec::new();
-    let mut ready = Vec::new();
-    for ((mcs, deploys), pods) in cfg
-        .scope
-        .apis::<Memcached>(&client)
-        .into_iter()
-        .zip(cfg.scope.apis::<Deployment>(&client))
-        .zip(cfg.scope.apis::<Pod>(&client))
-    {
-        let (deploy_store, deploy_writer) = reflector::store();
-        let deploy_stream = reflector::reflector(
-            deploy_writer,
-            watcher(deploys, owned.clone())
-                .default_backoff()
-                .modify(|d| d.managed_fields_mut().clear()),
-        )
-        .touched_objects();
-        let (pod_store, pod_writer) = reflector::store();
-        // Only names, labels and phase matter here: drop the rest before it reaches the cache.
-        let pod_stream = reflector::reflector(
-            pod_writer,
-            watcher(pods, owned.clone()).default_backoff().modify(|p| {
-                p.managed_fields_mut().clear();
-                p.spec = None;
-                if let Some(s) = p.status.as_mut() {
-                    *s = k8s_openapi::api::core::v1::PodStatus {
-                        phase: s.phase.take(),
-                        ..Default::default()
-                    };
-                }
-            }),
-        )
-        .touched_objects();
-        let controller = Controller::new(mcs, watcher::Config::default())
-            .with_config(ControllerConfig::default().concurrency(cfg.concurrency))
-            .owns_stream(deploy_stream)
-            .watches_stream(pod_stream, |pod: Pod| {
+/// What the plan reads about one Memcached.
+#[derive(Clone, Debug, Default)]
+pub struct World {
+    pub deployment: Option<Arc<Deployment>>,
+    pub pods: Vec<Arc<Pod>>,
+}
+
+/// Only names, labels and phase of the Pods matter here.
+fn trim_pod(p: &mut Pod) {
+    p.spec = None;
+    if let Some(s) = p.status.as_mut() {
+        *s = k8s_openapi::api::core::v1::PodStatus {
+            phase: s.phase.take(),
+            ..Default::default()
+        };
+    }
+}
+
+impl Reconciler for MemcachedController {
+    type Object = Memcached;
+    type Cache = Caches;
+    type World = World;
+    type Status = MemcachedStatus;
+
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn rbac() -> Vec<PolicyRule> {
+        rbac_rules()
+    }
+
+    fn watch(&self, w: &mut Watches<Memcached>) -> Caches {
+        Caches {
+            deployments: w.owns(Watch::labels(&selector()).prune()),
+            pods: w.watches(Watch::labels(&selector()).trim(trim_pod), |pod: Pod| {
                 let name = pod.labels().get(CR_LABEL)?.clone();
                 Some(ObjectRef::<Memcached>::new(&name).within(&pod.namespace()?))
-            })
-            .graceful_shutdown_on(ctx.shutdown_signal());
-        let (c, d, p) = (controller.store(), deploy_store.clone(), pod_store.clone());
-        ready.push(async move { c.wait_until_ready().await }.boxed());
-        ready.push(async move { d.wait_until_ready().await }.boxed());
-        ready.push(async move { p.wait_until_ready().await }.boxed());
-        let state = Arc::new(State {
-            ctx: ctx.clone(),
-            image: cfg.image.clone(),
-            deployments: deploy_store,
-            pods: pod_store,
-        });
-        runs.push(
-            controller
-                .run(
-                    reconcile,
-                    |mc, err, st| st.ctx.error_policy(mc.as_ref(), err),
-                    state,
-                )
-                .for_each(|_| future::ready(())),
-        );
-    }
-    ctx.ready_when(future::join_all(ready));
-    future::join_all(runs).await;
-}
-
-#[tracing::instrument(skip(mc, st), fields(namespace = mc.namespace(), name = mc.name_any()))]
-async fn reconcile(mc: Arc<Memcached>, st: Arc<State>) -> Result<Action, Error> {
-    let _timer = st.ctx.reconcile_started();
-    let ns = mc.namespace().unwrap_or_default();
-    let name = mc.name_any();
-    let ctx = &st.ctx;
-    let mcs: Api<Memcached> = Api::namespaced(ctx.client().clone(), &ns);
-    let now = Time(k8s_openapi::jiff::Timestamp::now());
-    let live_status = mc.status.clone().unwrap_or_default();
-
-    // validate (pure)
-    let size = match validate(&mc) {
-        Ok(size) => size,
-        Err(Invalid(msg)) => {
-            let was_degraded = conditions::is_true(&live_status.conditions, reason::DEGRADED);
-            let conds = conditions::merge(
-                &live_status.conditions,
-                &[Desired::yes(reason::DEGRADED, reason::INVALID_SPEC, msg.clone())],
-                mc.metadata.generation,
-                &now,
-            );
-            let status = MemcachedStatus {
-                conditions: conds,
-                observed_generation: mc.metadata.generation,
-                ..live_status.clone()
-            };
-            write_status(ctx, &mcs, &name, &status, &live_status).await?;
-            if !was_degraded {
-                ctx.event(
-                    mc.as_ref(),
-                    EventType::Warning,
-                    reason::INVALID_SPEC,
-                    "Validate",
-                    msg,
-                )
-                .await;
-            }
-            // Nothing to retry until the spec changes.
-            return Ok(Action::await_change());
+            }),
         }
-    };
-
-    // build (pure)
-    let desired = build_deployment(&mc, size, &st.image).map_err(Error::Build)?;
-
-    // apply (client) — skipped when the cached Deployment already matches
-    let deploys: Api<Deployment> = Api::namespaced(ctx.client().clone(), &ns);
-    let live = st.deployments.get(&ObjectRef::new(&name).within(&ns));
-    let live_replicas = live.as_ref().and_then(|d| d.spec.as_ref()?.replicas);
-    if ctx
-        .apply(&deploys, &desired, live.as_deref())
-        .await
-        .map_err(|source| Error::Apply {
-            name: name.clone(),
-            source,
-        })?
-    {
-        let note = match live_replicas {
-            None => format!("Created Deployment {name} with {size} replicas"),
-            Some(r) if r != size => format!("Scaled Deployment {name} from {r} to {size} replicas"),
-            Some(_) => format!("Restored Deployment {name} to its desired state"),
-        };
-        ctx.event(mc.as_ref(), EventType::Normal, "DeploymentApplied", "Apply", note)
-            .await;
     }
 
-    // status (client) — written only when it changed
-    let pods: Vec<Arc<Pod>> = st
-        .pods
-        .state()
-        .into_iter()
-        .filter(|p| p.namespace().as_deref() == Some(ns.as_str()) && p.labels().get(CR_LABEL) == Some(&name))
-        .collect();
-    let status = build::status(&mc, size, live.as_deref(), &pods, &now);
-    write_status(ctx, &mcs, &name, &status, &live_status).await?;
-    ctx.reconcile_succeeded(mc.as_ref());
-    // Watches on the Deployment and its Pods bring us back; the hourly resync is a safety net.
-    Ok(Action::requeue(Duration::from_secs(3600)))
+    async fn observe(&self, mc: &Memcached, cache: &Caches, _: &Client) -> kube::Result<World> {
+        let (ns, name) = (mc.namespace().unwrap_or_default(), mc.name_any());
+        Ok(World {
+            deployment: cache.deployments.get(&ns, &name),
+            pods: cache.pods.filter(|p| {
+                p.namespace().as_deref() == Some(ns.as_str()) && p.labels().get(CR_LABEL) == Some(&name)
+            }),
+        })
+    }
+
+    fn plan(&self, mc: &Memcached, world: &World, now: Timestamp) -> Result<Plan<MemcachedStatus>, Invalid> {
+        let size = validate(mc)?;
+        let desired = build_deployment(mc, size, &self.image)
+            .map_err(|message| Invalid::new(condition::DEGRADED, true, reason::INVALID_SPEC, message))?;
+        let live = world.deployment.as_deref();
+        let child = Child::apply(&desired, live);
+        let status = build::status(mc, size, live, &world.pods, &Time(now));
+        // Watches on the Deployment and its Pods bring us back; the hourly resync is a safety net.
+        let mut plan = Plan::status(status, Requeue::After(Duration::from_secs(3600)));
+        if child.is_needed() {
+            let name = mc.name_any();
+            let note = match live.and_then(|d| d.spec.as_ref()?.replicas) {
+                None => format!("Created Deployment {name} with {size} replicas"),
+                Some(r) if r != size => format!("Scaled Deployment {name} from {r} to {size} replicas"),
+                Some(_) => format!("Restored Deployment {name} to its desired state"),
+            };
+            plan = plan.event(Event::normal(reason::DEPLOYMENT_APPLIED, "Apply", note));
+        }
+        Ok(plan.child(child))
+    }
 }
 
-async fn write_status(
-    ctx: &ControllerContext,
-    api: &Api<Memcached>,
-    name: &str,
-    desired: &MemcachedStatus,
-    live: &MemcachedStatus,
-) -> Result<(), Error> {
-    let d = serde_json::to_value(desired).map_err(|e| Error::Build(e.to_string()))?;
-    let l = serde_json::to_value(live).map_err(|e| Error::Build(e.to_string()))?;
-    ctx.apply_status(api, name, d, Some(l))
-        .await
-        .map_err(|source| Error::Status { source })?;
-    Ok(())
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use opkit_api::memcached::MemcachedSpec;
+
+    fn mc(size: i32) -> Memcached {
+        let mut m = Memcached::new("m", MemcachedSpec { size });
+        m.metadata.namespace = Some("ns".into());
+        m.metadata.uid = Some("uid-1".into());
+        m.metadata.generation = Some(1);
+        m
+    }
+
+    fn now() -> Timestamp {
+        Timestamp::from_second(1_000).unwrap()
+    }
+
+    #[test]
+    fn a_new_memcached_gets_its_deployment_and_a_created_event() {
+        let p = MemcachedController::default()
+            .plan(&mc(3), &World::default(), now())
+            .unwrap();
+        assert_eq!(p.children.len(), 1);
+        assert!(p.children[0].is_needed());
+        assert_eq!(p.events.len(), 1);
+        assert!(
+            p.events[0].note.contains("Created Deployment m with 3 replicas"),
+            "{:?}",
+            p.events
+        );
+        assert_eq!(p.status.unwrap().ready_replicas, Some(0));
+    }
+
+    #[test]
+    fn a_converged_memcached_plans_no_write_and_no_event() {
+        let c = MemcachedController::default();
+        let d = build_deployment(&mc(2), 2, DEFAULT_IMAGE).unwrap();
+        let world = World {
+            deployment: Some(Arc::new(d)),
+            pods: Vec::new(),
+        };
+        let p = c.plan(&mc(2), &world, now()).unwrap();
+        assert!(!p.children[0].is_needed());
+        assert!(p.events.is_empty());
+    }
+
+    #[test]
+    fn a_scaled_deployment_is_reported_as_scaled() {
+        let c = MemcachedController::default();
+        let d = build_deployment(&mc(2), 2, DEFAULT_IMAGE).unwrap();
+        let world = World {
+            deployment: Some(Arc::new(d)),
+            pods: Vec::new(),
+        };
+        let p = c.plan(&mc(5), &world, now()).unwrap();
+        assert!(p.children[0].is_needed());
+        assert!(p.events[0].note.contains("from 2 to 5"), "{:?}", p.events);
+    }
+
+    #[test]
+    fn an_out_of_range_size_is_invalid_with_the_field_named() {
+        let e = MemcachedController::default()
+            .plan(&mc(-1), &World::default(), now())
+            .unwrap_err();
+        assert_eq!(
+            (e.condition, e.status, e.reason),
+            (condition::DEGRADED, true, reason::INVALID_SPEC)
+        );
+        assert!(e.message.contains("spec.size"));
+    }
 }

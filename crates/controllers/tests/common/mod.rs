@@ -1,26 +1,43 @@
-//! Shared by the controller tests: install a CRD, run one controller in-process.
+//! Shared by the controller tests: run registry entries in-process on the local control
+//! plane, and check that a converged object stays untouched.
 #![allow(dead_code)]
-use std::future::Future;
+use std::fmt::Debug;
 use std::time::Duration;
 
+use anyhow::{anyhow, ensure};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::wait::{await_condition, conditions};
-use kube::{Client, ResourceExt};
-use opkit::{ControllerContext, Manager, ManagerOptions};
+use kube::{Client, Resource, ResourceExt};
+use opkit::metrics::{ControllerMetrics, Metrics};
+use opkit::{Manager, ManagerOptions, Scope};
+use opkit_controllers::{Settings, registry};
+use opkit_testenv::wait_for;
+use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
 
 /// How long any single condition in a test may take.
 pub const T: Duration = Duration::from_secs(60);
 
-/// A running manager with one controller; stops on drop (or `stop().await`).
+/// A running manager; stops on drop (or `stop().await`).
 pub struct Operator {
-    pub ctx: ControllerContext,
+    name: &'static str,
+    metrics: Metrics,
     stop: CancellationToken,
     handle: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Operator {
+    /// The metrics of the registry entry's (first) reconciler.
+    pub fn metrics(&self) -> ControllerMetrics {
+        self.metrics.for_controller(self.name)
+    }
+
+    /// The metrics of the reconciler called `name`.
+    pub fn metrics_of(&self, name: &str) -> ControllerMetrics {
+        self.metrics.for_controller(name)
+    }
+
     /// Shuts down gracefully and waits until the manager has stopped.
     pub async fn stop(mut self) {
         self.stop.cancel();
@@ -54,14 +71,25 @@ pub async fn install_crd(client: &Client, crd: CustomResourceDefinition) -> anyh
     Ok(())
 }
 
-/// Starts a manager running one controller, without signal handling.
-pub fn run_controller<F, Fut>(client: &Client, name: &'static str, opts: ManagerOptions, run: F) -> Operator
-where
-    F: FnOnce(ControllerContext) -> Fut + Send + 'static,
-    Fut: Future<Output = ()> + Send + 'static,
-{
-    let mut manager = Manager::new(client.clone());
-    let ctx = manager.add(name, run);
+/// Installs the CRDs of the registry entry `name` and runs it, watching only `ns`, without
+/// signal handling.
+pub async fn start(
+    client: &Client,
+    ns: &str,
+    name: &'static str,
+    opts: ManagerOptions,
+) -> anyhow::Result<Operator> {
+    let registry = registry();
+    let entry = registry
+        .select(&[name.to_string()])
+        .map_err(anyhow::Error::msg)?
+        .remove(0);
+    for crd in (entry.crds)() {
+        install_crd(client, crd).await?;
+    }
+    let mut manager = Manager::new(client.clone()).with_scope(Scope::namespaces(vec![ns.to_string()]));
+    (entry.add)(&mut manager, &Settings::default());
+    let metrics = manager.metrics().clone();
     let stop = manager.shutdown_token();
     let opts = ManagerOptions {
         handle_signals: false,
@@ -70,11 +98,60 @@ where
     let handle = tokio::spawn(async move {
         manager.run(opts).await.expect("manager failed");
     });
-    Operator {
-        ctx,
+    Ok(Operator {
+        name,
+        metrics,
         stop,
         handle: Some(handle),
-    }
+    })
+}
+
+/// Waits until `m` has no reconcile running and its counts of finished reconciles and writes
+/// have stood still for a second: the work that was due has finished, not just started.
+pub async fn settled(m: &ControllerMetrics) -> anyhow::Result<()> {
+    let mut last = (u64::MAX, u64::MAX);
+    wait_for("the controller to settle", T, || {
+        let now = (m.reconciles_total(), m.writes_total());
+        let idle = m.reconciles_active() == 0;
+        let same = now == last;
+        last = now;
+        async move {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            if idle && same && m.reconciles_active() == 0 {
+                Ok(())
+            } else {
+                Err(anyhow!("reconciles/writes {now:?}, idle {idle}"))
+            }
+        }
+    })
+    .await
+}
+
+/// Asserts that, once `m` has settled, nothing writes for `window`: no write by the
+/// controller and an unchanged `resourceVersion` of `name`.
+pub async fn assert_quiescent<K>(
+    m: &ControllerMetrics,
+    api: &Api<K>,
+    name: &str,
+    window: Duration,
+) -> anyhow::Result<()>
+where
+    K: Resource + Clone + DeserializeOwned + Debug,
+{
+    settled(m).await?;
+    let (writes, rv) = (m.writes_total(), api.get(name).await?.resource_version());
+    tokio::time::sleep(window).await;
+    let (writes_after, rv_after) = (m.writes_total(), api.get(name).await?.resource_version());
+    ensure!(
+        writes_after == writes,
+        "{} writes during the quiet window",
+        writes_after - writes
+    );
+    ensure!(
+        rv_after == rv,
+        "{name} changed: resourceVersion {rv:?} -> {rv_after:?}"
+    );
+    Ok(())
 }
 
 /// A file under `config/samples/`.

@@ -1,4 +1,4 @@
-//! Server-side apply that skips writes when the cluster already has what we want.
+//! The comparison behind no-op skipping: does the cluster already have what we want?
 //!
 //! An apply of an unchanged object is a no-op for etcd but still a request the apiserver must
 //! authenticate, decode and diff. Comparing the desired fields against the cached live object

@@ -4,6 +4,9 @@
 //!
 //! kube-rs ships the `AdmissionReview` types; this adds the serving, the certificates and the
 //! plumbing, as Kubebuilder's `create webhook` does for Go.
+mod install;
+
+pub use install::{Endpoint, WebhookOptions, configurations, rbac_rules, service_name, start};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -69,10 +72,27 @@ pub struct Review<K> {
 type Handler =
     Arc<dyn Fn(AdmissionRequest<DynamicObject>) -> BoxFuture<'static, AdmissionResponse> + Send + Sync>;
 
-/// A set of webhook handlers, one HTTP path each.
+/// Which requests the apiserver sends to one webhook: the webhook configuration entry.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rule {
+    /// Unique webhook name, e.g. `mmemcached.opkit.dev`.
+    pub name: &'static str,
+    /// HTTP path it is served at.
+    pub path: &'static str,
+    pub group: &'static str,
+    pub versions: &'static [&'static str],
+    /// Plural resource name, e.g. `memcacheds`.
+    pub resource: &'static str,
+    /// `CREATE`, `UPDATE`, ...
+    pub operations: &'static [&'static str],
+}
+
+/// A set of webhook handlers, one HTTP path each, with the rules that route requests to them.
 #[derive(Default, Clone)]
 pub struct Webhooks {
     handlers: HashMap<String, Handler>,
+    pub(crate) mutating: Vec<Rule>,
+    pub(crate) validating: Vec<Rule>,
 }
 
 fn typed<K: DeserializeOwned>(o: &Option<DynamicObject>) -> Result<Option<K>, String> {
@@ -88,7 +108,32 @@ impl Webhooks {
         Webhooks::default()
     }
 
-    /// Serves `handler` for kind `K` at `path` (e.g. `/mutate-memcached`).
+    /// A defaulting webhook for kind `K`: `handler` returns the JSON patch to apply.
+    pub fn mutating<K, F, Fut>(mut self, rule: Rule, handler: F) -> Self
+    where
+        K: Resource + DeserializeOwned + Send + 'static,
+        F: Fn(Review<K>) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = Verdict> + Send + 'static,
+    {
+        self = self.handle(rule.path, handler);
+        self.mutating.push(rule);
+        self
+    }
+
+    /// A validating webhook for kind `K`.
+    pub fn validating<K, F, Fut>(mut self, rule: Rule, handler: F) -> Self
+    where
+        K: Resource + DeserializeOwned + Send + 'static,
+        F: Fn(Review<K>) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = Verdict> + Send + 'static,
+    {
+        self = self.handle(rule.path, handler);
+        self.validating.push(rule);
+        self
+    }
+
+    /// Serves `handler` for kind `K` at `path` (e.g. `/mutate-memcached`), with no rule: the
+    /// apiserver is not told about it.
     pub fn handle<K, F, Fut>(mut self, path: &str, handler: F) -> Self
     where
         K: Resource + DeserializeOwned + Send + 'static,
@@ -127,6 +172,19 @@ impl Webhooks {
         });
         self.handlers.insert(path.to_string(), h);
         self
+    }
+
+    /// Adds every webhook of `other`.
+    pub fn merge(mut self, other: Webhooks) -> Self {
+        self.handlers.extend(other.handlers);
+        self.mutating.extend(other.mutating);
+        self.validating.extend(other.validating);
+        self
+    }
+
+    /// Whether there is nothing to serve.
+    pub fn is_empty(&self) -> bool {
+        self.handlers.is_empty()
     }
 
     /// The paths served, for the webhook configurations.
@@ -248,6 +306,8 @@ fn read_dir_cert(dir: &Path) -> Result<(CertifiedKey, SystemTime), String> {
 pub enum WebhookError {
     #[error("webhook certificate: {0}")]
     Certificate(String),
+    #[error("configuring the {what} webhooks: {source}")]
+    Configure { what: &'static str, source: kube::Error },
     #[error("binding the webhook server on {addr}: {source}")]
     Bind {
         addr: SocketAddr,

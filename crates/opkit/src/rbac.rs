@@ -39,16 +39,6 @@ pub fn merge(tables: impl IntoIterator<Item = Vec<PolicyRule>>) -> Vec<PolicyRul
     out
 }
 
-/// Every rule of every controller opkit ships, for the generated ClusterRole.
-pub fn all_rules() -> Vec<PolicyRule> {
-    merge([
-        crate::memcached::rbac_rules(),
-        crate::at::rbac_rules(),
-        crate::eru::rbac_rules(),
-        crate::foo::rbac_rules(),
-    ])
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,306 @@
+//! The controller skeleton: a controller declares what it watches and turns what it observed
+//! into a [`Plan`] with a pure function; opkit's runtime carries the plan out.
+//!
+//! ```text
+//! watch (declared once) → observe (caches, rarely a read) → plan (pure) → opkit: apply children,
+//! prune orphans, write status, publish Events, requeue
+//! ```
+//!
+//! Because `plan` sees neither a client nor the clock, every decision of a controller is a unit
+//! test away; because opkit does all the writing, every controller gets no-op skipping, status
+//! through the subresource, Events, metrics, per-object backoff and synced caches for free.
+use std::fmt::Debug;
+use std::future::Future;
+
+use std::time::Duration;
+
+use k8s_openapi::NamespaceResourceScope;
+use k8s_openapi::api::rbac::v1::PolicyRule;
+use k8s_openapi::jiff::Timestamp;
+use kube::core::ApiResource;
+use kube::runtime::events::EventType;
+use kube::{Client, Resource, ResourceExt};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::runtime::Watches;
+
+/// One controller: what it reconciles, what it watches and how it decides.
+///
+/// Implement it in the controller's own folder and list it in the registry; nothing else is
+/// needed to run it, generate its RBAC or select it with `--controllers`.
+pub trait Reconciler: Send + Sync + 'static {
+    /// The primary kind; one reconcile per object of it.
+    type Object: Resource<DynamicType = (), Scope = NamespaceResourceScope>
+        + Clone
+        + Debug
+        + Serialize
+        + DeserializeOwned
+        + Send
+        + Sync
+        + 'static;
+    /// The caches [`Reconciler::watch`] builds, read by [`Reconciler::observe`].
+    type Cache: Send + Sync + 'static;
+    /// Everything [`Reconciler::plan`] needs about the world besides the object itself.
+    type World: Send + 'static;
+    /// The status written through the status subresource. A missing live status counts as
+    /// `Default`, so a plan that asks for the defaults writes nothing.
+    type Status: Serialize + DeserializeOwned + Default + Send + 'static;
+
+    /// Name for `--controllers`, metrics labels, logs and the field manager `opkit-<name>`.
+    fn name(&self) -> &'static str;
+
+    /// The API access the controller uses, for the generated RBAC; it should cover every
+    /// watch, the primary kind's status and the children's writes.
+    fn rbac() -> Vec<PolicyRule>
+    where
+        Self: Sized;
+
+    /// Drops from a cached primary object what the plan never reads (managed fields are
+    /// always dropped); memory scales with the number of objects, so this matters.
+    fn trim(&self, _obj: &mut Self::Object) {}
+
+    /// Declares the secondary watches and returns the caches they fill. Called once per
+    /// watched namespace; no reconcile starts before every cache declared here has synced.
+    fn watch(&self, w: &mut Watches<Self::Object>) -> Self::Cache;
+
+    /// Collects what the plan needs. Normally cache lookups only; the client is there for the
+    /// rare read a cache cannot answer (an object that may just not have reached the cache).
+    fn observe(
+        &self,
+        obj: &Self::Object,
+        cache: &Self::Cache,
+        client: &Client,
+    ) -> impl Future<Output = kube::Result<Self::World>> + Send;
+
+    /// Decides, without side effects, what should be true of the cluster for `obj` at `now`.
+    fn plan(
+        &self,
+        obj: &Self::Object,
+        world: &Self::World,
+        now: Timestamp,
+    ) -> Result<Plan<Self::Status>, Invalid>;
+}
+
+/// What one reconcile should do, in the order opkit does it: children, orphan deletion,
+/// status, Events, the next look.
+#[derive(Debug)]
+pub struct Plan<S> {
+    /// Objects to write; a no-op (nothing differs from the cache) costs no request.
+    pub children: Vec<Child>,
+    /// The status to apply; skipped when the live status already has every field of it.
+    pub status: Option<S>,
+    /// Events to publish after the writes succeeded; the plan emits them on changes only.
+    pub events: Vec<Event>,
+    /// When to reconcile again if nothing changes.
+    pub requeue: Requeue,
+}
+
+impl<S> Plan<S> {
+    /// A plan that writes `status` (if it changed) and looks again as `requeue` says.
+    pub fn status(status: S, requeue: Requeue) -> Self {
+        Plan {
+            children: Vec::new(),
+            status: Some(status),
+            events: Vec::new(),
+            requeue,
+        }
+    }
+
+    /// Adds a child to write.
+    pub fn child(mut self, child: Child) -> Self {
+        self.children.push(child);
+        self
+    }
+
+    /// Adds an Event.
+    pub fn event(mut self, event: Event) -> Self {
+        self.events.push(event);
+        self
+    }
+}
+
+/// When a reconcile should run again by itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Requeue {
+    /// Only when something watched changes.
+    OnChange,
+    /// After this long (also earlier, on a change).
+    After(Duration),
+}
+
+/// How a child is written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Server-side apply with force: the controller owns every field it sets.
+    Apply,
+    /// Create only when absent, never take over an object of that name someone else made
+    /// (client-go's sample-controller contract); a conflict fails the reconcile.
+    Create,
+    /// Server-side apply of a few fields of an object someone else owns (e.g. one annotation
+    /// on a user's Deployment); never pruned.
+    Fields,
+}
+
+/// An object the plan wants written.
+#[derive(Clone, Debug)]
+pub struct Child {
+    pub(crate) resource: ApiResource,
+    pub(crate) namespace: Option<String>,
+    pub(crate) name: String,
+    pub(crate) body: serde_json::Value,
+    pub(crate) mode: Mode,
+    pub(crate) needed: bool,
+}
+
+impl Child {
+    fn new<C: Resource<DynamicType = ()> + Serialize>(
+        mode: Mode,
+        namespace: Option<String>,
+        name: String,
+        body: serde_json::Value,
+        live: Option<&C>,
+    ) -> Self {
+        let needed = match live.map(serde_json::to_value) {
+            Some(Ok(l)) => !crate::diff::is_subset(&body, &l),
+            _ => true,
+        };
+        Child {
+            resource: ApiResource::erase::<C>(&()),
+            namespace,
+            name,
+            body,
+            mode,
+            needed,
+        }
+    }
+
+    /// Server-side apply `desired` unless `live` (the cached object) already has all of it.
+    pub fn apply<C: Resource<DynamicType = ()> + Serialize>(desired: &C, live: Option<&C>) -> Self {
+        Self::typed(Mode::Apply, desired, live)
+    }
+
+    /// Create `desired` unless `live` shows it exists; see [`Mode::Create`].
+    pub fn create<C: Resource<DynamicType = ()> + Serialize>(desired: &C, live: Option<&C>) -> Self {
+        let mut c = Self::typed(Mode::Create, desired, live);
+        c.needed = live.is_none();
+        c
+    }
+
+    fn typed<C: Resource<DynamicType = ()> + Serialize>(mode: Mode, desired: &C, live: Option<&C>) -> Self {
+        let body = serde_json::to_value(desired).unwrap_or_default();
+        Self::new(mode, desired.namespace(), desired.name_any(), body, live)
+    }
+
+    /// Server-side apply only `fields` (a partial object with `spec`/`metadata` parts) of the
+    /// object `name` of kind `C`; see [`Mode::Fields`].
+    pub fn fields<C: Resource<DynamicType = ()> + Serialize>(
+        namespace: &str,
+        name: &str,
+        mut fields: serde_json::Value,
+        live: Option<&C>,
+    ) -> Self {
+        if let Some(m) = fields.as_object_mut() {
+            m.insert("apiVersion".into(), C::api_version(&()).into());
+            m.insert("kind".into(), C::kind(&()).into());
+            let meta = m.entry("metadata").or_insert_with(|| serde_json::json!({}));
+            meta["name"] = name.into();
+        }
+        Self::new(Mode::Fields, Some(namespace.into()), name.into(), fields, live)
+    }
+
+    /// Overrides the comparison with the cache, for a child whose cached copy is trimmed of
+    /// fields the desired object sets (the plan then compares what it knows is kept).
+    pub fn needed(mut self, needed: bool) -> Self {
+        self.needed = needed;
+        self
+    }
+
+    /// Whether writing this child would change anything (false: opkit skips it).
+    pub fn is_needed(&self) -> bool {
+        self.needed
+    }
+
+    /// The child's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The kind and name, for messages.
+    pub fn describe(&self) -> String {
+        format!("{} {}", self.resource.kind, self.name)
+    }
+}
+
+/// An Event about the primary object, shown by `kubectl describe`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Event {
+    pub type_: EventType,
+    pub reason: &'static str,
+    pub action: &'static str,
+    pub note: String,
+}
+
+impl Event {
+    /// A Normal Event.
+    pub fn normal(reason: &'static str, action: &'static str, note: impl Into<String>) -> Self {
+        Event {
+            type_: EventType::Normal,
+            reason,
+            action,
+            note: note.into(),
+        }
+    }
+
+    /// A Warning Event.
+    pub fn warning(reason: &'static str, action: &'static str, note: impl Into<String>) -> Self {
+        Event {
+            type_: EventType::Warning,
+            reason,
+            action,
+            note: note.into(),
+        }
+    }
+}
+
+/// A spec the controller cannot act on. opkit records it as this condition in
+/// `status.conditions` (with `observedGeneration`), publishes one Warning Event when the
+/// condition changes, and waits for the next change of the object: no retries, no hot loop.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Invalid {
+    /// Condition type, e.g. `Degraded` or `Scheduled`.
+    pub condition: &'static str,
+    /// The condition's status: `true` for a `Degraded`-style type, `false` for `Ready`-style.
+    pub status: bool,
+    /// Condition reason and Event reason, e.g. `InvalidSpec`.
+    pub reason: &'static str,
+    /// What is wrong, naming the field.
+    pub message: String,
+    /// Other conditions the plan could still decide (e.g. whether a target exists), written
+    /// in the same status update.
+    pub also: Vec<crate::conditions::Desired<'static>>,
+}
+
+impl Invalid {
+    /// An invalid spec reported as condition `condition` at `status`, with `reason`.
+    pub fn new(
+        condition: &'static str,
+        status: bool,
+        reason: &'static str,
+        message: impl Into<String>,
+    ) -> Self {
+        Invalid {
+            condition,
+            status,
+            reason,
+            message: message.into(),
+            also: Vec::new(),
+        }
+    }
+
+    /// Adds another condition to write with it.
+    pub fn with(mut self, condition: crate::conditions::Desired<'static>) -> Self {
+        self.also.push(condition);
+        self
+    }
+}

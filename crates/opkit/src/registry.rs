@@ -1,0 +1,95 @@
+//! The one list of an operator's controllers. `--controllers`, the CRDs `run` waits for, the
+//! generated RBAC and CRD manifests, and the webhooks all come from it, so adding a kind is
+//! its folder plus one line here.
+use k8s_openapi::api::rbac::v1::PolicyRule;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::Client;
+
+use crate::manager::Manager;
+use crate::rbac;
+use crate::webhook::Webhooks;
+
+/// One selectable controller (one or more [`crate::Reconciler`]s) with everything generated
+/// from it. `S` carries the operator's own settings (images, ...) to `add`.
+pub struct Registration<S> {
+    /// What `--controllers` selects.
+    pub name: &'static str,
+    /// The CRDs it serves; `run` waits for them to be established.
+    pub crds: fn() -> Vec<CustomResourceDefinition>,
+    /// Its API access, for the generated RBAC.
+    pub rbac: fn() -> Vec<PolicyRule>,
+    /// Its admission webhooks (none: `|w, _| w`).
+    pub webhooks: fn(Webhooks, &Client) -> Webhooks,
+    /// Adds its reconcilers to a manager.
+    pub add: fn(&mut Manager, &S),
+}
+
+/// The ordered list of an operator's controllers.
+pub struct Registry<S> {
+    entries: Vec<Registration<S>>,
+}
+
+impl<S> Registry<S> {
+    /// A registry of `entries`, in the order they should start and be listed.
+    pub fn new(entries: Vec<Registration<S>>) -> Self {
+        Registry { entries }
+    }
+
+    /// Every name, for `--controllers` help and errors.
+    pub fn names(&self) -> Vec<&'static str> {
+        self.entries.iter().map(|e| e.name).collect()
+    }
+
+    /// The entries named in `wanted`, or an error naming the unknown one and the known ones.
+    pub fn select(&self, wanted: &[String]) -> Result<Vec<&Registration<S>>, String> {
+        if let Some(unknown) = wanted.iter().find(|w| !self.names().contains(&w.as_str())) {
+            return Err(format!(
+                "unknown controller {unknown:?}; known: {}",
+                self.names().join(", ")
+            ));
+        }
+        Ok(self
+            .entries
+            .iter()
+            .filter(|e| wanted.iter().any(|w| w == e.name))
+            .collect())
+    }
+
+    /// Every entry.
+    pub fn all(&self) -> Vec<&Registration<S>> {
+        self.entries.iter().collect()
+    }
+
+    /// Every CRD, once each, in registry order.
+    pub fn crds(&self) -> Vec<CustomResourceDefinition> {
+        crds(&self.all())
+    }
+
+    /// The union of every entry's rules.
+    pub fn rbac(&self) -> Vec<PolicyRule> {
+        rbac::merge(self.entries.iter().map(|e| (e.rbac)()))
+    }
+
+    /// Every entry's webhooks.
+    pub fn webhooks(&self, client: &Client) -> Webhooks {
+        webhooks(&self.all(), client)
+    }
+}
+
+/// The CRDs of `entries`, once each.
+pub fn crds<S>(entries: &[&Registration<S>]) -> Vec<CustomResourceDefinition> {
+    let mut out: Vec<CustomResourceDefinition> = Vec::new();
+    for crd in entries.iter().flat_map(|e| (e.crds)()) {
+        if !out.iter().any(|c| c.metadata.name == crd.metadata.name) {
+            out.push(crd);
+        }
+    }
+    out
+}
+
+/// The webhooks of `entries`.
+pub fn webhooks<S>(entries: &[&Registration<S>], client: &Client) -> Webhooks {
+    entries
+        .iter()
+        .fold(Webhooks::new(), |w, e| (e.webhooks)(w, client))
+}

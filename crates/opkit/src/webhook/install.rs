@@ -1,0 +1,310 @@
+//! Telling the apiserver about the webhooks: the two configurations (generated into the
+//! manifests, and re-applied at start with the serving CA), and the start-up that makes or
+//! loads the certificate and serves.
+//!
+//! Every webhook uses `failurePolicy: Ignore`, so an operator outage never blocks anyone's
+//! `kubectl apply`; rules that matter must also hold further down (schema, controller).
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use k8s_openapi::api::admissionregistration::v1::{
+    MutatingWebhook, MutatingWebhookConfiguration, RuleWithOperations, ServiceReference, ValidatingWebhook,
+    ValidatingWebhookConfiguration, WebhookClientConfig,
+};
+use k8s_openapi::api::rbac::v1::PolicyRule;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement, ObjectMeta};
+use kube::api::{Api, Patch, PatchParams};
+use kube::{Client, ResourceExt};
+use tokio_util::sync::CancellationToken;
+
+use super::{CertSource, Rule, WebhookError, Webhooks, self_signed, serve};
+use crate::rbac::rule;
+
+/// Where the apiserver reaches the webhook server.
+#[derive(Clone, Debug)]
+pub enum Endpoint {
+    /// The in-cluster Service `<project>-webhook-service` in `namespace`.
+    Service { namespace: String },
+    /// A URL base such as `https://127.0.0.1:9443` (operator running outside the cluster).
+    Url(String),
+}
+
+/// The Service in front of the operator's webhook server.
+pub fn service_name(project: &str) -> String {
+    format!("{project}-webhook-service")
+}
+
+fn mutating_name(project: &str) -> String {
+    format!("{project}-mutating-webhook-configuration")
+}
+
+fn validating_name(project: &str) -> String {
+    format!("{project}-validating-webhook-configuration")
+}
+
+fn client_config(
+    project: &str,
+    endpoint: &Endpoint,
+    path: &str,
+    ca_bundle: Option<&str>,
+) -> WebhookClientConfig {
+    WebhookClientConfig {
+        ca_bundle: ca_bundle.map(|c| k8s_openapi::ByteString(c.as_bytes().to_vec())),
+        service: match endpoint {
+            Endpoint::Service { namespace } => Some(ServiceReference {
+                name: service_name(project),
+                namespace: namespace.clone(),
+                path: Some(path.into()),
+                port: Some(443),
+            }),
+            Endpoint::Url(_) => None,
+        },
+        url: match endpoint {
+            Endpoint::Url(base) => Some(format!("{}{path}", base.trim_end_matches('/'))),
+            Endpoint::Service { .. } => None,
+        },
+    }
+}
+
+fn rules(r: &Rule) -> Option<Vec<RuleWithOperations>> {
+    let s = |v: &[&str]| Some(v.iter().map(|x| x.to_string()).collect());
+    Some(vec![RuleWithOperations {
+        api_groups: s(&[r.group]),
+        api_versions: s(r.versions),
+        operations: s(r.operations),
+        resources: s(&[r.resource]),
+        scope: Some("Namespaced".into()),
+    }])
+}
+
+/// Keeps the operator's own namespace out, so a broken webhook can never block fixing it.
+fn namespace_selector(own_namespace: &str) -> Option<LabelSelector> {
+    Some(LabelSelector {
+        match_expressions: Some(vec![LabelSelectorRequirement {
+            key: "kubernetes.io/metadata.name".into(),
+            operator: "NotIn".into(),
+            values: Some(vec![own_namespace.into()]),
+        }]),
+        ..Default::default()
+    })
+}
+
+/// The two webhook configurations of `project`, pointing at `endpoint`, trusting `ca_bundle`
+/// (PEM) if given.
+pub fn configurations(
+    project: &str,
+    webhooks: &Webhooks,
+    endpoint: &Endpoint,
+    own_namespace: &str,
+    ca_bundle: Option<&str>,
+) -> (MutatingWebhookConfiguration, ValidatingWebhookConfiguration) {
+    let meta = |name: String| ObjectMeta {
+        name: Some(name),
+        ..Default::default()
+    };
+    let versions = vec!["v1".to_string()];
+    let mutating = MutatingWebhookConfiguration {
+        metadata: meta(mutating_name(project)),
+        webhooks: Some(
+            webhooks
+                .mutating
+                .iter()
+                .map(|r| MutatingWebhook {
+                    name: r.name.into(),
+                    client_config: client_config(project, endpoint, r.path, ca_bundle),
+                    rules: rules(r),
+                    failure_policy: Some("Ignore".into()),
+                    side_effects: "None".into(),
+                    admission_review_versions: versions.clone(),
+                    timeout_seconds: Some(5),
+                    match_policy: Some("Equivalent".into()),
+                    namespace_selector: namespace_selector(own_namespace),
+                    reinvocation_policy: Some("Never".into()),
+                    ..Default::default()
+                })
+                .collect(),
+        ),
+    };
+    let validating = ValidatingWebhookConfiguration {
+        metadata: meta(validating_name(project)),
+        webhooks: Some(
+            webhooks
+                .validating
+                .iter()
+                .map(|r| ValidatingWebhook {
+                    name: r.name.into(),
+                    client_config: client_config(project, endpoint, r.path, ca_bundle),
+                    rules: rules(r),
+                    failure_policy: Some("Ignore".into()),
+                    side_effects: "None".into(),
+                    admission_review_versions: versions.clone(),
+                    timeout_seconds: Some(5),
+                    match_policy: Some("Equivalent".into()),
+                    namespace_selector: namespace_selector(own_namespace),
+                    ..Default::default()
+                })
+                .collect(),
+        ),
+    };
+    (mutating, validating)
+}
+
+/// What the operator needs to keep the configurations' `caBundle` (and endpoint) current.
+pub fn rbac_rules(project: &str) -> Vec<PolicyRule> {
+    [
+        ("mutatingwebhookconfigurations", mutating_name(project)),
+        ("validatingwebhookconfigurations", validating_name(project)),
+    ]
+    .map(|(resource, name)| PolicyRule {
+        resource_names: Some(vec![name]),
+        ..rule(&["admissionregistration.k8s.io"], &[resource], &["get", "patch"])
+    })
+    .to_vec()
+}
+
+/// How the operator serves its webhooks.
+#[derive(Clone, Debug)]
+pub struct WebhookOptions {
+    /// Prefix of the configuration and Service names (`<project>-webhook-service`).
+    pub project: &'static str,
+    /// Where to listen (HTTPS).
+    pub bind: SocketAddr,
+    /// `tls.crt`, `tls.key` and `ca.crt` (a cert-manager Secret mount); `None` makes a
+    /// self-signed certificate at start.
+    pub cert_dir: Option<PathBuf>,
+    /// Base URL the apiserver uses when the operator runs outside the cluster; `None`: the
+    /// Service in `namespace`.
+    pub url: Option<String>,
+    /// The operator's namespace (kept out of the webhooks' reach).
+    pub namespace: String,
+}
+
+/// Makes or loads the serving certificate, serves `webhooks` until `shutdown`, and points the
+/// webhook configurations at this server with its CA.
+pub async fn start(
+    client: &Client,
+    webhooks: &Webhooks,
+    opts: &WebhookOptions,
+    shutdown: CancellationToken,
+) -> Result<(), WebhookError> {
+    let endpoint = match &opts.url {
+        Some(u) => Endpoint::Url(u.clone()),
+        None => Endpoint::Service {
+            namespace: opts.namespace.clone(),
+        },
+    };
+    let (certs, ca) = match &opts.cert_dir {
+        Some(dir) => (
+            CertSource::Dir(dir.clone()),
+            std::fs::read_to_string(dir.join("ca.crt")).ok(),
+        ),
+        None => {
+            let hosts = match &endpoint {
+                Endpoint::Url(u) => vec![
+                    u.trim_start_matches("https://")
+                        .split(['/', ':'])
+                        .next()
+                        .unwrap_or_default()
+                        .to_string(),
+                ],
+                Endpoint::Service { namespace } => {
+                    let svc = service_name(opts.project);
+                    vec![
+                        format!("{svc}.{namespace}.svc"),
+                        format!("{svc}.{namespace}.svc.cluster.local"),
+                    ]
+                }
+            };
+            let cert = self_signed(&hosts).map_err(|e| WebhookError::Certificate(e.to_string()))?;
+            let ca = cert.ca_pem.clone();
+            (CertSource::Generated(cert), Some(ca))
+        }
+    };
+    serve(webhooks, opts.bind, certs, shutdown).await?;
+    let (m, v) = configurations(opts.project, webhooks, &endpoint, &opts.namespace, ca.as_deref());
+    let pp = PatchParams::apply(&format!("{}-webhooks", opts.project)).force();
+    let configure = |what: &'static str| move |source| WebhookError::Configure { what, source };
+    let mutating: Api<MutatingWebhookConfiguration> = Api::all(client.clone());
+    mutating
+        .patch(&m.name_any(), &pp, &Patch::Apply(&m))
+        .await
+        .map_err(configure("mutating"))?;
+    let validating: Api<ValidatingWebhookConfiguration> = Api::all(client.clone());
+    validating
+        .patch(&v.name_any(), &pp, &Patch::Apply(&v))
+        .await
+        .map_err(configure("validating"))?;
+    tracing::info!(?endpoint, "webhook configurations point at this server");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::webhook::Verdict;
+    use kube::core::DynamicObject;
+
+    fn hooks() -> Webhooks {
+        let rule = |name, path| Rule {
+            name,
+            path,
+            group: "example.com",
+            versions: &["v1"],
+            resource: "things",
+            operations: &["CREATE"],
+        };
+        Webhooks::new()
+            .mutating::<DynamicObject, _, _>(rule("mthing.example.com", "/mutate"), |_| async {
+                Verdict::allow()
+            })
+            .validating::<DynamicObject, _, _>(rule("vthing.example.com", "/validate"), |_| async {
+                Verdict::allow()
+            })
+    }
+
+    #[test]
+    fn configurations_point_at_the_endpoint_and_keep_the_operator_namespace_out() {
+        let (m, v) = configurations(
+            "opkit",
+            &hooks(),
+            &Endpoint::Url("https://127.0.0.1:9443".into()),
+            "opkit-system",
+            Some("CA"),
+        );
+        let mw = &m.webhooks.unwrap()[0];
+        assert_eq!(
+            mw.client_config.url.as_deref(),
+            Some("https://127.0.0.1:9443/mutate")
+        );
+        assert_eq!(mw.failure_policy.as_deref(), Some("Ignore"));
+        assert_eq!(mw.side_effects, "None");
+        let vw = v.webhooks.unwrap();
+        assert_eq!(vw.len(), 1);
+        let sel = vw[0]
+            .namespace_selector
+            .as_ref()
+            .unwrap()
+            .match_expressions
+            .as_ref()
+            .unwrap();
+        assert_eq!(sel[0].values.as_deref(), Some(&["opkit-system".to_string()][..]));
+        let (m, _) = configurations(
+            "opkit",
+            &hooks(),
+            &Endpoint::Service {
+                namespace: "opkit-system".into(),
+            },
+            "opkit-system",
+            None,
+        );
+        let svc = m.webhooks.unwrap()[0].client_config.service.clone().unwrap();
+        assert_eq!(
+            (svc.name.as_str(), svc.port),
+            ("opkit-webhook-service", Some(443))
+        );
+        assert_eq!(
+            rbac_rules("opkit")[0].resource_names.as_deref(),
+            Some(&["opkit-mutating-webhook-configuration".to_string()][..])
+        );
+    }
+}
