@@ -12,6 +12,9 @@ use kube::Api;
 use kube::api::PostParams;
 use opkit_testenv::{shared, wait_for};
 
+mod common;
+use common::Running;
+
 const T: Duration = Duration::from_secs(60);
 
 fn kubectl_with(kubeconfig: Option<&std::path::Path>, args: &[&str]) -> anyhow::Result<std::process::Output> {
@@ -35,16 +38,6 @@ fn kubectl(args: &[&str]) -> anyhow::Result<String> {
 
 fn config_dir() -> String {
     format!("{}/../../config", env!("CARGO_MANIFEST_DIR"))
-}
-
-/// Kills the operator on drop.
-struct Running(std::process::Child);
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 async fn jsonpath_is(kind_name: &[&str], ns: &str, path: &str, want: &str) -> anyhow::Result<()> {

@@ -1,38 +1,19 @@
 //! End to end: the `opkit` binary run as users run it, with `kubectl` applying the samples.
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, ensure};
 use opkit_testenv::{shared, wait_for};
 
-fn kubectl(args: &[&str]) -> anyhow::Result<String> {
-    let out = shared().kubectl().args(args).output()?;
-    ensure!(
-        out.status.success(),
-        "kubectl {}: {}",
-        args.join(" "),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(String::from_utf8(out.stdout)?)
-}
+mod common;
+use common::{install_crds, kubectl, sigterm};
 
 #[tokio::test]
 async fn the_binary_runs_the_samples_and_stops_cleanly_on_sigterm() {
     shared()
         .in_namespace("e2e", |_client, ns| async move {
             let samples = format!("{}/../../config/samples", env!("CARGO_MANIFEST_DIR"));
-            let crds = Command::new(env!("CARGO_BIN_EXE_opkit")).arg("crd").output()?;
-            ensure!(crds.status.success());
-            let mut apply = shared()
-                .kubectl()
-                .args(["apply", "--server-side", "-f", "-"])
-                .stdin(Stdio::piped())
-                .spawn()?;
-            std::io::Write::write_all(
-                apply.stdin.as_mut().ok_or_else(|| anyhow!("stdin"))?,
-                &crds.stdout,
-            )?;
-            ensure!(apply.wait()?.success(), "installing the CRDs failed");
+            install_crds()?;
 
             let log = std::env::temp_dir().join(format!("opkit-e2e-{ns}.log"));
             let mut op = Command::new(env!("CARGO_BIN_EXE_opkit"))
@@ -155,7 +136,7 @@ async fn the_binary_runs_the_samples_and_stops_cleanly_on_sigterm() {
                 anyhow::Ok(())
             }
             .await;
-            nix_term(op.id());
+            sigterm(op.id());
             let start = Instant::now();
             let status = loop {
                 if let Some(s) = op.try_wait()? {
@@ -178,8 +159,4 @@ async fn the_binary_runs_the_samples_and_stops_cleanly_on_sigterm() {
             Ok(())
         })
         .await;
-}
-
-fn nix_term(pid: u32) {
-    let _ = Command::new("kill").args(["-TERM", &pid.to_string()]).status();
 }

@@ -10,6 +10,9 @@ use kube::api::PostParams;
 use opkit_api::memcached::Memcached;
 use opkit_testenv::{http_get, shared, wait_for};
 
+mod common;
+use common::free_port;
+
 const LEASE_SECONDS: u64 = 4;
 
 /// A child `opkit run --leader-elect`; killed on drop.
@@ -26,10 +29,6 @@ impl Drop for Replica {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
 fn replica(name: &'static str, ns: &str) -> anyhow::Result<Replica> {

@@ -1,7 +1,7 @@
 //! Admission webhooks on the real control plane: the apiserver calls the `opkit` binary's
 //! webhook server (URL configuration, as for an operator run outside the cluster), and
 //! `kubectl apply` shows what it says.
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -9,48 +9,16 @@ use anyhow::{Context, anyhow, ensure};
 use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
 use kube::Api;
 use opkit_testenv::{shared, wait_for};
+
+mod common;
+use common::{Running, install_crds, kubectl, kubectl_stdin};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const T: Duration = Duration::from_secs(60);
 
-struct Running(Child);
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// `kubectl apply -f -` of `yaml`: (succeeded, stdout + stderr).
 fn apply(ns: &str, yaml: &str) -> anyhow::Result<(bool, String)> {
-    let mut c = shared()
-        .kubectl()
-        .args(["apply", "-n", ns, "-f", "-"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()?;
-    std::io::Write::write_all(c.stdin.as_mut().context("stdin")?, yaml.as_bytes())?;
-    let out = c.wait_with_output()?;
-    Ok((
-        out.status.success(),
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ),
-    ))
-}
-
-fn kubectl(args: &[&str]) -> anyhow::Result<String> {
-    let out = shared().kubectl().args(args).output()?;
-    ensure!(
-        out.status.success(),
-        "kubectl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(String::from_utf8(out.stdout)?)
+    kubectl_stdin(&["apply", "-n", ns, "-f", "-"], yaml.as_bytes())
 }
 
 fn at(name: &str, schedule: &str) -> String {
@@ -103,14 +71,7 @@ async fn post(port: u16, path: &str, ca: &[u8], body: &str) -> anyhow::Result<u1
 async fn the_apiserver_calls_the_webhooks_and_kubectl_shows_their_answers() {
     shared()
         .in_namespace("webhooks", |client, ns| async move {
-            let crds = Command::new(env!("CARGO_BIN_EXE_opkit")).arg("crd").output()?;
-            let mut c = shared()
-                .kubectl()
-                .args(["apply", "--server-side", "-f", "-"])
-                .stdin(Stdio::piped())
-                .spawn()?;
-            std::io::Write::write_all(c.stdin.as_mut().context("stdin")?, &crds.stdout)?;
-            ensure!(c.wait()?.success());
+            install_crds()?;
 
             let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
             let log = std::env::temp_dir().join(format!("opkit-webhooks-{ns}.log"));
