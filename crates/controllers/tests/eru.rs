@@ -1,129 +1,25 @@
 //! The Eru controller on the real local control plane.
 
+use std::time::Duration;
+
 use anyhow::{Context, anyhow, ensure};
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
-use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use kube::core::ApiResource;
 use kube::{Client, ResourceExt};
 use opkit::ManagerOptions;
-use opkit_api::eru::{ANNOTATION, Eru, EruStatus, SCHEDULE_ANNOTATION};
+use opkit_api::eru::{ANNOTATION, Eru, SCHEDULE_ANNOTATION};
 use opkit_controllers::eru;
 use opkit_testenv::{shared, wait_for};
 use serde_json::json;
 
 mod common;
-use common::{Operator, T};
+use common::eru::*;
+use common::{Operator, T, assert_quiescent};
 
 async fn start(client: &Client, ns: &str) -> anyhow::Result<Operator> {
     common::start(client, ns, eru::NAME, ManagerOptions::default()).await
-}
-
-fn deployment(
-    name: &str,
-    annotations: serde_json::Value,
-    min_ready_seconds: i32,
-) -> anyhow::Result<Deployment> {
-    Ok(serde_json::from_value(json!({
-        "metadata": {"name": name, "annotations": annotations},
-        "spec": {
-            "replicas": 2,
-            "minReadySeconds": min_ready_seconds,
-            "selector": {"matchLabels": {"app": name}},
-            "strategy": {"rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
-            "template": {
-                "metadata": {"labels": {"app": name}},
-                "spec": {"containers": [{"name": "web", "image": "nginx:1.27"}]}
-            }
-        }
-    }))?)
-}
-
-fn hand_written(name: &str, target: &str, schedule: &str) -> Eru {
-    let mut e = Eru::new(
-        name,
-        opkit_api::eru::EruSpec {
-            deployment_name: target.into(),
-            schedule: schedule.into(),
-            time_zone: None,
-            suspend: None,
-            starting_deadline_seconds: None,
-        },
-    );
-    e.metadata.namespace = None;
-    e
-}
-
-/// Waits until the Deployment has no rollout in progress.
-async fn settled(deploys: &Api<Deployment>, name: &str) -> anyhow::Result<Deployment> {
-    wait_for(&format!("{name} to settle"), T, || async {
-        let d = deploys.get(name).await?;
-        match eru::rollout_in_progress(&d) {
-            None if d.status.as_ref().and_then(|s| s.ready_replicas) == Some(2) => Ok(d),
-            other => Err(anyhow!("{other:?}")),
-        }
-    })
-    .await
-}
-
-async fn eru_status(
-    erus: &Api<Eru>,
-    name: &str,
-    what: &str,
-    ok: impl Fn(&EruStatus) -> bool,
-) -> anyhow::Result<EruStatus> {
-    wait_for(&format!("Eru {name}: {what}"), T, || async {
-        let s = erus.get(name).await?.status.unwrap_or_default();
-        if ok(&s) { Ok(s) } else { Err(anyhow!("{s:?}")) }
-    })
-    .await
-}
-
-async fn gone(erus: &Api<Eru>, name: &str) -> anyhow::Result<()> {
-    wait_for(&format!("the Eru {name} to be gone"), T, || async {
-        match erus.get_opt(name).await? {
-            None => Ok(()),
-            Some(_) => Err(anyhow!("still there")),
-        }
-    })
-    .await
-}
-
-/// Waits until the Eru `name` exists.
-async fn exists(erus: &Api<Eru>, name: &str) -> anyhow::Result<Eru> {
-    wait_for(&format!("the Eru {name}"), T, || async {
-        erus.get(name).await.map_err(anyhow::Error::from)
-    })
-    .await
-}
-
-fn condition(s: &EruStatus, type_: &str) -> Option<(String, String)> {
-    s.conditions
-        .iter()
-        .find(|c| c.type_ == type_)
-        .map(|c| (c.status.clone(), c.reason.clone()))
-}
-
-async fn has_event(client: &Client, ns: &str, name: &str, reason: &str) -> anyhow::Result<()> {
-    let events: Api<Event> = Api::namespaced(client.clone(), ns);
-    wait_for(&format!("a {reason} Event about {name}"), T, || async {
-        let found = events
-            .list(&ListParams::default())
-            .await?
-            .items
-            .into_iter()
-            .any(|e| {
-                e.reason.as_deref() == Some(reason)
-                    && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)
-            });
-        if found {
-            Ok(())
-        } else {
-            Err(anyhow!("no such Event yet"))
-        }
-    })
-    .await
 }
 
 #[tokio::test]
@@ -147,7 +43,7 @@ async fn an_annotated_deployment_gets_an_eru_and_rolls_on_schedule() {
                     .any(|o| Some(&o.uid) == d.metadata.uid.as_ref())
             );
             has_event(&client, &ns, "web", "EruCreated").await?;
-            settled(&deploys, "web").await?;
+            deployment_settled(&deploys, "web").await?;
 
             let s = eru_status(&erus, "web", "restarted once", |s| s.restart_count >= 1).await?;
             let slot = s.last_schedule_time.context("no lastScheduleTime")?.0;
@@ -178,7 +74,7 @@ async fn an_annotated_deployment_gets_an_eru_and_rolls_on_schedule() {
                 }
             })
             .await?;
-            settled(&deploys, "web").await?;
+            deployment_settled(&deploys, "web").await?;
             // opkit owns only the restart annotation of the Deployment.
             let d = deploys.get("web").await?;
             let ours: Vec<_> = d
@@ -299,13 +195,13 @@ async fn a_rollout_in_progress_postpones_the_restart() {
 async fn suspend_stops_restarts_and_missed_slots_are_not_made_up() {
     shared()
         .in_namespace("eru-suspend", |client, ns| async move {
-            let _op = start(&client, &ns).await?;
+            let op = start(&client, &ns).await?;
             let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
             let erus: Api<Eru> = Api::namespaced(client.clone(), &ns);
             deploys
                 .create(&PostParams::default(), &deployment("web", json!({}), 0)?)
                 .await?;
-            settled(&deploys, "web").await?;
+            deployment_settled(&deploys, "web").await?;
             let mut e = hand_written("web", "web", "*/2 * * * * *");
             e.spec.suspend = Some(true);
             erus.create(&PostParams::default(), &e).await?;
@@ -314,16 +210,9 @@ async fn suspend_stops_restarts_and_missed_slots_are_not_made_up() {
                     && s.next_restart_time.is_none()
             })
             .await?;
-            // Let several slots pass.
-            let until = Timestamp::now().as_second() + 5;
-            wait_for("5 s to pass", T, || async {
-                if Timestamp::now().as_second() >= until {
-                    Ok(())
-                } else {
-                    Err(anyhow!("waiting"))
-                }
-            })
-            .await?;
+            // Slots pass every 2 s: once the controller has settled, nothing may write to the
+            // Eru (or restart the Deployment) over a window of several slots.
+            assert_quiescent(&op.metrics(), &erus, "web", Duration::from_secs(5)).await?;
             ensure!(erus.get("web").await?.status.unwrap_or_default().restart_count == 0);
             ensure!(
                 eru::restarted_at(&deploys.get("web").await?).is_none(),
@@ -359,7 +248,7 @@ async fn an_operator_restart_does_not_restart_twice_for_one_slot() {
             deploys
                 .create(&PostParams::default(), &deployment("web", json!({}), 0)?)
                 .await?;
-            settled(&deploys, "web").await?;
+            deployment_settled(&deploys, "web").await?;
             erus.create(
                 &PostParams::default(),
                 &hand_written("web", "web", "*/15 * * * * *"),
@@ -379,6 +268,7 @@ async fn an_operator_restart_does_not_restart_twice_for_one_slot() {
                 }
             })
             .await?;
+            common::settled(&op.metrics()).await?;
             ensure!(
                 Timestamp::now() < next,
                 "the next slot came too soon for this check"
@@ -445,6 +335,76 @@ async fn bad_schedules_and_time_zones_are_refused_or_reported() {
             has_event(&client, &ns, "range", "InvalidSchedule").await?;
             // And a target that does not exist.
             ensure!(condition(&s, "TargetFound") == Some(("False".into(), "DeploymentNotFound".into())));
+            Ok(())
+        })
+        .await;
+}
+
+#[tokio::test]
+async fn a_hand_written_eru_is_untouched_when_its_deployment_is_annotated_and_the_operator_restarts() {
+    shared()
+        .in_namespace("eru-handwritten", |client, ns| async move {
+            let op = start(&client, &ns).await?;
+            let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+            let erus: Api<Eru> = Api::namespaced(client.clone(), &ns);
+            deploys
+                .create(&PostParams::default(), &deployment("web", json!({}), 0)?)
+                .await?;
+            let mut mine = hand_written("web", "web", "0 4 * * *");
+            mine.metadata.labels = Some([("team".to_string(), "payments".to_string())].into());
+            erus.create(&PostParams::default(), &mine).await?;
+            eru_status(&erus, "web", "scheduled", |s| s.next_restart_time.is_some()).await?;
+            let snapshot = |e: &Eru| {
+                serde_json::to_string(&json!({
+                    "spec": e.spec,
+                    "labels": e.metadata.labels,
+                    "ownerReferences": e.metadata.owner_references,
+                }))
+            };
+            let before = snapshot(&erus.get("web").await?)?;
+
+            let annotations = op.metrics_of(eru::ANNOTATIONS);
+            let seen = annotations.reconciles_total();
+            deploys
+                .patch(
+                    "web",
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({"metadata": {"annotations": {
+                        ANNOTATION: "true", SCHEDULE_ANNOTATION: "*/5 * * * * *"}}})),
+                )
+                .await?;
+            wait_for("the annotation loop to see the annotation", T, || async {
+                if annotations.reconciles_total() > seen {
+                    Ok(())
+                } else {
+                    Err(anyhow!("not yet"))
+                }
+            })
+            .await?;
+            common::settled(&annotations).await?;
+            ensure!(annotations.writes_total() == 0, "the annotation loop wrote");
+            op.stop().await;
+
+            let op = start(&client, &ns).await?;
+            let annotations = op.metrics_of(eru::ANNOTATIONS);
+            wait_for("the annotation loop to run after the restart", T, || async {
+                if annotations.reconciles_total() >= 1 {
+                    Ok(())
+                } else {
+                    Err(anyhow!("not yet"))
+                }
+            })
+            .await?;
+            common::settled(&annotations).await?;
+            ensure!(
+                annotations.writes_total() == 0,
+                "the annotation loop wrote after the restart"
+            );
+            let after = snapshot(&erus.get("web").await?)?;
+            ensure!(
+                before == after,
+                "the hand-written Eru changed:\n{before}\n{after}"
+            );
             Ok(())
         })
         .await;

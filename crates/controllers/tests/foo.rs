@@ -117,3 +117,33 @@ async fn a_deployment_the_foo_does_not_own_is_left_alone_and_reported() {
         })
         .await;
 }
+
+#[tokio::test]
+async fn a_renamed_deployment_replaces_the_old_one() {
+    shared()
+        .in_namespace("foo-rename", |client, ns| async move {
+            let _op = start(&client, &ns).await?;
+            let foos: Api<Foo> = Api::namespaced(client.clone(), &ns);
+            let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+            let example: Foo = serde_yaml::from_str(&sample("samplecontroller_v1alpha1_foo.yaml"))?;
+            foos.create(&PostParams::default(), &example).await?;
+            available(&foos, "example-foo", 1).await?;
+            foos.patch(
+                "example-foo",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"spec": {"deploymentName": "renamed"}})),
+            )
+            .await?;
+            wait_for("the old Deployment to go and the new one to come", T, || async {
+                let old = deploys.get_opt("example-foo").await?;
+                let new = deploys.get_opt("renamed").await?;
+                match (old, new) {
+                    (None, Some(_)) => Ok(()),
+                    (o, n) => Err(anyhow!("old {}, new {}", o.is_some(), n.is_some())),
+                }
+            })
+            .await?;
+            Ok(())
+        })
+        .await;
+}

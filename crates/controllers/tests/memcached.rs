@@ -287,3 +287,80 @@ async fn metrics_and_probes_answer() {
         })
         .await;
 }
+
+#[tokio::test]
+async fn an_operator_restart_leaves_a_converged_memcached_untouched() {
+    shared()
+        .in_namespace("mc-restart", |client, ns| async move {
+            let op = start_with_sample(&client, &ns).await?;
+            let mcs: Api<Memcached> = Api::namespaced(client.clone(), &ns);
+            wait_for("Available and not Progressing", T, || async {
+                let s = mcs.get("memcached-sample").await?.status.unwrap_or_default();
+                if opkit::conditions::is_true(&s.conditions, "Available")
+                    && !opkit::conditions::is_true(&s.conditions, "Progressing")
+                {
+                    Ok(())
+                } else {
+                    Err(anyhow!("{:?}", s.conditions))
+                }
+            })
+            .await?;
+            assert_quiescent(
+                &op.metrics(),
+                &mcs,
+                "memcached-sample",
+                std::time::Duration::from_secs(2),
+            )
+            .await?;
+            let before = mcs.get("memcached-sample").await?;
+            let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), &ns);
+            let event_versions = || async {
+                let mut v: Vec<(String, Option<String>)> = events
+                    .list(&Default::default())
+                    .await?
+                    .items
+                    .into_iter()
+                    .map(|e| (e.name_any(), e.resource_version()))
+                    .collect();
+                v.sort();
+                anyhow::Ok(v)
+            };
+            let events_before = event_versions().await?;
+            op.stop().await;
+
+            let op = start(&client, &ns, ManagerOptions::default()).await?;
+            wait_for("the new operator to reconcile", T, || async {
+                if op.metrics().reconciles_total() >= 2 {
+                    Ok(())
+                } else {
+                    Err(anyhow!("{} reconciles", op.metrics().reconciles_total()))
+                }
+            })
+            .await?;
+            assert_quiescent(
+                &op.metrics(),
+                &mcs,
+                "memcached-sample",
+                std::time::Duration::from_secs(2),
+            )
+            .await?;
+            ensure!(
+                op.metrics().writes_total() == 0,
+                "{} writes after the restart",
+                op.metrics().writes_total()
+            );
+            let after = mcs.get("memcached-sample").await?;
+            ensure!(
+                after.resource_version() == before.resource_version(),
+                "status rewritten: {:?} -> {:?}",
+                before.status,
+                after.status
+            );
+            ensure!(
+                event_versions().await? == events_before,
+                "Events changed after the restart"
+            );
+            Ok(())
+        })
+        .await;
+}

@@ -14,6 +14,8 @@ use opkit::{Manager, ManagerOptions, Scope};
 use opkit_controllers::{Settings, registry};
 use opkit_testenv::wait_for;
 use serde::de::DeserializeOwned;
+
+pub mod eru;
 use tokio_util::sync::CancellationToken;
 
 /// How long any single condition in a test may take.
