@@ -406,3 +406,235 @@ pub fn plan_annotation(d: &Deployment, existing: Option<&Eru>) -> Plan<serde_jso
     }
     plan
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::apps::v1::{DeploymentSpec, DeploymentStatus};
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+    use kube::runtime::events::EventType;
+    use opkit_api::eru::{ANNOTATION, EruSpec};
+
+    fn ts(s: &str) -> Timestamp {
+        s.parse().unwrap()
+    }
+
+    /// An Eru created at 10:00:00 restarting `web` every 20 s.
+    fn eru(status: Option<EruStatus>) -> Eru {
+        let mut e = Eru::new(
+            "web",
+            EruSpec {
+                deployment_name: "web".into(),
+                schedule: "*/20 * * * * *".into(),
+                time_zone: None,
+                suspend: None,
+                starting_deadline_seconds: None,
+            },
+        );
+        e.metadata.namespace = Some("ns".into());
+        e.metadata.generation = Some(1);
+        e.metadata.creation_timestamp = Some(Time(ts("2026-01-01T10:00:00Z")));
+        e.status = status;
+        e
+    }
+
+    fn web(ready: bool) -> Deployment {
+        Deployment {
+            metadata: ObjectMeta {
+                name: Some("web".into()),
+                namespace: Some("ns".into()),
+                uid: Some("d-uid".into()),
+                generation: Some(1),
+                ..Default::default()
+            },
+            spec: Some(DeploymentSpec {
+                replicas: Some(2),
+                ..Default::default()
+            }),
+            status: Some(DeploymentStatus {
+                observed_generation: Some(1),
+                replicas: Some(2),
+                updated_replicas: Some(2),
+                available_replicas: Some(if ready { 2 } else { 1 }),
+                ..Default::default()
+            }),
+        }
+    }
+
+    fn cond(p: &Plan<EruStatus>, t: &str) -> (String, String) {
+        let c = conditions::find(&p.status.as_ref().unwrap().conditions, t).unwrap();
+        (c.status.clone(), c.reason.clone())
+    }
+
+    fn reasons(p: &Plan<EruStatus>) -> Vec<&'static str> {
+        p.events.iter().map(|e| e.reason).collect()
+    }
+
+    #[test]
+    fn waiting_sets_scheduled_and_target_found_and_wakes_at_the_next_slot() {
+        let p = plan(&eru(None), Some(&web(true)), ts("2026-01-01T10:00:05Z")).unwrap();
+        assert!(p.children.is_empty() && p.events.is_empty());
+        assert_eq!(
+            cond(&p, condition::SCHEDULED),
+            ("True".into(), reason::WAITING.into())
+        );
+        assert_eq!(
+            cond(&p, condition::TARGET_FOUND),
+            ("True".into(), reason::DEPLOYMENT_FOUND.into())
+        );
+        assert_eq!(cond(&p, condition::POSTPONED).0, "False");
+        assert_eq!(p.requeue, Requeue::After(Duration::from_secs(15)));
+    }
+
+    #[test]
+    fn a_due_slot_patches_only_the_restart_annotation_counts_and_says_so() {
+        let p = plan(&eru(None), Some(&web(true)), ts("2026-01-01T10:00:20Z")).unwrap();
+        assert_eq!(p.children.len(), 1);
+        assert_eq!(p.children[0].describe(), "Deployment web");
+        let s = p.status.as_ref().unwrap();
+        assert_eq!(s.restart_count, 1);
+        assert_eq!(s.last_schedule_time, Some(Time(ts("2026-01-01T10:00:20Z"))));
+        assert_eq!(reasons(&p), vec![reason::RESTARTED]);
+    }
+
+    #[test]
+    fn a_restart_already_made_is_recorded_without_a_second_patch() {
+        let mut d = web(true);
+        d.spec.as_mut().unwrap().template.metadata = Some(ObjectMeta {
+            annotations: Some([(RESTARTED_AT.to_string(), "2026-01-01T10:00:20Z".to_string())].into()),
+            ..Default::default()
+        });
+        let p = plan(&eru(None), Some(&d), ts("2026-01-01T10:00:21Z")).unwrap();
+        assert!(p.children.is_empty());
+        assert_eq!(p.status.unwrap().restart_count, 1);
+    }
+
+    #[test]
+    fn a_rollout_in_progress_postpones_with_one_event_per_change() {
+        let p = plan(&eru(None), Some(&web(false)), ts("2026-01-01T10:00:21Z")).unwrap();
+        assert!(p.children.is_empty());
+        assert_eq!(
+            cond(&p, condition::POSTPONED),
+            ("True".into(), reason::ROLLOUT_IN_PROGRESS.into())
+        );
+        assert_eq!(reasons(&p), vec![reason::POSTPONED]);
+        let again = plan(&eru(p.status), Some(&web(false)), ts("2026-01-01T10:00:22Z")).unwrap();
+        assert!(again.events.is_empty(), "{:?}", again.events);
+    }
+
+    #[test]
+    fn a_missing_target_is_warned_once_and_its_slot_consumed() {
+        let p = plan(&eru(None), None, ts("2026-01-01T10:00:05Z")).unwrap();
+        assert_eq!(
+            cond(&p, condition::TARGET_FOUND),
+            ("False".into(), reason::DEPLOYMENT_NOT_FOUND.into())
+        );
+        assert_eq!(reasons(&p), vec![reason::DEPLOYMENT_NOT_FOUND]);
+        let again = plan(&eru(p.status), None, ts("2026-01-01T10:00:21Z")).unwrap();
+        assert_eq!(
+            reasons(&again),
+            vec![reason::DEPLOYMENT_NOT_FOUND],
+            "only the skipped slot"
+        );
+        assert!(
+            again.events[0]
+                .note
+                .contains("Skipped the 2026-01-01T10:00:20Z restart")
+        );
+        assert_eq!(
+            again.status.unwrap().last_schedule_time,
+            Some(Time(ts("2026-01-01T10:00:20Z")))
+        );
+    }
+
+    #[test]
+    fn a_slot_past_the_starting_deadline_is_skipped_with_a_warning() {
+        let mut e = eru(None);
+        e.spec.starting_deadline_seconds = Some(5);
+        let p = plan(&e, Some(&web(true)), ts("2026-01-01T10:00:27Z")).unwrap();
+        assert!(p.children.is_empty());
+        assert_eq!(reasons(&p), vec![reason::MISSED_SCHEDULE]);
+        assert_eq!(p.events[0].type_, EventType::Warning);
+    }
+
+    #[test]
+    fn suspended_records_it_and_waits_for_a_change() {
+        let mut e = eru(None);
+        e.spec.suspend = Some(true);
+        let p = plan(&e, Some(&web(true)), ts("2026-01-01T10:00:41Z")).unwrap();
+        assert!(p.children.is_empty());
+        assert_eq!(
+            cond(&p, condition::SCHEDULED),
+            ("False".into(), reason::SUSPENDED.into())
+        );
+        let s = p.status.as_ref().unwrap();
+        assert!(s.suspended && s.next_restart_time.is_none());
+        assert_eq!(p.requeue, Requeue::OnChange);
+        // Resumed: the slot that passed while suspended is consumed, not made up.
+        e.spec.suspend = None;
+        e.status = p.status;
+        let r = plan(&e, Some(&web(true)), ts("2026-01-01T10:01:05Z")).unwrap();
+        assert!(r.children.is_empty());
+        let s = r.status.unwrap();
+        assert!(!s.suspended);
+        assert_eq!(s.last_schedule_time, Some(Time(ts("2026-01-01T10:01:00Z"))));
+    }
+
+    #[test]
+    fn an_invalid_schedule_is_invalid_with_the_target_condition_too() {
+        let mut e = eru(None);
+        e.spec.schedule = "61 * * * *".into();
+        let i = plan(&e, None, ts("2026-01-01T10:00:05Z")).unwrap_err();
+        assert_eq!(
+            (i.condition, i.status, i.reason),
+            (condition::SCHEDULED, false, reason::INVALID_SCHEDULE)
+        );
+        assert!(i.message.contains("minute: 61"));
+        assert_eq!(i.also[0].type_, condition::TARGET_FOUND);
+    }
+
+    fn annotated(value: &str) -> Deployment {
+        let mut d = web(true);
+        d.metadata.annotations = Some([(ANNOTATION.to_string(), value.to_string())].into());
+        d
+    }
+
+    #[test]
+    fn an_annotated_deployment_gets_its_eru_once() {
+        let d = annotated("true");
+        let p = plan_annotation(&d, None);
+        assert_eq!(p.children.len(), 1);
+        assert_eq!(p.events[0].reason, reason::ERU_CREATED);
+        let made = build_eru_for(&d).unwrap();
+        let again = plan_annotation(&d, Some(&made));
+        assert!(!again.children[0].is_needed() && again.events.is_empty());
+    }
+
+    #[test]
+    fn a_hand_written_eru_of_that_name_wins() {
+        let mine = eru(None);
+        let p = plan_annotation(&annotated("true"), Some(&mine));
+        assert!(p.children.is_empty() && p.events.is_empty());
+        assert_eq!(p.requeue, Requeue::OnChange);
+    }
+
+    #[test]
+    fn a_leftover_from_an_earlier_deployment_waits_for_garbage_collection() {
+        let mut old = build_eru_for(&annotated("true")).unwrap();
+        old.metadata.owner_references.as_mut().unwrap()[0].uid = "old-uid".into();
+        let p = plan_annotation(&annotated("true"), Some(&old));
+        assert!(p.children.is_empty());
+        assert_eq!(p.requeue, Requeue::After(LEFTOVER_RETRY));
+    }
+
+    #[test]
+    fn removing_the_annotation_drops_opkits_eru_from_the_plan() {
+        let made = build_eru_for(&annotated("true")).unwrap();
+        let p = plan_annotation(&annotated("false"), Some(&made));
+        // Not produced any more: opkit's pruning deletes it.
+        assert!(p.children.is_empty());
+        assert_eq!(p.events[0].reason, reason::ERU_DELETED);
+        let untouched = plan_annotation(&annotated("false"), Some(&eru(None)));
+        assert!(untouched.events.is_empty());
+    }
+}
