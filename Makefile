@@ -76,6 +76,29 @@ deploy: ## Deploy the operator (config/default) to the cluster of $KUBECONFIG, r
 undeploy: ## Remove everything `make deploy` created (CRDs and custom objects included)
 	$(KUBECTL) delete --ignore-not-found -k config/default
 
+VERSION ?= 0.1.0
+CHANNELS ?= candidate
+DEFAULT_CHANNEL ?=
+BUNDLE_IMG ?= opkit-bundle:v$(VERSION)
+
+.PHONY: bundle
+bundle: ## Write the OLM bundle (bundle/, bundle.Dockerfile) for VERSION, CHANNELS, DEFAULT_CHANNEL (first channel) and IMG (opkit:vVERSION)
+	$(OPKIT) bundle --version $(VERSION) --channels $(CHANNELS) \
+		$(if $(DEFAULT_CHANNEL),--default-channel $(DEFAULT_CHANNEL)) \
+		$(if $(filter command line environment,$(origin IMG)),--image $(IMG))
+
+.PHONY: bundle-validate
+bundle-validate: testenv-build ## Check bundle/ with the operator-framework's validators (default, OperatorHub, good practices)
+	$(TESTENV_BIN_DIR)/bundle-validate --k8s-version $$(sed -n 's/^KUBERNETES_VERSION=v\([0-9]*\.[0-9]*\).*/\1/p' crates/testenv/versions.env) bundle
+
+.PHONY: bundle-build
+bundle-build: ## Build the bundle image $(BUNDLE_IMG) with $(CONTAINER_TOOL)
+	$(CONTAINER_TOOL) build -f bundle.Dockerfile -t $(BUNDLE_IMG) .
+
+.PHONY: bundle-push
+bundle-push: ## Push the bundle image $(BUNDLE_IMG)
+	$(CONTAINER_TOOL) push $(BUNDLE_IMG)
+
 .PHONY: docker-build
 docker-build: ## Build the operator image $(IMG) with $(CONTAINER_TOOL)
 	$(CONTAINER_TOOL) build -t $(IMG) .

@@ -19,6 +19,7 @@ pub const MAX_COMMAND_LEN: usize = 4096;
     group = "cnat.programming-kubernetes.info",
     version = "v1alpha1",
     kind = "At",
+    doc = "Runs a command in a Pod once, at `spec.schedule`: PENDING until then, RUNNING while the Pod runs, DONE with its outcome.",
     namespaced,
     status = "AtStatus",
     category = "opkit",

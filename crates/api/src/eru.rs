@@ -24,6 +24,7 @@ pub const FROM_ANNOTATION_LABEL: &str = "mtsre.meitu.com/eru-from-annotation";
     group = "mtsre.meitu.com",
     version = "v1",
     kind = "Eru",
+    doc = "Restarts a Deployment gracefully (a rolling restart, as `kubectl rollout restart` does) on a cron schedule.",
     namespaced,
     status = "EruStatus",
     category = "opkit",

@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
     group = "samplecontroller.k8s.io",
     version = "v1alpha1",
     kind = "Foo",
+    doc = "client-go's sample-controller: a Deployment named `spec.deploymentName` running `spec.replicas` nginx Pods.",
     namespaced,
     status = "FooStatus",
     category = "opkit",

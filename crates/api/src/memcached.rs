@@ -40,6 +40,7 @@ macro_rules! memcached_version {
                 group = "cache.example.com",
                 version = $version,
                 kind = "Memcached",
+                doc = "A memcached cluster: `spec.size` memcached Pods behind one Deployment; `status.nodes` lists them.",
                 namespaced,
                 status = "MemcachedStatus",
                 shortname = "mc",

@@ -12,6 +12,7 @@ use kube::{Api, Client, Config, ResourceExt};
 use opkit::{Manager, ManagerOptions, Scope};
 use opkit_controllers::{PROJECT, Settings, memcached, registry};
 
+mod bundle;
 mod manifests;
 
 #[derive(Parser)]
@@ -41,6 +42,32 @@ enum Command {
         #[arg(long)]
         check: bool,
     },
+    /// Write the OLM bundle (`bundle/`, `bundle.Dockerfile`) from the generated manifests,
+    /// `config/manifests/metadata.yaml` and `config/samples`, or check it is fresh.
+    Bundle(BundleArgs),
+}
+
+#[derive(clap::Args)]
+struct BundleArgs {
+    /// The operator's version (semver).
+    #[arg(long, default_value = env!("CARGO_PKG_VERSION"))]
+    version: String,
+    /// Channels, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "candidate")]
+    channels: Vec<String>,
+    /// Default channel (default: the first of --channels).
+    #[arg(long)]
+    default_channel: Option<String>,
+    /// Operator image (default: opkit:v<version>).
+    #[arg(long)]
+    image: Option<String>,
+    /// Repository root: reads `config/`, writes `bundle/` and `bundle.Dockerfile`.
+    #[arg(long, default_value = ".")]
+    root: std::path::PathBuf,
+    /// Regenerate the existing bundle with its own version, channels and image and fail if a
+    /// file would change, instead of writing.
+    #[arg(long)]
+    check: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -110,6 +137,10 @@ struct RunArgs {
     /// (e.g. `https://127.0.0.1:9443`); in a cluster, the Service `opkit-webhook-service`.
     #[arg(long)]
     webhook_url: Option<String>,
+    /// Write the webhook configurations (and their CA bundle) at start; `false` when OLM or
+    /// another tool owns them.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    manage_webhook_configurations: bool,
 }
 
 /// The namespace this process runs in, when it runs in a Pod.
@@ -237,6 +268,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             cert_dir: args.webhook_cert_dir.clone(),
             url: args.webhook_url.clone(),
             namespace: own_namespace().unwrap_or_else(|| manifests::NAMESPACE.into()),
+            configure: args.manage_webhook_configurations,
         };
         opkit::webhook::start(&client, &hooks, &webhook_opts, manager.shutdown_token()).await?;
     }
@@ -269,6 +301,54 @@ fn write_manifests(dir: &std::path::Path, check: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn write_bundle(args: BundleArgs) -> anyhow::Result<()> {
+    let opts = if args.check {
+        bundle::Options::of_bundle(&args.root.join("bundle"))?
+    } else {
+        bundle::Options {
+            default_channel: args
+                .default_channel
+                .unwrap_or_else(|| args.channels.first().cloned().unwrap_or_default()),
+            image: args.image.unwrap_or_else(|| format!("opkit:v{}", args.version)),
+            version: args.version,
+            channels: args.channels,
+        }
+    };
+    let mut stale = Vec::new();
+    let files = bundle::all(&args.root, &opts)?;
+    for (rel, content) in &files {
+        let path = args.root.join(rel);
+        if std::fs::read_to_string(&path).ok().as_deref() == Some(content.as_str()) {
+            continue;
+        }
+        if args.check {
+            stale.push(rel.display().to_string());
+        } else {
+            std::fs::create_dir_all(path.parent().unwrap_or(&args.root))?;
+            std::fs::write(&path, content)?;
+            println!("wrote {}", path.display());
+        }
+    }
+    // A kind removed from the registry must not leave its CRD behind in the bundle.
+    let manifests_dir = args.root.join("bundle/manifests");
+    for entry in std::fs::read_dir(&manifests_dir).into_iter().flatten().flatten() {
+        let rel = std::path::Path::new("bundle/manifests").join(entry.file_name());
+        if files.iter().any(|(r, _)| *r == rel) {
+            continue;
+        }
+        if args.check {
+            stale.push(rel.display().to_string());
+        } else {
+            std::fs::remove_file(entry.path())?;
+            println!("removed {}", entry.path().display());
+        }
+    }
+    if !stale.is_empty() {
+        bail!("the bundle is stale (run `make bundle`): {}", stale.join(", "));
+    }
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
@@ -280,5 +360,6 @@ async fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Command::Manifests { dir, check } => write_manifests(&dir, check),
+        Command::Bundle(args) => write_bundle(args),
     }
 }

@@ -1,13 +1,18 @@
 //! The generated deployment manifests under `config/`: CRDs from the Rust types, RBAC from the
 //! controllers' rule tables, the operator's Deployment, and kustomizations tying them together
 //! (`kubectl apply -k config/default`).
+use k8s_openapi::api::admissionregistration::v1::{
+    MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
+};
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
 use k8s_openapi::api::core::v1::{
     Container, ContainerPort, EnvVar, EnvVarSource, HTTPGetAction, Namespace, ObjectFieldSelector, PodSpec,
     PodTemplateSpec, Probe, ResourceRequirements, SecurityContext, Service, ServiceAccount, ServicePort,
     ServiceSpec,
 };
-use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding, RoleRef, Subject};
+use k8s_openapi::api::rbac::v1::{
+    ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding, RoleRef, Subject,
+};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -203,6 +208,79 @@ pub fn deployment() -> Deployment {
     }
 }
 
+/// The operator's cluster-wide access: every controller's rules, reading its own CRDs and, when
+/// it manages its webhook configurations itself, patching those.
+pub fn cluster_rules(webhook_configurations: bool) -> Vec<PolicyRule> {
+    let registry = registry();
+    let mut rules = registry.rbac();
+    if webhook_configurations {
+        rules.extend(opkit::webhook::rbac_rules(PROJECT));
+    }
+    // `opkit run` waits for its own CRDs to be Established before starting.
+    let mut crds = rule(
+        &["apiextensions.k8s.io"],
+        &["customresourcedefinitions"],
+        &["get", "list", "watch"],
+    );
+    crds.resource_names = Some(registry.crds().iter().map(|c| c.name_any()).collect());
+    rules.push(crds);
+    rules
+}
+
+/// Exactly what opkit::leader uses, in the operator's namespace: read and watch the Lease,
+/// create it once, update it.
+pub fn leader_rules() -> Vec<PolicyRule> {
+    vec![rule(
+        &["coordination.k8s.io"],
+        &["leases"],
+        &["get", "list", "watch", "create", "update"],
+    )]
+}
+
+/// The Service Prometheus scrapes.
+pub fn metrics_service() -> Service {
+    Service {
+        metadata: ObjectMeta {
+            labels: Some({
+                let mut l = selector();
+                l.extend(labels());
+                l
+            }),
+            ..meta("opkit-controller-manager-metrics-service", Some(NAMESPACE))
+        },
+        spec: Some(ServiceSpec {
+            selector: Some(selector()),
+            ports: Some(vec![ServicePort {
+                name: Some("http-metrics".into()),
+                port: 8080,
+                target_port: Some(IntOrString::String("metrics".into())),
+                protocol: Some("TCP".into()),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// The admission webhook configurations, pointing at the operator's Service, without a CA
+/// bundle (the operator fills it in at start, or OLM does).
+pub fn webhook_configurations()
+-> anyhow::Result<(MutatingWebhookConfiguration, ValidatingWebhookConfiguration)> {
+    // The handlers are never called here; only their rules are read, so the client is offline.
+    let offline = kube::Client::try_from(kube::Config::new("https://127.0.0.1:1".parse()?))?;
+    // No caBundle here: the operator fills it in at start (its own CA, or the mounted ca.crt).
+    Ok(configurations(
+        PROJECT,
+        &registry().webhooks(&offline),
+        &Endpoint::Service {
+            namespace: NAMESPACE.into(),
+        },
+        NAMESPACE,
+        None,
+    ))
+}
+
 /// Every generated file, relative to the config directory.
 pub fn all() -> anyhow::Result<Vec<(String, String)>> {
     let registry = registry();
@@ -223,19 +301,7 @@ pub fn all() -> anyhow::Result<Vec<(String, String)>> {
             name: Some("opkit-manager-role".into()),
             ..Default::default()
         },
-        rules: Some({
-            let mut rules = registry.rbac();
-            rules.extend(opkit::webhook::rbac_rules(PROJECT));
-            // `opkit run` waits for its own CRDs to be Established before starting.
-            let mut crds = rule(
-                &["apiextensions.k8s.io"],
-                &["customresourcedefinitions"],
-                &["get", "list", "watch"],
-            );
-            crds.resource_names = Some(registry.crds().iter().map(|c| c.name_any()).collect());
-            rules.push(crds);
-            rules
-        }),
+        rules: Some(cluster_rules(true)),
         ..Default::default()
     };
     let role_binding = ClusterRoleBinding {
@@ -247,14 +313,9 @@ pub fn all() -> anyhow::Result<Vec<(String, String)>> {
         },
         subjects: Some(service_account_subject()),
     };
-    // Exactly what opkit::leader uses: read and watch the Lease, create it once, update it.
     let leader_role = Role {
         metadata: meta("opkit-leader-election-role", Some(NAMESPACE)),
-        rules: Some(vec![rule(
-            &["coordination.k8s.io"],
-            &["leases"],
-            &["get", "list", "watch", "create", "update"],
-        )]),
+        rules: Some(leader_rules()),
     };
     let leader_binding = RoleBinding {
         metadata: meta("opkit-leader-election-rolebinding", Some(NAMESPACE)),
@@ -313,42 +374,12 @@ pub fn all() -> anyhow::Result<Vec<(String, String)>> {
         to_yaml(&[kustomization(&["manager.yaml".to_string()])])?,
     ));
 
-    let metrics = Service {
-        metadata: ObjectMeta {
-            labels: Some({
-                let mut l = selector();
-                l.extend(labels());
-                l
-            }),
-            ..meta("opkit-controller-manager-metrics-service", Some(NAMESPACE))
-        },
-        spec: Some(ServiceSpec {
-            selector: Some(selector()),
-            ports: Some(vec![ServicePort {
-                name: Some("http-metrics".into()),
-                port: 8080,
-                target_port: Some(IntOrString::String("metrics".into())),
-                protocol: Some("TCP".into()),
-                ..Default::default()
-            }]),
-            ..Default::default()
-        }),
-        ..Default::default()
-    };
-    files.push(("default/metrics_service.yaml".into(), to_yaml(&[metrics])?));
+    files.push((
+        "default/metrics_service.yaml".into(),
+        to_yaml(&[metrics_service()])?,
+    ));
 
-    // The handlers are never called here; only their rules are read, so the client is offline.
-    let offline = kube::Client::try_from(kube::Config::new("https://127.0.0.1:1".parse()?))?;
-    // No caBundle here: the operator fills it in at start (its own CA, or the mounted ca.crt).
-    let (mutating, validating) = configurations(
-        PROJECT,
-        &registry.webhooks(&offline),
-        &Endpoint::Service {
-            namespace: NAMESPACE.into(),
-        },
-        NAMESPACE,
-        None,
-    );
+    let (mutating, validating) = webhook_configurations()?;
     let webhook_service = Service {
         metadata: meta(&service_name(PROJECT), Some(NAMESPACE)),
         spec: Some(ServiceSpec {

@@ -93,6 +93,22 @@ if [[ ! -x "$bin/kwok" ]]; then
   go build -trimpath -ldflags "-s -w" -o "$bin/kwok.tmp" sigs.k8s.io/kwok/cmd/kwok && mv "$bin/kwok.tmp" "$bin/kwok"
 fi
 
+# --- bundle-validate: the operator-framework's bundle validators (hack/bundle-validate), for
+# `make bundle-validate`. Rebuilt when its pinned version or its source changes.
+validator_src="$here/../../../hack/bundle-validate/main.go"
+validator_stamp="${OPERATOR_FRAMEWORK_API_VERSION} $(sha256sum "$validator_src" | cut -d' ' -f1)"
+if [[ ! -x "$bin/bundle-validate" || "$(cat "$bin/.bundle-validate.stamp" 2>/dev/null)" != "$validator_stamp" ]]; then
+  log "building bundle-validate (github.com/operator-framework/api ${OPERATOR_FRAMEWORK_API_VERSION})"
+  d="$work/bundle-validate"; rm -rf "$d"; mkdir -p "$d"; cd "$d"
+  go mod init opkit.local/testenv/bundle-validate >/dev/null 2>&1
+  cp "$validator_src" main.go
+  go get "github.com/operator-framework/api@${OPERATOR_FRAMEWORK_API_VERSION}" >&2
+  # The openpgp tag keeps the image library free of cgo (gpgme); nothing here verifies signatures.
+  go build -trimpath -ldflags "-s -w" -tags "containers_image_openpgp exclude_graphdriver_btrfs" \
+    -o "$bin/bundle-validate.tmp" . && mv "$bin/bundle-validate.tmp" "$bin/bundle-validate"
+  echo "$validator_stamp" > "$bin/.bundle-validate.stamp"
+fi
+
 rm -rf "$work"
 took=$(( $(date +%s) - start ))
 if (( took > 2 )); then log "control-plane binaries ready in ${took}s: $bin"; fi

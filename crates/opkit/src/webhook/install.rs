@@ -177,6 +177,9 @@ pub struct WebhookOptions {
     pub url: Option<String>,
     /// The operator's namespace (kept out of the webhooks' reach).
     pub namespace: String,
+    /// Whether the operator writes the webhook configurations itself; `false` when something
+    /// else owns them (OLM, which also mounts the certificate, or a kustomize overlay).
+    pub configure: bool,
 }
 
 /// Makes or loads the serving certificate, serves `webhooks` until `shutdown`, and points the
@@ -221,6 +224,10 @@ pub async fn start(
         }
     };
     serve(webhooks, opts.bind, certs, shutdown).await?;
+    if !opts.configure {
+        tracing::info!("serving webhooks; their configurations are managed elsewhere");
+        return Ok(());
+    }
     let (m, v) = configurations(opts.project, webhooks, &endpoint, &opts.namespace, ca.as_deref());
     let pp = PatchParams::apply(&format!("{}-webhooks", opts.project)).force();
     let configure = |what: &'static str| move |source| WebhookError::Configure { what, source };

@@ -1,0 +1,414 @@
+//! The OLM bundle (`make bundle`): a ClusterServiceVersion, the CRDs and the metrics Service
+//! under `bundle/manifests/`, `bundle/metadata/annotations.yaml` and `bundle.Dockerfile`.
+//!
+//! Everything is derived from what `make manifests` generates (CRDs with their doc comments,
+//! RBAC, the manager Deployment, webhook rules) plus one hand-written catalog file,
+//! `config/manifests/metadata.yaml`, and the samples in `config/samples/` (`alm-examples`).
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, bail};
+use k8s_openapi::ByteString;
+use k8s_openapi::api::admissionregistration::v1::{MutatingWebhook, ValidatingWebhook};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
+    CustomResourceDefinition, JSONSchemaProps,
+};
+use kube::ResourceExt;
+use opkit_controllers::{PROJECT, registry};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use crate::manifests;
+
+/// Where the OLM mounts the serving certificate it makes for the webhooks.
+const OLM_CERT_DIR: &str = "/tmp/k8s-webhook-server/serving-certs";
+/// The webhook server's container port (the Service port is 443).
+const WEBHOOK_PORT: i32 = 9443;
+
+const MEDIATYPE: &str = "operators.operatorframework.io.bundle.mediatype.v1";
+const MANIFESTS: &str = "operators.operatorframework.io.bundle.manifests.v1";
+const METADATA: &str = "operators.operatorframework.io.bundle.metadata.v1";
+const PACKAGE: &str = "operators.operatorframework.io.bundle.package.v1";
+const CHANNELS: &str = "operators.operatorframework.io.bundle.channels.v1";
+const DEFAULT_CHANNEL: &str = "operators.operatorframework.io.bundle.channel.default.v1";
+
+/// What varies from one bundle to the next.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Options {
+    /// The operator's version (semver, no leading `v`).
+    pub version: String,
+    /// Channels this bundle is published in.
+    pub channels: Vec<String>,
+    /// The channel OLM subscribes to by default.
+    pub default_channel: String,
+    /// The operator image the bundle installs.
+    pub image: String,
+}
+
+impl Options {
+    /// What the bundle in `dir` was made with, so that a check regenerates it the same way.
+    pub fn of_bundle(dir: &Path) -> anyhow::Result<Self> {
+        let csv: Value = read_yaml(&dir.join(format!("manifests/{PROJECT}.clusterserviceversion.yaml")))?;
+        let annotations: Value = read_yaml(&dir.join("metadata/annotations.yaml"))?;
+        let a = &annotations["annotations"];
+        let text = |v: &Value, what: &str| {
+            v.as_str()
+                .map(String::from)
+                .with_context(|| format!("{}: no {what}", dir.display()))
+        };
+        Ok(Options {
+            version: text(&csv["spec"]["version"], "spec.version")?,
+            channels: text(&a[CHANNELS], CHANNELS)?
+                .split(',')
+                .map(String::from)
+                .collect(),
+            default_channel: text(&a[DEFAULT_CHANNEL], DEFAULT_CHANNEL)?,
+            image: text(
+                &csv["metadata"]["annotations"]["containerImage"],
+                "containerImage",
+            )?,
+        })
+    }
+
+    fn check(&self) -> anyhow::Result<()> {
+        let semver = self.version.split(['-', '+']).next().unwrap_or_default();
+        if semver.split('.').count() != 3 || !semver.split('.').all(|p| p.parse::<u64>().is_ok()) {
+            bail!(
+                "--version must be a semantic version such as 0.1.0, got {:?}",
+                self.version
+            );
+        }
+        if self.channels.is_empty() || self.channels.iter().any(|c| c.is_empty()) {
+            bail!("--channels must name at least one channel");
+        }
+        if !self.channels.contains(&self.default_channel) {
+            bail!(
+                "--default-channel {:?} is not one of --channels {:?}",
+                self.default_channel,
+                self.channels.join(",")
+            );
+        }
+        Ok(())
+    }
+}
+
+/// The hand-written part of the CSV: `config/manifests/metadata.yaml`.
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Metadata {
+    display_name: String,
+    description: String,
+    long_description: String,
+    provider: Value,
+    maintainers: Vec<Value>,
+    links: Vec<Value>,
+    keywords: Vec<String>,
+    categories: Vec<String>,
+    capabilities: String,
+    maturity: String,
+    min_kube_version: String,
+    /// Path of an SVG or PNG, relative to the metadata file.
+    icon: PathBuf,
+}
+
+fn read_yaml<T: serde::de::DeserializeOwned>(path: &Path) -> anyhow::Result<T> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    serde_yaml::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+}
+
+fn to_yaml(v: &impl serde::Serialize) -> anyhow::Result<String> {
+    Ok(format!(
+        "# Generated by `make bundle` (opkit bundle). DO NOT EDIT.\n{}",
+        serde_yaml::to_string(v)?
+    ))
+}
+
+/// `maxReplicas` → `Max Replicas`: what the console shows for a field or kind.
+fn display(name: &str) -> String {
+    let mut out = String::new();
+    for (i, c) in name.chars().enumerate() {
+        if i == 0 {
+            out.extend(c.to_uppercase());
+        } else {
+            if c.is_uppercase() {
+                out.push(' ');
+            }
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// One descriptor per top-level field of `spec` or `status`, described by its doc comment, so
+/// the console shows the fields by name with the help text the CRD already carries.
+fn descriptors(schema: Option<&JSONSchemaProps>, status: bool) -> Vec<Value> {
+    let Some(props) = schema.and_then(|s| s.properties.as_ref()) else {
+        return Vec::new();
+    };
+    props
+        .iter()
+        .map(|(name, p)| {
+            let x = match (status, p.type_.as_deref(), name.as_str()) {
+                (true, _, "conditions") => "urn:alm:descriptor:io.kubernetes.conditions",
+                (true, _, _) => "urn:alm:descriptor:text",
+                (false, Some("integer"), _) => "urn:alm:descriptor:com.tectonic.ui:number",
+                (false, Some("boolean"), _) => "urn:alm:descriptor:com.tectonic.ui:booleanSwitch",
+                (false, _, _) => "urn:alm:descriptor:com.tectonic.ui:text",
+            };
+            json!({
+                "path": name,
+                "displayName": display(name),
+                "description": p.description.clone().unwrap_or_default(),
+                "x-descriptors": [x],
+            })
+        })
+        .collect()
+}
+
+/// One `owned` entry per served version of each CRD.
+fn owned(crds: &[CustomResourceDefinition]) -> Vec<Value> {
+    let mut out = Vec::new();
+    for crd in crds {
+        for v in &crd.spec.versions {
+            let root = v.schema.as_ref().and_then(|s| s.open_api_v3_schema.as_ref());
+            let field = |f: &str| root.and_then(|r| r.properties.as_ref()?.get(f));
+            out.push(json!({
+                "name": crd.name_any(),
+                "version": v.name,
+                "kind": crd.spec.names.kind,
+                "displayName": display(&crd.spec.names.kind),
+                "description": root.and_then(|r| r.description.clone()).unwrap_or_default(),
+                "specDescriptors": descriptors(field("spec"), false),
+                "statusDescriptors": descriptors(field("status"), true),
+            }));
+        }
+    }
+    out
+}
+
+/// The samples of the kinds the bundle owns, for `alm-examples` (the console's "create" forms).
+fn examples(samples: &Path, crds: &[CustomResourceDefinition]) -> anyhow::Result<Vec<Value>> {
+    let groups: Vec<(String, String)> = crds
+        .iter()
+        .map(|c| (c.spec.group.clone(), c.spec.names.kind.clone()))
+        .collect();
+    let mut files: Vec<PathBuf> = std::fs::read_dir(samples)
+        .with_context(|| format!("reading {}", samples.display()))?
+        .filter_map(|e| Some(e.ok()?.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
+        .collect();
+    files.sort();
+    let mut out = Vec::new();
+    for file in files {
+        let text = std::fs::read_to_string(&file)?;
+        for doc in serde_yaml::Deserializer::from_str(&text) {
+            let v = Value::deserialize(doc).with_context(|| format!("parsing {}", file.display()))?;
+            let group = v["apiVersion"]
+                .as_str()
+                .unwrap_or_default()
+                .split('/')
+                .next()
+                .unwrap_or_default();
+            let kind = v["kind"].as_str().unwrap_or_default();
+            if groups.iter().any(|(g, k)| g == group && k == kind) {
+                let mut v = v.clone();
+                // A status in a sample is what the tutorial shows coming back, not input.
+                if let Some(o) = v.as_object_mut() {
+                    o.remove("status");
+                }
+                out.push(v);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// OLM's form of a webhook: the rules of the configuration plus where the Deployment serves it.
+fn webhook_definition(kind: &str, hook: Value) -> Value {
+    let path = hook["clientConfig"]["service"]["path"].clone();
+    let mut d = json!({
+        "type": kind,
+        "generateName": hook["name"],
+        "admissionReviewVersions": hook["admissionReviewVersions"],
+        "sideEffects": hook["sideEffects"],
+        "failurePolicy": hook["failurePolicy"],
+        "matchPolicy": hook["matchPolicy"],
+        "timeoutSeconds": hook["timeoutSeconds"],
+        "rules": hook["rules"],
+        "webhookPath": path,
+        "containerPort": 443,
+        "targetPort": WEBHOOK_PORT,
+        "deploymentName": manifests::MANAGER,
+    });
+    if kind == "MutatingAdmissionWebhook" {
+        d["reinvocationPolicy"] = hook["reinvocationPolicy"].clone();
+    }
+    d
+}
+
+fn webhook_definitions() -> anyhow::Result<Vec<Value>> {
+    let (mutating, validating) = manifests::webhook_configurations()?;
+    let m: Vec<MutatingWebhook> = mutating.webhooks.unwrap_or_default();
+    let v: Vec<ValidatingWebhook> = validating.webhooks.unwrap_or_default();
+    let mut out = Vec::new();
+    for h in m {
+        out.push(webhook_definition(
+            "MutatingAdmissionWebhook",
+            serde_json::to_value(h)?,
+        ));
+    }
+    for h in v {
+        out.push(webhook_definition(
+            "ValidatingAdmissionWebhook",
+            serde_json::to_value(h)?,
+        ));
+    }
+    Ok(out)
+}
+
+/// The manager Deployment as OLM runs it: the bundle's image, the certificate OLM mounts, and
+/// webhook configurations left to OLM.
+fn install_deployment(image: &str) -> anyhow::Result<Value> {
+    let mut d = manifests::deployment();
+    let spec = d.spec.as_mut().context("the manager Deployment has a spec")?;
+    let pod = spec
+        .template
+        .spec
+        .as_mut()
+        .context("the manager Pod has a spec")?;
+    let c = &mut pod.containers[0];
+    c.image = Some(image.into());
+    let args = c.args.get_or_insert_with(Vec::new);
+    args.push(format!("--webhook-cert-dir={OLM_CERT_DIR}"));
+    args.push("--manage-webhook-configurations=false".into());
+    Ok(json!({
+        "name": manifests::MANAGER,
+        "label": d.metadata.labels,
+        "spec": spec,
+    }))
+}
+
+fn icon(metadata_dir: &Path, m: &Metadata) -> anyhow::Result<Value> {
+    let path = metadata_dir.join(&m.icon);
+    let bytes = std::fs::read(&path).with_context(|| format!("reading the icon {}", path.display()))?;
+    let mediatype = match path.extension().and_then(|e| e.to_str()) {
+        Some("svg") => "image/svg+xml",
+        Some("png") => "image/png",
+        _ => bail!("the icon must be an .svg or .png file, got {}", path.display()),
+    };
+    Ok(json!([{ "base64data": ByteString(bytes), "mediatype": mediatype }]))
+}
+
+/// The ClusterServiceVersion.
+fn csv(
+    opts: &Options,
+    m: &Metadata,
+    metadata_dir: &Path,
+    crds: &[CustomResourceDefinition],
+    samples: &[Value],
+) -> anyhow::Result<Value> {
+    let sa = manifests::MANAGER;
+    Ok(json!({
+        "apiVersion": "operators.coreos.com/v1alpha1",
+        "kind": "ClusterServiceVersion",
+        "metadata": {
+            "name": format!("{PROJECT}.v{}", opts.version),
+            "namespace": "placeholder",
+            "annotations": {
+                "alm-examples": serde_json::to_string_pretty(samples)?,
+                "capabilities": m.capabilities,
+                "categories": m.categories.join(", "),
+                "containerImage": opts.image,
+                "description": m.description,
+                "repository": m.provider["url"],
+                "operators.operatorframework.io/builder": format!("opkit-v{}", env!("CARGO_PKG_VERSION")),
+            },
+        },
+        "spec": {
+            "displayName": m.display_name,
+            "description": m.long_description,
+            "version": opts.version,
+            "maturity": m.maturity,
+            "minKubeVersion": m.min_kube_version,
+            "keywords": m.keywords,
+            "maintainers": m.maintainers,
+            "links": m.links,
+            "provider": m.provider,
+            "icon": icon(metadata_dir, m)?,
+            // The operator watches every namespace; `--namespace` scoping is not wired to
+            // OLM's operator groups.
+            "installModes": [
+                { "type": "OwnNamespace", "supported": false },
+                { "type": "SingleNamespace", "supported": false },
+                { "type": "MultiNamespace", "supported": false },
+                { "type": "AllNamespaces", "supported": true },
+            ],
+            "customresourcedefinitions": { "owned": owned(crds) },
+            "webhookdefinitions": webhook_definitions()?,
+            "install": {
+                "strategy": "deployment",
+                "spec": {
+                    "deployments": [install_deployment(&opts.image)?],
+                    // OLM makes the webhook configurations, so the operator needs no access to them.
+                    "clusterPermissions": [{ "serviceAccountName": sa, "rules": manifests::cluster_rules(false) }],
+                    "permissions": [{ "serviceAccountName": sa, "rules": manifests::leader_rules() }],
+                },
+            },
+        },
+    }))
+}
+
+/// Every bundle file, relative to the repository root, made from `config/` under `root`.
+pub fn all(root: &Path, opts: &Options) -> anyhow::Result<Vec<(PathBuf, String)>> {
+    opts.check()?;
+    let metadata_dir = root.join("config/manifests");
+    let m: Metadata = read_yaml(&metadata_dir.join("metadata.yaml"))?;
+    let crds = registry().crds();
+    let samples = examples(&root.join("config/samples"), &crds)?;
+    let mut files = vec![(
+        PathBuf::from(format!("bundle/manifests/{PROJECT}.clusterserviceversion.yaml")),
+        to_yaml(&csv(opts, &m, &metadata_dir, &crds, &samples)?)?,
+    )];
+    for crd in &crds {
+        files.push((
+            PathBuf::from(format!(
+                "bundle/manifests/{}_{}.yaml",
+                crd.spec.group, crd.spec.names.plural
+            )),
+            to_yaml(crd)?,
+        ));
+    }
+    let mut metrics = serde_json::to_value(manifests::metrics_service())?;
+    // OLM installs into the namespace the user picks.
+    metrics["metadata"]
+        .as_object_mut()
+        .context("metadata is an object")?
+        .remove("namespace");
+    files.push((
+        PathBuf::from(format!(
+            "bundle/manifests/{}_v1_service.yaml",
+            metrics["metadata"]["name"].as_str().unwrap_or_default()
+        )),
+        to_yaml(&metrics)?,
+    ));
+    let labels: BTreeMap<&str, String> = BTreeMap::from([
+        (MEDIATYPE, "registry+v1".to_string()),
+        (MANIFESTS, "manifests/".to_string()),
+        (METADATA, "metadata/".to_string()),
+        (PACKAGE, PROJECT.to_string()),
+        (CHANNELS, opts.channels.join(",")),
+        (DEFAULT_CHANNEL, opts.default_channel.clone()),
+    ]);
+    files.push((
+        PathBuf::from("bundle/metadata/annotations.yaml"),
+        to_yaml(&json!({ "annotations": labels }))?,
+    ));
+    let mut dockerfile =
+        String::from("# Generated by `make bundle` (opkit bundle). DO NOT EDIT.\nFROM scratch\n\n");
+    for (k, v) in &labels {
+        dockerfile.push_str(&format!("LABEL {k}={v}\n"));
+    }
+    dockerfile.push_str("\nCOPY bundle/manifests /manifests/\nCOPY bundle/metadata /metadata/\n");
+    files.push((PathBuf::from("bundle.Dockerfile"), dockerfile));
+    Ok(files)
+}
