@@ -93,9 +93,9 @@ if [[ ! -x "$bin/kwok" ]]; then
   go build -trimpath -ldflags "-s -w" -o "$bin/kwok.tmp" sigs.k8s.io/kwok/cmd/kwok && mv "$bin/kwok.tmp" "$bin/kwok"
 fi
 
-# --- bundle-validate: the operator-framework's bundle validators (hack/bundle-validate), for
-# `make bundle-validate`. Rebuilt when its pinned version or its source changes.
-validator_src="$here/../../../hack/bundle-validate/main.go"
+# --- bundle-validate (source in ../bundle-validate): the operator-framework's bundle
+# validators, for `make bundle-validate`. Rebuilt when its pinned version or source changes.
+validator_src="$here/../bundle-validate/main.go"
 validator_stamp="${OPERATOR_FRAMEWORK_API_VERSION} $(sha256sum "$validator_src" | cut -d' ' -f1)"
 if [[ ! -x "$bin/bundle-validate" || "$(cat "$bin/.bundle-validate.stamp" 2>/dev/null)" != "$validator_stamp" ]]; then
   log "building bundle-validate (github.com/operator-framework/api ${OPERATOR_FRAMEWORK_API_VERSION})"
