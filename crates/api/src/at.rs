@@ -1,7 +1,7 @@
 //! `At` (`cnat.programming-kubernetes.info/v1alpha1`): run a shell command once, in a Pod, at a
 //! given time — the cnat example of *Programming Kubernetes*.
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
-use kube::CustomResource;
+use kube::{CustomResource, CustomResourceExt};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
@@ -103,6 +103,16 @@ pub struct AtStatus {
     /// `Scheduled` (the schedule is valid) and `Succeeded` (Unknown until the command ends).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
+}
+
+/// The longest At name: its Pod is `<name>-pod`, and object names stop at 253 characters.
+pub const MAX_NAME: usize = 249;
+/// Why an At's name is limited.
+pub const NAME_LIMIT_REASON: &str = "its Pod is named <name>-pod (253 characters at most)";
+
+/// The CRD, with the name limit.
+pub fn crd() -> k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition {
+    crate::limit_name(At::crd(), MAX_NAME, NAME_LIMIT_REASON)
 }
 
 #[cfg(test)]

@@ -1,6 +1,7 @@
 //! `Foo` (`samplecontroller.k8s.io/v1alpha1`): client-go's sample-controller API — a Deployment
 //! of `spec.replicas` nginx Pods named `spec.deploymentName`, with `status.availableReplicas`.
-use kube::CustomResource;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::{CustomResource, CustomResourceExt};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
@@ -43,4 +44,12 @@ pub struct FooStatus {
     /// The Deployment's available replicas.
     #[serde(default)]
     pub available_replicas: i32,
+}
+
+/// Why a Foo's name is limited: its Deployment's Pods carry it as a label value.
+pub const NAME_LIMIT_REASON: &str = "it labels the Deployment's Pods (controller=<name>)";
+
+/// The CRD, with the name limit.
+pub fn crd() -> CustomResourceDefinition {
+    crate::limit_name(Foo::crd(), crate::MAX_LABEL_VALUE, NAME_LIMIT_REASON)
 }

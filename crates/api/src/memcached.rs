@@ -66,10 +66,14 @@ memcached_version!(v1, "v1");
 
 pub use v1::{Memcached, MemcachedSpec};
 
+/// Why a Memcached's name is limited: its Pods carry it as a label value.
+pub const NAME_LIMIT_REASON: &str = "it labels the memcached Pods";
+
 /// The CRD with both versions; `v1` is the storage version.
 pub fn crd() -> CustomResourceDefinition {
-    kube::core::crd::merge_crds(vec![v1alpha1::Memcached::crd(), v1::Memcached::crd()], "v1")
-        .expect("both Memcached versions share group, kind and scope")
+    let crd = kube::core::crd::merge_crds(vec![v1alpha1::Memcached::crd(), v1::Memcached::crd()], "v1")
+        .expect("both Memcached versions share group, kind and scope");
+    crate::limit_name(crd, crate::MAX_LABEL_VALUE, NAME_LIMIT_REASON)
 }
 
 #[cfg(test)]

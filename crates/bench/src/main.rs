@@ -29,7 +29,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::runtime::wait::{await_condition, conditions};
 use kube::runtime::{WatchStreamExt, watcher};
-use kube::{Client, CustomResourceExt, ResourceExt};
+use kube::{Client, ResourceExt};
 use opkit_api::foo::Foo;
 use opkit_testenv::{ControlPlane, Options};
 use serde_json::json;
@@ -657,7 +657,7 @@ async fn main() -> anyhow::Result<()> {
     crds.patch(
         "foos.samplecontroller.k8s.io",
         &PatchParams::apply("opkit-bench").force(),
-        &Patch::Apply(Foo::crd()),
+        &Patch::Apply(opkit_api::foo::crd()),
     )
     .await?;
     tokio::time::timeout(

@@ -46,7 +46,7 @@ pub fn registry() -> Registry<Settings> {
         },
         Registration {
             name: at::NAME,
-            crds: || vec![opkit_api::at::At::crd()],
+            crds: || vec![opkit_api::at::crd()],
             rbac: at::rbac_rules,
             webhooks: at::webhooks,
             add: |m, _| {
@@ -64,7 +64,7 @@ pub fn registry() -> Registry<Settings> {
         },
         Registration {
             name: foo::NAME,
-            crds: || vec![opkit_api::foo::Foo::crd()],
+            crds: || vec![opkit_api::foo::crd()],
             rbac: foo::rbac_rules,
             webhooks: |w, _| w,
             add: |m, _| {

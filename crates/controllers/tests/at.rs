@@ -288,8 +288,7 @@ async fn deleting_the_at_deletes_its_pod() {
 async fn a_malformed_schedule_is_refused_by_the_apiserver() {
     shared()
         .in_namespace("at-bad", |client, ns| async move {
-            use kube::CustomResourceExt;
-            install_crd(&client, At::crd()).await?;
+            install_crd(&client, opkit_api::at::crd()).await?;
             let api: Api<DynamicObject> =
                 Api::namespaced_with(client.clone(), &ns, &ApiResource::erase::<At>(&()));
             for (i, bad) in ["tomorrow", "2019-04-12T10:12:00", "2019-04-12 10:12"]

@@ -168,6 +168,12 @@ pub fn plan(at: &At, pod: Option<&Pod>, now: Timestamp) -> Result<Plan<AtStatus>
     }
     let invalid =
         |reason: &'static str, message: String| Invalid::new(condition::SCHEDULED, false, reason, message);
+    let pending = at.status.as_ref().and_then(|s| s.phase).unwrap_or_default() == Phase::Pending;
+    if pending && at.name_any().len() > opkit_api::at::MAX_NAME {
+        // Stored before the CRD refused such names: say so now, not at the scheduled time.
+        let message = opkit_api::name_too_long(opkit_api::at::MAX_NAME, opkit_api::at::NAME_LIMIT_REASON);
+        return Err(invalid(reason::INVALID_SPEC, message));
+    }
     Ok(match next(at, pod, now) {
         Next::Done => Plan {
             children: Vec::new(),
@@ -452,5 +458,21 @@ mod tests {
             (condition::SCHEDULED, false, reason::INVALID_SCHEDULE)
         );
         assert!(e.message.contains("spec.schedule"));
+    }
+
+    #[test]
+    fn a_name_too_long_for_its_pod_is_invalid_while_pending() {
+        let mut a = at(None);
+        a.metadata.name = Some("a".repeat(250));
+        let err = plan(&a, None, ts("2026-01-01T09:00:00Z")).unwrap_err();
+        assert_eq!(err.reason, reason::INVALID_SPEC);
+        assert!(
+            err.message
+                .contains("metadata.name must be at most 249 characters"),
+            "{}",
+            err.message
+        );
+        a.metadata.name = Some("a".repeat(249));
+        assert!(plan(&a, None, ts("2026-01-01T09:00:00Z")).is_ok());
     }
 }

@@ -100,7 +100,11 @@ fn field(s: &str, what: &str, min: u32, max: u32, names: &[&str]) -> Result<(u64
         let mut v = lo;
         while v <= hi {
             bits |= 1 << v;
-            v += step.unwrap_or(1);
+            // A step beyond the field's range (`5/4294967295`) just ends the walk.
+            match v.checked_add(step.unwrap_or(1)) {
+                Some(next) => v = next,
+                None => break,
+            }
         }
     }
     // Day-of-week 7 is Sunday, as in most crons.
@@ -452,5 +456,14 @@ mod tests {
                 .contains("Mars/Olympus")
         );
         assert_eq!(time_zone(None).unwrap(), TimeZone::UTC);
+    }
+
+    #[test]
+    fn a_huge_step_ends_the_walk_instead_of_overflowing() {
+        let s: Schedule = "5/4294967295 * * * *".parse().unwrap();
+        let next = s.next_after(ts("2026-01-01T00:07:00Z"), &TimeZone::UTC).unwrap();
+        assert_eq!(next, ts("2026-01-01T01:05:00Z"));
+        let err = "*/4294967296 * * * *".parse::<Schedule>().unwrap_err();
+        assert!(err.contains("step"), "{err}");
     }
 }

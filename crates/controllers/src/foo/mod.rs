@@ -57,6 +57,13 @@ pub fn labels(foo: &Foo) -> BTreeMap<String, String> {
 
 /// The Deployment a Foo should have (upstream's `newDeployment`), owned by it.
 pub fn build_deployment(foo: &Foo) -> Result<Deployment, String> {
+    if foo.name_any().len() > opkit_api::MAX_LABEL_VALUE {
+        // Stored before the CRD refused such names: every create would fail on the labels.
+        return Err(opkit_api::name_too_long(
+            opkit_api::MAX_LABEL_VALUE,
+            opkit_api::foo::NAME_LIMIT_REASON,
+        ));
+    }
     let owner = foo
         .controller_owner_ref(&())
         .ok_or_else(|| format!("Foo {} has no uid yet", foo.name_any()))?;
@@ -292,5 +299,26 @@ mod tests {
         let mut f = foo(None);
         f.metadata.uid = None;
         assert!(build_deployment(&f).unwrap_err().contains("no uid"));
+    }
+
+    #[test]
+    fn a_name_too_long_for_a_label_is_invalid_not_retried() {
+        let mut f = foo(Some(1));
+        f.metadata.name = Some("f".repeat(64));
+        let err = FooController
+            .plan(&f, &World::default(), Timestamp::UNIX_EPOCH)
+            .unwrap_err();
+        assert!(
+            err.message
+                .contains("metadata.name must be at most 63 characters"),
+            "{}",
+            err.message
+        );
+        f.metadata.name = Some("f".repeat(63));
+        assert!(
+            FooController
+                .plan(&f, &World::default(), Timestamp::UNIX_EPOCH)
+                .is_ok()
+        );
     }
 }

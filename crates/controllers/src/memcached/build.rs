@@ -44,6 +44,13 @@ pub fn labels(name: &str) -> BTreeMap<String, String> {
 /// The Deployment a `Memcached` of `size` Pods should have, owned by it.
 pub fn build_deployment(mc: &Memcached, size: i32, image: &str) -> Result<Deployment, String> {
     let name = mc.name_any();
+    if name.len() > opkit_api::MAX_LABEL_VALUE {
+        // Stored before the CRD refused such names: every apply would fail on the labels.
+        return Err(opkit_api::name_too_long(
+            opkit_api::MAX_LABEL_VALUE,
+            opkit_api::memcached::NAME_LIMIT_REASON,
+        ));
+    }
     let owner = mc
         .controller_owner_ref(&())
         .ok_or_else(|| format!("Memcached {name} has no uid yet"))?;

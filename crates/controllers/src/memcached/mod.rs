@@ -243,4 +243,26 @@ mod tests {
         );
         assert!(e.message.contains("spec.size"));
     }
+
+    #[test]
+    fn a_name_too_long_for_a_label_is_invalid_not_retried() {
+        let mut m = mc(1);
+        m.metadata.name = Some("m".repeat(64));
+        let err = MemcachedController::default()
+            .plan(&m, &World::default(), now())
+            .unwrap_err();
+        assert_eq!(err.reason, reason::INVALID_SPEC);
+        assert!(
+            err.message
+                .contains("metadata.name must be at most 63 characters"),
+            "{}",
+            err.message
+        );
+        m.metadata.name = Some("m".repeat(63));
+        assert!(
+            MemcachedController::default()
+                .plan(&m, &World::default(), now())
+                .is_ok()
+        );
+    }
 }
