@@ -248,7 +248,7 @@ impl Event {
             type_: EventType::Normal,
             reason,
             action,
-            note: note.into(),
+            note: fit_note(note.into()),
         }
     }
 
@@ -258,9 +258,28 @@ impl Event {
             type_: EventType::Warning,
             reason,
             action,
-            note: note.into(),
+            note: fit_note(note.into()),
         }
     }
+}
+
+/// The apiserver refuses an Event whose note is longer than this many bytes.
+pub const MAX_NOTE: usize = 1024;
+
+/// Cuts a note (a container's termination message, say) to what an Event may hold, on a
+/// character boundary, marking the cut.
+fn fit_note(mut note: String) -> String {
+    const MARK: &str = "…";
+    if note.len() <= MAX_NOTE {
+        return note;
+    }
+    let mut end = MAX_NOTE - MARK.len();
+    while !note.is_char_boundary(end) {
+        end -= 1;
+    }
+    note.truncate(end);
+    note.push_str(MARK);
+    note
 }
 
 /// A spec the controller cannot act on. opkit records it as this condition in
@@ -302,5 +321,23 @@ impl Invalid {
     pub fn with(mut self, condition: crate::conditions::Desired<'static>) -> Self {
         self.also.push(condition);
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn event_notes_fit_what_the_apiserver_accepts() {
+        assert_eq!(Event::normal("R", "A", "short").note, "short");
+        let exact = "x".repeat(MAX_NOTE);
+        assert_eq!(Event::normal("R", "A", exact.clone()).note, exact);
+        // Multi-byte characters straddling the limit are not split.
+        let long = "é".repeat(MAX_NOTE);
+        let note = Event::warning("R", "A", long).note;
+        assert!(note.len() <= MAX_NOTE, "{}", note.len());
+        assert!(note.ends_with('…'));
+        assert!(note.trim_end_matches('…').chars().all(|c| c == 'é'));
     }
 }

@@ -194,14 +194,28 @@ impl Webhooks {
         p
     }
 
-    /// The HTTP routes (TLS is added by [`serve`]).
+    /// The HTTP routes (TLS is added by [`serve`]). Reading the body and answering must
+    /// finish within [`limits::REQUEST`], well inside the apiserver's own call timeout.
     pub fn router(&self) -> Router {
         let mut r = Router::new();
         for (path, h) in &self.handlers {
             let h = h.clone();
-            r = r.route(path, post(move |body: Bytes| review(h.clone(), body)));
+            r = r.route(
+                path,
+                post(move |body: Bytes| review(h.clone(), body))
+                    .layer(axum::extract::DefaultBodyLimit::max(limits::BODY)),
+            );
         }
-        r
+        r.layer(axum::middleware::from_fn(
+            |req: axum::extract::Request, next: axum::middleware::Next| async move {
+                match tokio::time::timeout(limits::REQUEST, next.run(req)).await {
+                    Ok(resp) => resp,
+                    Err(_) => {
+                        (StatusCode::REQUEST_TIMEOUT, "admission request took too long").into_response()
+                    }
+                }
+            },
+        ))
     }
 }
 
@@ -301,6 +315,26 @@ fn read_dir_cert(dir: &Path) -> Result<(CertifiedKey, SystemTime), String> {
     Ok((certified_key(&read(&c)?, &read(&k)?)?, mtime(&c).max(mtime(&k))))
 }
 
+/// What one client may cost the webhook server: it runs in the operator's process, whose
+/// memory limit also covers the controllers, and any Pod in the cluster can connect to it.
+pub mod limits {
+    use std::time::Duration;
+
+    /// A TLS handshake longer than this is dropped.
+    pub const HANDSHAKE: Duration = Duration::from_secs(10);
+    /// Request headers must arrive within this (HTTP/1; also ends idle keep-alive connections).
+    pub const HEADERS: Duration = Duration::from_secs(30);
+    /// Reading a request and answering it; the apiserver itself waits at most 30 s.
+    pub const REQUEST: Duration = Duration::from_secs(30);
+    /// The largest request body: the apiserver's own limit on an object is 3 MiB, and a review
+    /// carries the object and its old version.
+    pub const BODY: usize = 7 * 1024 * 1024;
+    /// Connections open at once; further ones wait in the listen backlog.
+    pub const CONNECTIONS: usize = 256;
+    /// Pause after a failed `accept` (out of file descriptors, ...), doubling up to 1 s.
+    pub const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
+}
+
 /// Errors starting the webhook server.
 #[derive(Debug, thiserror::Error)]
 pub enum WebhookError {
@@ -366,30 +400,59 @@ pub async fn serve(
         .map_err(|source| WebhookError::Bind { addr, source })?;
     tracing::info!(%addr, paths = ?webhooks.paths(), "serving admission webhooks");
     let app = webhooks.router();
+    let slots = Arc::new(tokio::sync::Semaphore::new(limits::CONNECTIONS));
     Ok(tokio::spawn(async move {
+        let mut backoff = limits::ACCEPT_BACKOFF;
         loop {
+            let permit = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                p = slots.clone().acquire_owned() => match p {
+                    Ok(p) => p,
+                    Err(_) => return,
+                },
+            };
             let (stream, _) = tokio::select! {
                 _ = shutdown.cancelled() => return,
                 r = listener.accept() => match r {
-                    Ok(s) => s,
+                    Ok(s) => {
+                        backoff = limits::ACCEPT_BACKOFF;
+                        s
+                    }
                     Err(e) => {
                         tracing::warn!(error = %e, "accepting a webhook connection failed");
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(Duration::from_secs(1));
                         continue;
                     }
                 },
             };
             let (acceptor, app) = (acceptor.clone(), app.clone());
             tokio::spawn(async move {
-                let tls = match acceptor.accept(stream).await {
-                    Ok(t) => t,
-                    Err(e) => {
+                let _permit = permit;
+                let tls = match tokio::time::timeout(limits::HANDSHAKE, acceptor.accept(stream)).await {
+                    Ok(Ok(t)) => t,
+                    Ok(Err(e)) => {
                         tracing::debug!(error = %e, "TLS handshake failed");
+                        return;
+                    }
+                    Err(_) => {
+                        tracing::debug!("TLS handshake timed out");
                         return;
                     }
                 };
                 let svc = hyper_util::service::TowerToHyperService::new(app);
-                let builder =
+                let mut builder =
                     hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
+                builder
+                    .http1()
+                    .timer(hyper_util::rt::TokioTimer::new())
+                    .header_read_timeout(limits::HEADERS);
+                builder
+                    .http2()
+                    .timer(hyper_util::rt::TokioTimer::new())
+                    .keep_alive_interval(Some(limits::HEADERS))
+                    .keep_alive_timeout(limits::HANDSHAKE)
+                    .max_concurrent_streams(64);
                 if let Err(e) = builder
                     .serve_connection(hyper_util::rt::TokioIo::new(tls), svc)
                     .await
@@ -404,12 +467,94 @@ pub async fn serve(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kube::core::DynamicObject;
+    use rustls::pki_types::pem::PemObject;
 
     #[test]
     fn a_generated_certificate_loads() {
         let c = self_signed(&["localhost".into(), "127.0.0.1".into()]).unwrap();
         assert!(certified_key(c.cert_pem.as_bytes(), c.key_pem.as_bytes()).is_ok());
         assert!(c.ca_pem.contains("BEGIN CERTIFICATE"));
+    }
+
+    /// One request over TLS with a raw HTTP/1.1 body; the status line.
+    async fn post(port: u16, ca: &str, body: &str) -> std::io::Result<String> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut roots = rustls::RootCertStore::empty();
+        let der = rustls::pki_types::CertificateDer::from_pem_slice(ca.as_bytes())
+            .map_err(|e| std::io::Error::other(e.to_string()))?;
+        roots.add(der).map_err(|e| std::io::Error::other(e.to_string()))?;
+        let config =
+            rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+                .with_safe_default_protocol_versions()
+                .map_err(|e| std::io::Error::other(e.to_string()))?
+                .with_root_certificates(roots)
+                .with_no_client_auth();
+        let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+        let name = rustls::pki_types::ServerName::try_from("127.0.0.1").map_err(std::io::Error::other)?;
+        let mut tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+            .connect(name, tcp)
+            .await?;
+        let req = format!(
+            "POST /validate HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        tls.write_all(req.as_bytes()).await?;
+        let mut out = String::new();
+        tls.read_to_string(&mut out).await?;
+        Ok(out.lines().next().unwrap_or_default().to_string())
+    }
+
+    #[tokio::test]
+    async fn idle_connections_are_dropped_and_cannot_starve_the_apiserver() {
+        use tokio::io::AsyncReadExt;
+        let cert = self_signed(&["127.0.0.1".into()]).unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let shutdown = CancellationToken::new();
+        let hooks = Webhooks::new().validating::<DynamicObject, _, _>(
+            Rule {
+                name: "v.example.com",
+                path: "/validate",
+                group: "example.com",
+                versions: &["v1"],
+                resource: "things",
+                operations: &["CREATE"],
+            },
+            |_| async { Verdict::allow() },
+        );
+        let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+        serve(
+            &hooks,
+            addr,
+            CertSource::Generated(cert.clone()),
+            shutdown.clone(),
+        )
+        .await
+        .unwrap();
+        // More silent connections than the server takes at once: none sends a byte.
+        let mut idle = Vec::new();
+        for _ in 0..limits::CONNECTIONS + 20 {
+            idle.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+        }
+        let started = std::time::Instant::now();
+        // A real client still gets its answer once the handshake limit frees the slots.
+        let status = tokio::time::timeout(limits::HANDSHAKE * 3, post(port, &cert.ca_pem, "{}"))
+            .await
+            .expect("answered while idle connections were held")
+            .unwrap();
+        assert!(status.starts_with("HTTP/1.1 400"), "{status}");
+        // The first silent connection was closed by the server (EOF or reset), not kept.
+        let mut buf = [0u8; 1];
+        let read = tokio::time::timeout(limits::HANDSHAKE * 2, idle[0].read(&mut buf))
+            .await
+            .expect("the server closed the idle connection");
+        assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+        assert!(started.elapsed() < limits::HANDSHAKE * 3);
+        shutdown.cancel();
     }
 
     #[test]
