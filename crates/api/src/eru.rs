@@ -68,8 +68,9 @@ pub struct EruSpec {
     pub suspend: Option<bool>,
     /// A slot missed (operator down, rollout in progress) is still restarted if no more than
     /// this many seconds late; unset means no limit (at most one catch-up restart either way).
+    /// At least 1: with 0 every slot would already be too late when it is looked at.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 0))]
+    #[schemars(range(min = 1))]
     pub starting_deadline_seconds: Option<i64>,
 }
 

@@ -225,7 +225,12 @@ impl Schedule {
             .into_iter()
             .filter(|s| *s <= span)
             .filter_map(|s| until.checked_sub(s.seconds()).ok());
+        // The furthest slot an unfinished walk reached: the answer is at least that.
+        let mut reached: Option<Timestamp> = None;
         for from in starts {
+            if reached.is_some_and(|r| from <= r) {
+                continue;
+            }
             let mut latest = None;
             let mut cur = from;
             let mut complete = false;
@@ -242,10 +247,17 @@ impl Schedule {
                 }
             }
             if complete {
-                return latest;
+                return match (latest, reached) {
+                    (Some(l), _) => Some(l),
+                    // Nothing in (from, until]: the latest lies in (reached, from] — a sparse
+                    // schedule looked at outside its window, such as `* * 0-11 * * *` at 13:30.
+                    (None, Some(r)) => self.latest_in(r, from, tz).or(Some(r)),
+                    (None, None) => None,
+                };
             }
+            reached = latest.or(reached);
         }
-        None
+        reached
     }
 }
 
@@ -446,6 +458,19 @@ mod tests {
         let every: Schedule = "* * * * * *".parse().unwrap();
         let latest = every.latest_in(ts("2026-01-01T00:00:00Z"), ts("2026-02-01T00:00:00Z"), &tz);
         assert_eq!(latest, Some(ts("2026-02-01T00:00:00Z")));
+        // Every second in the morning, looked at in the afternoon after a day away.
+        let mornings: Schedule = "* * 0-11 * * *".parse().unwrap();
+        for (after, until) in [
+            ("2025-12-31T13:30:00Z", "2026-01-01T13:30:00Z"),
+            ("2025-12-31T13:30:00Z", "2026-01-01T23:59:00Z"),
+            ("2025-12-25T00:00:00Z", "2026-01-01T13:30:00Z"),
+        ] {
+            assert_eq!(
+                mornings.latest_in(ts(after), ts(until), &tz),
+                Some(ts("2026-01-01T11:59:59Z")),
+                "({after}, {until}]"
+            );
+        }
     }
 
     #[test]
@@ -465,5 +490,146 @@ mod tests {
         assert_eq!(next, ts("2026-01-01T01:05:00Z"));
         let err = "*/4294967296 * * * *".parse::<Schedule>().unwrap_err();
         assert!(err.contains("step"), "{err}");
+    }
+
+    /// A small deterministic generator (xorshift), so failures reproduce without a seed file.
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn below(&mut self, n: u32) -> u32 {
+            (self.next() % u64::from(n)) as u32
+        }
+        fn within(&mut self, lo: u32, hi: u32) -> u32 {
+            lo + self.below(hi - lo + 1)
+        }
+    }
+
+    /// A random field over `lo..=hi` and the values it stands for, expanded independently of
+    /// the parser; `true` when it is a bare `*` (unrestricted).
+    fn random_field(r: &mut Rng, lo: u32, hi: u32) -> (String, Vec<u32>, bool) {
+        let all: Vec<u32> = (lo..=hi).collect();
+        match r.below(6) {
+            0 => ("*".into(), all, true),
+            1 => {
+                let a = r.within(lo, hi);
+                (a.to_string(), vec![a], false)
+            }
+            2 => {
+                let (a, b) = (r.within(lo, hi), r.within(lo, hi));
+                let (a, b) = (a.min(b), a.max(b));
+                (format!("{a}-{b}"), (a..=b).collect(), false)
+            }
+            3 => {
+                let st = r.within(1, hi - lo + 2);
+                let v = (lo..=hi).step_by(st as usize).collect();
+                (format!("*/{st}"), v, false)
+            }
+            4 => {
+                let (a, b) = (r.within(lo, hi), r.within(lo, hi));
+                let (a, b) = (a.min(b), a.max(b));
+                let st = r.within(1, 5);
+                (
+                    format!("{a}-{b}/{st}"),
+                    (a..=b).step_by(st as usize).collect(),
+                    false,
+                )
+            }
+            _ => {
+                let (a, b) = (r.within(lo, hi), r.within(lo, hi));
+                let mut v = vec![a, b];
+                v.sort();
+                v.dedup();
+                (format!("{a},{b}"), v, false)
+            }
+        }
+    }
+
+    #[test]
+    fn next_slot_matches_a_brute_force_search_over_random_schedules() {
+        let mut r = Rng(0x9e37_79b9_7f4a_7c15);
+        let zones = [
+            TimeZone::UTC,
+            TimeZone::fixed(k8s_openapi::jiff::tz::offset(5)),
+            TimeZone::get("America/New_York").unwrap(),
+            TimeZone::get("Asia/Shanghai").unwrap(),
+        ];
+        for case in 0..300 {
+            let seconds_field = case % 4 == 0;
+            let (sec, secs, _) = if seconds_field {
+                random_field(&mut r, 0, 59)
+            } else {
+                ("0".into(), vec![0], false)
+            };
+            let (min, mins, _) = random_field(&mut r, 0, 59);
+            let (hour, hours, _) = random_field(&mut r, 0, 23);
+            let (dom, doms, dom_star) = random_field(&mut r, 1, 31);
+            let (mon, mons, _) = if r.below(3) == 0 {
+                random_field(&mut r, 1, 12)
+            } else {
+                ("*".into(), (1..=12).collect(), true)
+            };
+            let (dow, dows, dow_star) = random_field(&mut r, 0, 6);
+            let expr = if seconds_field {
+                format!("{sec} {min} {hour} {dom} {mon} {dow}")
+            } else {
+                format!("{min} {hour} {dom} {mon} {dow}")
+            };
+            let schedule: Schedule = expr.parse().unwrap_or_else(|e| panic!("{expr}: {e}"));
+            let tz = &zones[case as usize % zones.len()];
+            // Start times away from DST changes (mid-January, mid-June): the brute force reads
+            // wall clocks, which repeat or skip around a change.
+            let start = if case % 2 == 0 {
+                "2026-01-10T00:00:00Z"
+            } else {
+                "2026-06-10T00:00:00Z"
+            };
+            let t = ts(start)
+                .checked_add((i64::from(r.below(3 * 86_400))).seconds())
+                .unwrap();
+            let matches = |at: Timestamp| {
+                let d = tz.to_datetime(at);
+                let (dom_ok, dow_ok) = (
+                    doms.contains(&(d.day() as u32)),
+                    dows.contains(&(d.weekday().to_sunday_zero_offset() as u32)),
+                );
+                let day_ok = match (dom_star, dow_star) {
+                    (false, false) => dom_ok || dow_ok,
+                    (false, true) => dom_ok,
+                    (true, false) => dow_ok,
+                    (true, true) => true,
+                };
+                secs.contains(&(d.second() as u32))
+                    && mins.contains(&(d.minute() as u32))
+                    && hours.contains(&(d.hour() as u32))
+                    && mons.contains(&(d.month() as u32))
+                    && day_ok
+            };
+            // Seconds schedules are searched second by second for a day, the others minute by
+            // minute for two weeks.
+            let (step, horizon) = if seconds_field {
+                (1, 86_400)
+            } else {
+                (60, 14 * 86_400)
+            };
+            let base = t.as_second() - t.as_second().rem_euclid(step);
+            let want = (1..=horizon / step)
+                .map(|k| Timestamp::from_second(base + k * step).unwrap())
+                .filter(|c| *c > t)
+                .find(|c| matches(*c));
+            let got = schedule.next_after(t, tz);
+            match want {
+                Some(w) => assert_eq!(got, Some(w), "{expr} in {tz:?} after {t}"),
+                None => assert!(
+                    got.is_none_or(|g| g.as_second() > base + horizon),
+                    "{expr} in {tz:?} after {t}: got {got:?}, brute force found nothing"
+                ),
+            }
+        }
     }
 }

@@ -103,6 +103,13 @@ pub fn check_spec(
     spec: &EruSpec,
     now: Timestamp,
 ) -> Result<(Schedule, TimeZone, Timestamp), (&'static str, String)> {
+    if let Some(d) = spec.starting_deadline_seconds.filter(|d| *d < 1) {
+        // Stored before the schema asked for at least 1.
+        return Err((
+            super::reason::INVALID_SCHEDULE,
+            format!("spec.startingDeadlineSeconds must be at least 1, got {d}: every slot would be too late"),
+        ));
+    }
     let schedule: Schedule = spec
         .schedule
         .parse()
@@ -499,5 +506,19 @@ mod tests {
         );
         assert_eq!(wait_for(ts("2026-01-01T10:00:20Z"), now), Duration::from_secs(20));
         assert_eq!(wait_for(ts("2027-01-01T10:00:20Z"), now), MAX_WAIT);
+    }
+
+    #[test]
+    fn a_zero_starting_deadline_is_invalid_not_a_skip_every_slot() {
+        let mut e = eru(None);
+        e.spec.starting_deadline_seconds = Some(0);
+        let err = check_spec(&e.spec, ts("2026-01-01T10:00:05Z")).unwrap_err();
+        assert!(
+            err.1.contains("spec.startingDeadlineSeconds must be at least 1"),
+            "{}",
+            err.1
+        );
+        e.spec.starting_deadline_seconds = Some(1);
+        assert!(check_spec(&e.spec, ts("2026-01-01T10:00:05Z")).is_ok());
     }
 }
