@@ -16,7 +16,7 @@ use serde_json::json;
 
 mod common;
 use common::eru::*;
-use common::{Operator, T, assert_quiescent};
+use common::{Operator, T, assert_quiescent, settled};
 
 async fn start(client: &Client, ns: &str) -> anyhow::Result<Operator> {
     common::start(client, ns, eru::NAME, ManagerOptions::default()).await
@@ -233,6 +233,117 @@ async fn suspend_stops_restarts_and_missed_slots_are_not_made_up() {
                 "made up slot {slot} from before resuming at {resumed}"
             );
             ensure!(s.restart_count == 1, "{s:?}");
+            Ok(())
+        })
+        .await;
+}
+
+#[tokio::test]
+async fn a_missing_deployment_costs_one_event_then_nothing_and_is_not_restarted_for_old_slots() {
+    shared()
+        .in_namespace("eru-missing", |client, ns| async move {
+            let op = start(&client, &ns).await?;
+            let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+            let erus: Api<Eru> = Api::namespaced(client.clone(), &ns);
+            // Every second, and no Deployment.
+            erus.create(&PostParams::default(), &hand_written("web", "web", "* * * * * *"))
+                .await?;
+            eru_status(&erus, "web", "the target reported missing", |s| {
+                condition(s, "TargetFound") == Some(("False".into(), "DeploymentNotFound".into()))
+                    && condition(s, "Scheduled") == Some(("False".into(), "DeploymentNotFound".into()))
+            })
+            .await?;
+            // Slots pass every second: no write, no new Event over several of them.
+            assert_quiescent(&op.metrics(), &erus, "web", Duration::from_secs(5)).await?;
+            let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), &ns);
+            let warnings = events
+                .list(&Default::default())
+                .await?
+                .items
+                .into_iter()
+                .filter(|e| e.reason.as_deref() == Some("DeploymentNotFound"))
+                .map(|e| e.series.map_or(1, |s| s.count))
+                .sum::<i32>();
+            ensure!(warnings == 1, "{warnings} DeploymentNotFound Events");
+
+            // It appears: the slots from before it existed are not restarted; the next one is.
+            let created = Timestamp::now();
+            deploys
+                .create(&PostParams::default(), &deployment("web", json!({}), 0)?)
+                .await?;
+            let s = eru_status(&erus, "web", "restarted once it exists", |s| s.restart_count >= 1).await?;
+            let slot = s.last_schedule_time.clone().context("no slot")?.0;
+            let made = deploys
+                .get("web")
+                .await?
+                .metadata
+                .creation_timestamp
+                .context("no creation time")?
+                .0;
+            ensure!(
+                slot >= made,
+                "restarted for slot {slot}, before the Deployment existed ({made}, seen {created})"
+            );
+            Ok(())
+        })
+        .await;
+}
+
+#[tokio::test]
+async fn an_edit_to_the_schedule_does_not_restart_for_a_slot_before_the_edit() {
+    shared()
+        .in_namespace("eru-edit", |client, ns| async move {
+            let op = start(&client, &ns).await?;
+            let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+            let erus: Api<Eru> = Api::namespaced(client.clone(), &ns);
+            deploys
+                .create(&PostParams::default(), &deployment("web", json!({}), 0)?)
+                .await?;
+            deployment_settled(&deploys, "web").await?;
+            // Daily at 04:00 in a zone where that is far away; settled, nothing due.
+            erus.create(&PostParams::default(), &hand_written("web", "web", "0 4 * * *"))
+                .await?;
+            eru_status(&erus, "web", "scheduled", |s| s.next_restart_time.is_some()).await?;
+            settled(&op.metrics()).await?;
+            // Let a second pass after the Eru was made, so a slot can lie between the two.
+            let made = erus
+                .get("web")
+                .await?
+                .metadata
+                .creation_timestamp
+                .context("no creation time")?
+                .0;
+            wait_for("a second to pass since the Eru was made", T, || async {
+                let now = Timestamp::now();
+                if now.as_second() >= made.as_second() + 2 {
+                    Ok(())
+                } else {
+                    Err(anyhow!("at {now}"))
+                }
+            })
+            .await?;
+            // To a daily schedule whose slot was a second ago (after the Eru was made, so a
+            // catch-up would restart for it); its next slot is tomorrow.
+            let edited = Timestamp::now();
+            let slot = edited
+                .checked_sub(Duration::from_secs(1))?
+                .to_zoned(k8s_openapi::jiff::tz::TimeZone::UTC);
+            let schedule = format!("{} {} {} * * *", slot.second(), slot.minute(), slot.hour());
+            erus.patch(
+                "web",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"spec": {"schedule": schedule}})),
+            )
+            .await?;
+            let s = eru_status(&erus, "web", "the edit seen", |s| {
+                s.observed_generation == Some(2)
+            })
+            .await?;
+            ensure!(s.restart_count == 0, "restarted right after the edit: {s:?}");
+            ensure!(
+                eru::restarted_at(&deploys.get("web").await?).is_none(),
+                "the Deployment was restarted for a slot before the edit at {edited}"
+            );
             Ok(())
         })
         .await;

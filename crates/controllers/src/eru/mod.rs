@@ -221,23 +221,27 @@ pub fn plan(eru: &Eru, deployment: Option<&Deployment>, now: Timestamp) -> Resul
             requeue = Some(Requeue::OnChange);
         }
         Step::Wait => want.extend([scheduled, not_postponed]),
-        Step::Resumed { slot } => {
+        Step::Resumed { slot } | Step::Edited { slot } => {
             if let Some(s) = slot {
                 status.last_schedule_time = Some(Time(*s));
             }
             want.extend([scheduled, not_postponed]);
         }
-        Step::TargetMissing { slot } => {
+        Step::Predates { slot } => {
             status.last_schedule_time = Some(Time(*slot));
             want.extend([scheduled, not_postponed]);
-            events.push(Event::warning(
-                reason::DEPLOYMENT_NOT_FOUND,
-                "Reconcile",
-                format!(
-                    "Skipped the {} restart: Deployment {target} not found",
-                    fmt_time(*slot)
+        }
+        Step::TargetMissing => {
+            // One Warning when it goes missing (above); no write per slot while it stays so.
+            want.extend([
+                Desired::no(
+                    condition::SCHEDULED,
+                    reason::DEPLOYMENT_NOT_FOUND,
+                    format!("no restart is scheduled until Deployment {target} exists"),
                 ),
-            ));
+                not_postponed,
+            ]);
+            requeue = Some(Requeue::After(MAX_WAIT));
         }
         Step::Postpone { slot, why } => {
             let msg = format!("restart for {} waits: {why}", fmt_time(*slot));
@@ -523,28 +527,26 @@ mod tests {
     }
 
     #[test]
-    fn a_missing_target_is_warned_once_and_its_slot_consumed() {
+    fn a_missing_target_is_warned_once_and_nothing_is_written_per_slot() {
         let p = plan(&eru(None), None, ts("2026-01-01T10:00:05Z")).unwrap();
         assert_eq!(
             cond(&p, condition::TARGET_FOUND),
             ("False".into(), reason::DEPLOYMENT_NOT_FOUND.into())
         );
+        assert_eq!(
+            cond(&p, condition::SCHEDULED),
+            ("False".into(), reason::DEPLOYMENT_NOT_FOUND.into())
+        );
         assert_eq!(reasons(&p), vec![reason::DEPLOYMENT_NOT_FOUND]);
-        let again = plan(&eru(p.status), None, ts("2026-01-01T10:00:21Z")).unwrap();
-        assert_eq!(
-            reasons(&again),
-            vec![reason::DEPLOYMENT_NOT_FOUND],
-            "only the skipped slot"
-        );
-        assert!(
-            again.events[0]
-                .note
-                .contains("Skipped the 2026-01-01T10:00:20Z restart")
-        );
-        assert_eq!(
-            again.status.unwrap().last_schedule_time,
-            Some(Time(ts("2026-01-01T10:00:20Z")))
-        );
+        let status = p.status.clone().unwrap();
+        assert_eq!(status.next_restart_time, None);
+        // Slots pass while it stays missing: no Event, and the same status (so no write).
+        for at in ["2026-01-01T10:00:21Z", "2026-01-01T10:05:41Z"] {
+            let again = plan(&eru(p.status.clone()), None, ts(at)).unwrap();
+            assert!(again.events.is_empty(), "{:?}", again.events);
+            assert_eq!(again.status.unwrap(), status);
+            assert_eq!(again.requeue, Requeue::After(MAX_WAIT));
+        }
     }
 
     #[test]

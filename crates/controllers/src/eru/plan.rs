@@ -31,8 +31,13 @@ pub enum Step {
     Wait,
     /// Just resumed from suspension: slots that passed while suspended are consumed, not made up.
     Resumed { slot: Option<Timestamp> },
-    /// A slot is due but the Deployment does not exist; the slot is consumed.
-    TargetMissing { slot: Timestamp },
+    /// The spec changed since the last reconcile: slots before the change (of the new schedule
+    /// too) are consumed, so an edit never restarts at once; counting starts from the edit.
+    Edited { slot: Option<Timestamp> },
+    /// The Deployment does not exist: nothing is scheduled (and nothing written) until it does.
+    TargetMissing,
+    /// The slot is older than the Deployment (it did not exist then): consumed, no restart.
+    Predates { slot: Timestamp },
     /// A slot is due but the previous rollout is still running; try again when it ends.
     Postpone { slot: Timestamp, why: String },
     /// The slot is more than `startingDeadlineSeconds` late; it is consumed without a restart.
@@ -160,18 +165,29 @@ pub fn decide(eru: &Eru, deployment: Option<&Deployment>, now: Timestamp) -> Dec
     if status.suspended {
         return done(Step::Resumed { slot });
     }
+    if status.observed_generation.is_some() && status.observed_generation != eru.metadata.generation {
+        return done(Step::Edited { slot });
+    }
+    let Some(d) = deployment else {
+        // The Deployment's watch brings it back when it appears.
+        return Decision {
+            step: Step::TargetMissing,
+            next: None,
+            target_found: false,
+        };
+    };
     let Some(slot) = slot else {
         return done(Step::Wait);
     };
+    if d.metadata.creation_timestamp.as_ref().is_some_and(|c| c.0 > slot) {
+        return done(Step::Predates { slot });
+    }
     let late = now.duration_since(slot);
     if let Some(limit) = spec.starting_deadline_seconds
         && late > SignedDuration::from_secs(limit)
     {
         return done(Step::TooLate { slot, late });
     }
-    let Some(d) = deployment else {
-        return done(Step::TargetMissing { slot });
-    };
     if restarted_at(d) == Some(restart_stamp(slot).as_str()) {
         return done(Step::AlreadyRestarted { slot });
     }
@@ -439,15 +455,63 @@ mod tests {
     }
 
     #[test]
-    fn a_missing_deployment_consumes_the_slot() {
+    fn a_missing_deployment_schedules_nothing() {
         let p = decide(&eru(None), None, ts("2026-01-01T10:00:21Z"));
+        assert_eq!(p.step, Step::TargetMissing);
+        assert_eq!(p.next, None);
+        assert!(!p.target_found);
+    }
+
+    #[test]
+    fn a_deployment_created_after_a_slot_is_not_restarted_for_it() {
+        let mut d = settled();
+        d.metadata.creation_timestamp = Some(Time(ts("2026-01-01T10:00:30Z")));
+        // Missing since 10:00:00; it appears at 10:00:30, the operator looks at 10:00:35.
+        let p = decide(&eru(None), Some(&d), ts("2026-01-01T10:00:35Z"));
         assert_eq!(
             p.step,
-            Step::TargetMissing {
+            Step::Predates {
                 slot: ts("2026-01-01T10:00:20Z")
             }
         );
-        assert!(!p.target_found);
+        // The next slot after its creation is restarted as usual.
+        let p = decide(
+            &eru(Some("2026-01-01T10:00:20Z")),
+            Some(&d),
+            ts("2026-01-01T10:00:41Z"),
+        );
+        assert_eq!(
+            p.step,
+            Step::Restart {
+                slot: ts("2026-01-01T10:00:40Z")
+            }
+        );
+    }
+
+    #[test]
+    fn an_edit_counts_slots_from_the_edit() {
+        let mut e = eru(Some("2026-01-01T10:00:00Z"));
+        e.metadata.generation = Some(2);
+        e.status.as_mut().unwrap().observed_generation = Some(1);
+        // The new schedule's slot at 10:00:20 lies before the edit seen at 10:00:25.
+        let p = decide(&e, Some(&settled()), ts("2026-01-01T10:00:25Z"));
+        assert_eq!(
+            p.step,
+            Step::Edited {
+                slot: Some(ts("2026-01-01T10:00:20Z"))
+            }
+        );
+        assert_eq!(p.next, Some(ts("2026-01-01T10:00:40Z")));
+        // Once seen, the next slot restarts.
+        e.status.as_mut().unwrap().observed_generation = Some(2);
+        e.status.as_mut().unwrap().last_schedule_time = Some(Time(ts("2026-01-01T10:00:20Z")));
+        let p = decide(&e, Some(&settled()), ts("2026-01-01T10:00:41Z"));
+        assert_eq!(
+            p.step,
+            Step::Restart {
+                slot: ts("2026-01-01T10:00:40Z")
+            }
+        );
     }
 
     #[test]
