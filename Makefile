@@ -5,7 +5,8 @@ SHELL := /usr/bin/env bash
 TESTENV_BIN_DIR = $(shell bash crates/testenv/scripts/build-binaries.sh --print)
 KUBECTL ?= $(TESTENV_BIN_DIR)/kubectl
 OPKIT := cargo run -q -p opkit-operator --
-IMG ?= opkit:latest
+VERSION ?= 0.1.0
+IMG ?= opkit:v$(VERSION)
 CONTAINER_TOOL ?= docker
 TESTENV := cargo run -q -p opkit-testenv --
 
@@ -76,7 +77,6 @@ deploy: ## Deploy the operator (config/default) to the cluster of $KUBECONFIG, r
 undeploy: ## Remove everything `make deploy` created (CRDs and custom objects included)
 	$(KUBECTL) delete --ignore-not-found -k config/default
 
-VERSION ?= 0.1.0
 CHANNELS ?= candidate
 DEFAULT_CHANNEL ?=
 BUNDLE_IMG ?= opkit-bundle:v$(VERSION)

@@ -109,6 +109,17 @@ if [[ ! -x "$bin/bundle-validate" || "$(cat "$bin/.bundle-validate.stamp" 2>/dev
   echo "$validator_stamp" > "$bin/.bundle-validate.stamp"
 fi
 
+# --- kube-score: an outside opinion on the generated manifests (a test runs it).
+if [[ ! -x "$bin/kube-score" || "$(cat "$bin/.kube-score.version" 2>/dev/null)" != "$KUBE_SCORE_VERSION" ]]; then
+  log "building kube-score ${KUBE_SCORE_VERSION}"
+  d="$work/kube-score"; rm -rf "$d"; mkdir -p "$d"; cd "$d"
+  go mod init opkit.local/testenv/kube-score >/dev/null 2>&1
+  go get "github.com/zegl/kube-score@${KUBE_SCORE_VERSION}" >&2
+  go build -trimpath -ldflags "-s -w" -o "$bin/kube-score.tmp" github.com/zegl/kube-score/cmd/kube-score \
+    && mv "$bin/kube-score.tmp" "$bin/kube-score"
+  echo "$KUBE_SCORE_VERSION" > "$bin/.kube-score.version"
+fi
+
 rm -rf "$work"
 took=$(( $(date +%s) - start ))
 if (( took > 2 )); then log "control-plane binaries ready in ${took}s: $bin"; fi
