@@ -47,7 +47,20 @@ pub struct AtSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 512))]
     pub image: Option<String>,
+    /// How long the command may run before its Pod is stopped and the At ends `Failed` with
+    /// reason `DeadlineExceeded` (default 3600, at most a week).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 604800))]
+    pub active_deadline_seconds: Option<i64>,
+    /// Delete the At (and its Pod) this many seconds after it is DONE, as Jobs do; kept
+    /// forever when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub ttl_seconds_after_finished: Option<i32>,
 }
+
+/// How long a command runs at most when `spec.activeDeadlineSeconds` is not set.
+pub const DEFAULT_ACTIVE_DEADLINE_SECONDS: i64 = 3600;
 
 /// Where an `At` is in its life: PENDING → RUNNING → DONE, as in the book.
 #[derive(Deserialize, Serialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]

@@ -94,6 +94,9 @@ pub struct Plan<S> {
     pub events: Vec<Event>,
     /// When to reconcile again if nothing changes.
     pub requeue: Requeue,
+    /// Delete the object itself once the rest is done (a finished run past its time to
+    /// live); its owned children go with it through garbage collection.
+    pub delete: bool,
 }
 
 impl<S> Plan<S> {
@@ -104,6 +107,18 @@ impl<S> Plan<S> {
             status: Some(status),
             events: Vec::new(),
             requeue,
+            delete: false,
+        }
+    }
+
+    /// A plan that deletes the object (its owned children follow) and writes nothing else.
+    pub fn delete() -> Self {
+        Plan {
+            children: Vec::new(),
+            status: None,
+            events: Vec::new(),
+            requeue: Requeue::OnChange,
+            delete: true,
         }
     }
 

@@ -494,6 +494,10 @@ impl<R: Reconciler> Runner<R> {
         for e in plan.events {
             self.ctx.event(obj, &e).await;
         }
+        if plan.delete {
+            self.delete_object(obj).await?;
+            return Ok(Action::await_change());
+        }
         Ok(match plan.requeue {
             Requeue::OnChange => Action::await_change(),
             Requeue::After(d) => Action::requeue(d),
@@ -531,6 +535,28 @@ impl<R: Reconciler> Runner<R> {
             }
         }
         Ok(())
+    }
+
+    /// Deletes the primary object, only if it is still the one planned for (same uid).
+    async fn delete_object(&self, obj: &R::Object) -> Result<(), Error> {
+        let api: Api<R::Object> =
+            Api::namespaced(self.ctx.client().clone(), &obj.namespace().unwrap_or_default());
+        self.ctx.metrics().write("delete");
+        let dp = DeleteParams {
+            preconditions: Some(kube::api::Preconditions {
+                uid: obj.uid(),
+                resource_version: None,
+            }),
+            ..DeleteParams::background()
+        };
+        match api.delete(&obj.name_any(), &dp).await {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => Ok(()),
+            Err(source) => Err(Error::Prune {
+                child: format!("{} {}", R::Object::kind(&()), obj.name_any()),
+                source,
+            }),
+        }
     }
 
     async fn prune(&self, ns: &str, resource: &ApiResource, name: &str) -> Result<(), Error> {

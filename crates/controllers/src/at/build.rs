@@ -100,6 +100,9 @@ pub fn next(at: &At, pod: Option<&Pod>, now: Timestamp) -> Next {
     }
 }
 
+/// The Pod status reason the kubelet sets when `activeDeadlineSeconds` ran out.
+pub const DEADLINE_EXCEEDED: &str = "DeadlineExceeded";
+
 /// How `pod` ended, or `None` while it has not.
 pub fn finished(pod: &Pod, now: Timestamp) -> Option<Finished> {
     let status = pod.status.as_ref()?;
@@ -118,6 +121,17 @@ pub fn finished(pod: &Pod, now: Timestamp) -> Option<Finished> {
         Outcome::Succeeded => "Completed",
         Outcome::Failed => "Failed",
     };
+    // The kubelet stopped it at `activeDeadlineSeconds`: that, not the killed container's
+    // exit, is why it ended.
+    if status.reason.as_deref() == Some(DEADLINE_EXCEEDED) {
+        return Some(Finished {
+            outcome: Outcome::Failed,
+            exit_code: term.map(|t| t.exit_code),
+            reason: DEADLINE_EXCEEDED.into(),
+            message: status.message.clone().filter(|m| !m.is_empty()),
+            at: term.and_then(|t| t.finished_at.as_ref()).map_or(now, |t| t.0),
+        });
+    }
     Some(Finished {
         outcome,
         exit_code: term.map(|t| t.exit_code),
@@ -170,6 +184,11 @@ pub fn build_pod(at: &At) -> Result<Pod, String> {
         },
         spec: Some(PodSpec {
             restart_policy: Some("Never".into()),
+            active_deadline_seconds: Some(
+                at.spec
+                    .active_deadline_seconds
+                    .unwrap_or(opkit_api::at::DEFAULT_ACTIVE_DEADLINE_SECONDS),
+            ),
             automount_service_account_token: Some(false),
             enable_service_links: Some(false),
             containers: vec![Container {
@@ -180,8 +199,14 @@ pub fn build_pod(at: &At) -> Result<Pod, String> {
                     requests: Some(BTreeMap::from([
                         ("cpu".into(), q("10m")),
                         ("memory".into(), q("16Mi")),
+                        ("ephemeral-storage".into(), q("16Mi")),
                     ])),
-                    limits: Some(BTreeMap::from([("memory".into(), q("128Mi"))])),
+                    // A one-shot command gets a bounded share of its node.
+                    limits: Some(BTreeMap::from([
+                        ("cpu".into(), q("1")),
+                        ("memory".into(), q("128Mi")),
+                        ("ephemeral-storage".into(), q("1Gi")),
+                    ])),
                     ..Default::default()
                 }),
                 security_context: Some(restricted_container()),
@@ -224,6 +249,8 @@ mod tests {
                 schedule: schedule.into(),
                 command: "echo YAY".into(),
                 image: None,
+                active_deadline_seconds: None,
+                ttl_seconds_after_finished: None,
             },
         );
         a.metadata.namespace = Some("cnat".into());

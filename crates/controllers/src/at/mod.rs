@@ -16,7 +16,7 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::rbac::v1::PolicyRule;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use k8s_openapi::jiff::Timestamp;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::{Api, Client, ResourceExt};
 use opkit::conditions::{self, Desired};
 use opkit::rbac::{events, rule};
@@ -58,10 +58,11 @@ const CONFLICT_RETRY: Duration = Duration::from_secs(60);
 /// The API access this controller uses, for the generated ClusterRole.
 pub fn rbac_rules() -> Vec<PolicyRule> {
     vec![
+        // `delete`: a finished At past `spec.ttlSecondsAfterFinished`.
         rule(
             &["cnat.programming-kubernetes.info"],
             &["ats"],
-            &["get", "list", "watch"],
+            &["get", "list", "watch", "delete"],
         ),
         rule(
             &["cnat.programming-kubernetes.info"],
@@ -135,6 +136,38 @@ impl Reconciler for AtController {
     }
 }
 
+/// DONE is final; with `spec.ttlSecondsAfterFinished` the At (and its Pod, by garbage
+/// collection) is deleted that long after it finished.
+fn expire(at: &At, now: Timestamp) -> Plan<AtStatus> {
+    let (Some(ttl), Some(done)) = (
+        at.spec.ttl_seconds_after_finished,
+        at.status.as_ref().and_then(|s| s.completion_time.as_ref()),
+    ) else {
+        return Plan {
+            children: Vec::new(),
+            status: None,
+            events: Vec::new(),
+            requeue: Requeue::OnChange,
+            delete: false,
+        };
+    };
+    let expires = done
+        .0
+        .saturating_add(SignedDuration::from_secs(i64::from(ttl)))
+        .unwrap_or(done.0);
+    if expires <= now {
+        return Plan::delete();
+    }
+    let wait = now.duration_until(expires).unsigned_abs();
+    Plan {
+        children: Vec::new(),
+        status: None,
+        events: Vec::new(),
+        requeue: Requeue::After(wait.min(MAX_WAIT) + Duration::from_millis(1)),
+        delete: false,
+    }
+}
+
 /// Everything the At controller decides: the step from [`next`], and for it the status,
 /// conditions, Events, Pod and next look.
 pub fn plan(at: &At, pod: Option<&Pod>, now: Timestamp) -> Result<Plan<AtStatus>, Invalid> {
@@ -175,12 +208,7 @@ pub fn plan(at: &At, pod: Option<&Pod>, now: Timestamp) -> Result<Plan<AtStatus>
         return Err(invalid(reason::INVALID_SPEC, message));
     }
     Ok(match next(at, pod, now) {
-        Next::Done => Plan {
-            children: Vec::new(),
-            status: None,
-            events: Vec::new(),
-            requeue: Requeue::OnChange,
-        },
+        Next::Done => expire(at, now),
         Next::Invalid(msg) => return Err(invalid(reason::INVALID_SCHEDULE, msg)),
         Next::Wait { due, after } => Plan::status(
             AtStatus {
@@ -243,6 +271,7 @@ pub fn plan(at: &At, pod: Option<&Pod>, now: Timestamp) -> Result<Plan<AtStatus>
             status: None,
             events: Vec::new(),
             requeue: Requeue::After(MAX_WAIT),
+            delete: false,
         },
         Next::Finish(f) => {
             let (succeeded, why, note) = match (f.outcome, f.reason.as_str()) {
@@ -309,6 +338,8 @@ mod tests {
                 schedule: "2026-01-01T10:00:00Z".into(),
                 command: "echo YAY".into(),
                 image: None,
+                active_deadline_seconds: None,
+                ttl_seconds_after_finished: None,
             },
         );
         a.metadata.namespace = Some("ns".into());
@@ -474,5 +505,61 @@ mod tests {
         );
         a.metadata.name = Some("a".repeat(249));
         assert!(plan(&a, None, ts("2026-01-01T09:00:00Z")).is_ok());
+    }
+
+    #[test]
+    fn the_pod_has_a_run_deadline_and_limits() {
+        let mut a = at(None);
+        let pod = build_pod(&a).unwrap();
+        let spec = pod.spec.unwrap();
+        assert_eq!(
+            spec.active_deadline_seconds,
+            Some(opkit_api::at::DEFAULT_ACTIVE_DEADLINE_SECONDS)
+        );
+        let limits = spec.containers[0]
+            .resources
+            .as_ref()
+            .unwrap()
+            .limits
+            .clone()
+            .unwrap();
+        for r in ["cpu", "memory", "ephemeral-storage"] {
+            assert!(limits.contains_key(r), "no {r} limit");
+        }
+        a.spec.active_deadline_seconds = Some(30);
+        assert_eq!(
+            build_pod(&a).unwrap().spec.unwrap().active_deadline_seconds,
+            Some(30)
+        );
+    }
+
+    #[test]
+    fn a_deadline_hit_is_the_outcome_not_the_killed_containers_exit() {
+        let a = at(Some(Phase::Running));
+        let mut p = pod(&a, "Failed", Some(137));
+        let st = p.status.as_mut().unwrap();
+        st.reason = Some("DeadlineExceeded".into());
+        st.message = Some("Pod was active on the node longer than the specified deadline".into());
+        let plan = plan(&a, Some(&p), ts("2026-01-01T11:00:00Z")).unwrap();
+        let status = plan.status.unwrap();
+        assert_eq!(status.outcome, Some(Outcome::Failed));
+        assert_eq!(status.reason.as_deref(), Some("DeadlineExceeded"));
+        assert!(status.message.unwrap().contains("deadline"));
+    }
+
+    #[test]
+    fn a_finished_at_is_deleted_after_its_ttl_and_kept_without_one() {
+        let mut a = at(Some(Phase::Done));
+        a.status.as_mut().unwrap().completion_time = Some(Time(ts("2026-01-01T10:00:00Z")));
+        let kept = plan(&a, None, ts("2026-01-02T10:00:00Z")).unwrap();
+        assert!(!kept.delete);
+        assert_eq!(kept.requeue, Requeue::OnChange);
+        a.spec.ttl_seconds_after_finished = Some(60);
+        let soon = plan(&a, None, ts("2026-01-01T10:00:30Z")).unwrap();
+        assert!(!soon.delete && soon.status.is_none() && soon.children.is_empty());
+        assert_eq!(soon.requeue, Requeue::After(Duration::from_millis(30_001)));
+        assert!(plan(&a, None, ts("2026-01-01T10:01:00Z")).unwrap().delete);
+        a.spec.ttl_seconds_after_finished = Some(0);
+        assert!(plan(&a, None, ts("2026-01-01T10:00:00Z")).unwrap().delete);
     }
 }

@@ -84,6 +84,8 @@ mod tests {
                 schedule: schedule.into(),
                 command: "echo YAY".into(),
                 image: None,
+                active_deadline_seconds: None,
+                ttl_seconds_after_finished: None,
             },
         );
         a.status = phase.map(|p| AtStatus {

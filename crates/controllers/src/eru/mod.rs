@@ -301,6 +301,7 @@ pub fn plan(eru: &Eru, deployment: Option<&Deployment>, now: Timestamp) -> Resul
         status: Some(status),
         events,
         requeue: requeue.unwrap_or(Requeue::OnChange),
+        delete: false,
     })
 }
 
@@ -367,6 +368,7 @@ pub fn plan_annotation(d: &Deployment, existing: Option<&Eru>) -> Plan<serde_jso
         status: None,
         events: Vec::new(),
         requeue: Requeue::OnChange,
+        delete: false,
     };
     if wants_eru(d) {
         if let Some(e) = existing

@@ -179,6 +179,7 @@ impl Reconciler for FooController {
                 status: None,
                 events: Vec::new(),
                 requeue: hourly,
+                delete: false,
             });
         };
         if !controlled_by(live, foo) {
@@ -192,6 +193,7 @@ impl Reconciler for FooController {
                 status: None,
                 events: vec![Event::warning(ERR_RESOURCE_EXISTS, "Reconcile", note)],
                 requeue: hourly,
+                delete: false,
             });
         }
         // The cache drops the pod template, so compare what upstream compares: replicas.
