@@ -72,8 +72,8 @@ impl Rng {
 /// One spec per call: each field valid most of the time, else extreme or invalid, so that
 /// both refusals and stored objects are plenty.
 fn spec(kind: &str, r: &mut Rng) -> Value {
-    let mut field = |r: &mut Rng, good: &[Value], bad: &[Value]| {
-        if r.next() % 5 == 0 {
+    let field = |r: &mut Rng, good: &[Value], bad: &[Value]| {
+        if r.next().is_multiple_of(5) {
             r.pick(bad)
         } else {
             r.pick(good)
@@ -82,7 +82,7 @@ fn spec(kind: &str, r: &mut Rng) -> Value {
     match kind {
         "Memcached" => json!({
             // 100 is legal but costs 100 Pods a time; one in a hundred objects gets it.
-            "size": if r.next() % 100 == 0 { json!(100) } else {
+            "size": if r.next().is_multiple_of(100) { json!(100) } else {
                 field(r, &[json!(0), json!(1), json!(2), json!(3)],
                     &[json!(-5), json!(-1), json!(101), json!(2147483647), json!("3"), json!(1.5), Value::Null])
             },
