@@ -632,4 +632,51 @@ mod tests {
             }
         }
     }
+
+    #[test]
+    fn random_token_soup_parses_or_is_refused_without_panicking() {
+        let tokens = [
+            "*",
+            "?",
+            "/",
+            ",",
+            "-",
+            "0",
+            "1",
+            "7",
+            "23",
+            "31",
+            "59",
+            "60",
+            "4294967295",
+            "99999999999",
+            "JAN",
+            "mon",
+            "@",
+            "daily",
+            "@hourly",
+            " ",
+            " ",
+            " ",
+            "x",
+            "",
+            "-1",
+        ];
+        let mut r = Rng(0xdead_beef_cafe_f00d);
+        let mut parsed = 0;
+        for _ in 0..20_000 {
+            let n = 1 + r.below(24) as usize;
+            let expr: String = (0..n)
+                .map(|_| tokens[r.below(tokens.len() as u32) as usize])
+                .collect();
+            if let Ok(s) = expr.parse::<Schedule>() {
+                parsed += 1;
+                let t = ts("2026-03-08T06:59:59Z");
+                let _ = s.next_after(t, &TimeZone::get("America/New_York").unwrap());
+                let _ = s.latest_in(t, ts("2026-03-09T06:59:59Z"), &TimeZone::UTC);
+            }
+        }
+        // The soup is not all refused: parsed schedules were exercised too.
+        assert!(parsed > 20, "{parsed}");
+    }
 }
