@@ -1,5 +1,6 @@
 # opkit — targets named as Kubebuilder users type them. `make help` lists them.
 SHELL := /usr/bin/env bash
+comma := ,
 .DEFAULT_GOAL := help
 
 TESTENV_BIN_DIR = $(shell bash crates/testenv/scripts/build-binaries.sh --print)
@@ -65,8 +66,8 @@ dev: ## Local control plane (if none is configured) + CRDs + samples + the opera
 	bash hack/dev.sh
 
 .PHONY: manifests
-manifests: ## Regenerate config/ (CRDs, RBAC, manager Deployment, kustomizations) from the Rust code
-	$(OPKIT) manifests --dir config
+manifests: ## Regenerate config/ from the Rust code; NAMESPACES=a,b confines the operator to those (Roles, not a ClusterRole)
+	$(OPKIT) manifests --dir config $(foreach n,$(subst $(comma), ,$(NAMESPACES)),--namespace $(n))
 
 .PHONY: deploy
 deploy: ## Deploy the operator (config/default) to the cluster of $KUBECONFIG, running image $(IMG)

@@ -41,6 +41,10 @@ enum Command {
         /// Fail if a file would change instead of writing it.
         #[arg(long)]
         check: bool,
+        /// Confine the operator to these namespaces: `--namespace` in its Deployment and a
+        /// Role per namespace instead of a ClusterRole for the controllers (repeatable).
+        #[arg(long = "namespace", short = 'n')]
+        namespaces: Vec<String>,
     },
     /// Write the OLM bundle (`bundle/`, `bundle.Dockerfile`) from the generated manifests,
     /// `config/manifests/metadata.yaml` and `config/samples`, or check it is fresh.
@@ -277,9 +281,9 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn write_manifests(dir: &std::path::Path, check: bool) -> anyhow::Result<()> {
+fn write_manifests(dir: &std::path::Path, check: bool, namespaces: &[String]) -> anyhow::Result<()> {
     let mut stale = Vec::new();
-    for (rel, content) in manifests::all()? {
+    for (rel, content) in manifests::all(namespaces)? {
         let path = dir.join(&rel);
         if std::fs::read_to_string(&path).ok().as_deref() == Some(content.as_str()) {
             continue;
@@ -359,7 +363,11 @@ async fn main() -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Command::Manifests { dir, check } => write_manifests(&dir, check),
+        Command::Manifests {
+            dir,
+            check,
+            namespaces,
+        } => write_manifests(&dir, check, &namespaces),
         Command::Bundle(args) => write_bundle(args),
     }
 }

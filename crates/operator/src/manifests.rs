@@ -85,6 +85,11 @@ fn kustomization(resources: &[String]) -> serde_json::Value {
 /// The manager Deployment: leader election on, probes, Kubebuilder's default resources and a
 /// restricted security context.
 pub fn deployment() -> Deployment {
+    deployment_for(&[])
+}
+
+/// The manager Deployment, watching only `namespaces` when there are any.
+pub fn deployment_for(namespaces: &[String]) -> Deployment {
     let field = |path: &str| EnvVarSource {
         field_ref: Some(ObjectFieldSelector {
             field_path: path.into(),
@@ -121,7 +126,9 @@ pub fn deployment() -> Deployment {
                 "--webhook-bind-address=:9443",
             ]
             .map(String::from)
-            .to_vec(),
+            .into_iter()
+            .chain(namespaces.iter().map(|n| format!("--namespace={n}")))
+            .collect(),
         ),
         env: Some(vec![
             EnvVar {
@@ -219,11 +226,18 @@ pub fn deployment() -> Deployment {
     }
 }
 
-/// The operator's cluster-wide access: every controller's rules, reading its own CRDs and, when
-/// it manages its webhook configurations itself, patching those.
+/// The operator's cluster-wide access: every controller's rules plus [`platform_rules`].
 pub fn cluster_rules(webhook_configurations: bool) -> Vec<PolicyRule> {
+    let mut rules = registry().rbac();
+    rules.extend(platform_rules(webhook_configurations));
+    rules
+}
+
+/// What stays cluster-wide even when the controllers are confined to namespaces: reading
+/// opkit's own CRDs and, when it manages its webhook configurations itself, patching those.
+pub fn platform_rules(webhook_configurations: bool) -> Vec<PolicyRule> {
     let registry = registry();
-    let mut rules = registry.rbac();
+    let mut rules = Vec::new();
     if webhook_configurations {
         rules.extend(opkit::webhook::rbac_rules(PROJECT));
     }
@@ -318,8 +332,10 @@ pub fn webhook_configurations()
     ))
 }
 
-/// Every generated file, relative to the config directory.
-pub fn all() -> anyhow::Result<Vec<(String, String)>> {
+/// Every generated file, relative to the config directory. With `namespaces`, the operator
+/// runs with `--namespace` for each and its controllers get a Role in each of them instead of
+/// a ClusterRole (which keeps only [`platform_rules`]).
+pub fn all(namespaces: &[String]) -> anyhow::Result<Vec<(String, String)>> {
     let registry = registry();
     let mut files = Vec::new();
     let mut crd_files = Vec::new();
@@ -338,7 +354,11 @@ pub fn all() -> anyhow::Result<Vec<(String, String)>> {
             name: Some("opkit-manager-role".into()),
             ..Default::default()
         },
-        rules: Some(cluster_rules(true)),
+        rules: Some(if namespaces.is_empty() {
+            cluster_rules(true)
+        } else {
+            platform_rules(true)
+        }),
         ..Default::default()
     };
     let role_binding = ClusterRoleBinding {
@@ -350,6 +370,23 @@ pub fn all() -> anyhow::Result<Vec<(String, String)>> {
         },
         subjects: Some(service_account_subject()),
     };
+    let mut roles = vec![serde_json::to_value(role)?];
+    let mut bindings = vec![serde_json::to_value(role_binding)?];
+    for ns in namespaces {
+        roles.push(serde_json::to_value(Role {
+            metadata: meta("opkit-manager-role", Some(ns)),
+            rules: Some(registry.rbac()),
+        })?);
+        bindings.push(serde_json::to_value(RoleBinding {
+            metadata: meta("opkit-manager-rolebinding", Some(ns)),
+            role_ref: RoleRef {
+                api_group: "rbac.authorization.k8s.io".into(),
+                kind: "Role".into(),
+                name: "opkit-manager-role".into(),
+            },
+            subjects: Some(service_account_subject()),
+        })?);
+    }
     let leader_role = Role {
         metadata: meta("opkit-leader-election-role", Some(NAMESPACE)),
         rules: Some(leader_rules()),
@@ -367,8 +404,8 @@ pub fn all() -> anyhow::Result<Vec<(String, String)>> {
         metadata: meta(MANAGER, Some(NAMESPACE)),
         ..Default::default()
     };
-    files.push(("rbac/role.yaml".into(), to_yaml(&[role])?));
-    files.push(("rbac/role_binding.yaml".into(), to_yaml(&[role_binding])?));
+    files.push(("rbac/role.yaml".into(), to_yaml(&roles)?));
+    files.push(("rbac/role_binding.yaml".into(), to_yaml(&bindings)?));
     files.push(("rbac/leader_election_role.yaml".into(), to_yaml(&[leader_role])?));
     files.push((
         "rbac/leader_election_role_binding.yaml".into(),
@@ -404,7 +441,10 @@ pub fn all() -> anyhow::Result<Vec<(String, String)>> {
     };
     files.push((
         "manager/manager.yaml".into(),
-        to_yaml(&[serde_json::to_value(ns)?, serde_json::to_value(deployment())?])?,
+        to_yaml(&[
+            serde_json::to_value(ns)?,
+            serde_json::to_value(deployment_for(namespaces))?,
+        ])?,
     ));
     files.push((
         "manager/kustomization.yaml".into(),
