@@ -147,3 +147,46 @@ async fn a_renamed_deployment_replaces_the_old_one() {
         })
         .await;
 }
+
+#[tokio::test]
+async fn pods_refused_in_a_restricted_namespace_are_reported_on_the_foo() {
+    shared()
+        .in_namespace("foo-restricted", |client, ns| async move {
+            let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(client.clone());
+            namespaces
+                .patch(
+                    &ns,
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({"metadata": {"labels": {
+                        "pod-security.kubernetes.io/enforce": "restricted"}}})),
+                )
+                .await?;
+            let _op = start(&client, &ns).await?;
+            let foos: Api<Foo> = Api::namespaced(client.clone(), &ns);
+            let f: Foo = serde_yaml::from_str(&sample("samplecontroller_v1alpha1_foo.yaml"))?;
+            foos.create(&PostParams::default(), &f).await?;
+            let events: Api<Event> = Api::namespaced(client.clone(), &ns);
+            wait_for("a PodsRefused Event on the Foo", T, || async {
+                let found = events
+                    .list(&ListParams::default())
+                    .await?
+                    .items
+                    .into_iter()
+                    .find(|e| {
+                        e.reason.as_deref() == Some(foo::PODS_REFUSED)
+                            && e.regarding.as_ref().and_then(|r| r.kind.as_deref()) == Some("Foo")
+                    });
+                match found {
+                    Some(e) => {
+                        let note = e.note.unwrap_or_default();
+                        ensure!(note.contains("PodSecurity"), "{note}");
+                        Ok(())
+                    }
+                    None => Err(anyhow!("not yet")),
+                }
+            })
+            .await?;
+            Ok(())
+        })
+        .await;
+}

@@ -29,6 +29,9 @@ pub const NAME: &str = "foo";
 pub const IMAGE: &str = "nginx:latest";
 /// Upstream's Event reason for a Deployment the Foo does not control.
 pub const ERR_RESOURCE_EXISTS: &str = "ErrResourceExists";
+/// Event reason when the Deployment's Pods cannot be created (admission refused them, a quota
+/// is exhausted): upstream's nginx runs as root, which a `restricted` namespace refuses.
+pub const PODS_REFUSED: &str = "PodsRefused";
 /// Condition type and reason for a Foo that cannot own a Deployment.
 const READY: &str = "Ready";
 const INVALID_SPEC: &str = "InvalidSpec";
@@ -118,14 +121,32 @@ pub struct World {
     pub deployment: Option<Arc<Deployment>>,
 }
 
-/// Only ownership, replicas and availability matter here.
+/// Only ownership, replicas, availability and a failure to create Pods matter here.
 fn trim_deployment(d: &mut Deployment) {
     if let Some(s) = d.spec.as_mut() {
         s.template.spec = None;
     }
-    if let Some(s) = d.status.as_mut() {
-        s.conditions = None;
+    if let Some(s) = d.status.as_mut()
+        && let Some(c) = s.conditions.as_mut()
+    {
+        c.retain(|c| c.type_ == "ReplicaFailure");
     }
+}
+
+/// Why the Deployment's Pods cannot be created, from its `ReplicaFailure` condition.
+fn pods_refused(d: &Deployment) -> Option<String> {
+    let c = d
+        .status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == "ReplicaFailure" && c.status == "True")?;
+    Some(
+        c.message
+            .clone()
+            .unwrap_or_else(|| c.reason.clone().unwrap_or_default()),
+    )
 }
 
 impl Reconciler for FooController {
@@ -206,7 +227,19 @@ impl Reconciler for FooController {
                 .and_then(|s| s.available_replicas)
                 .unwrap_or(0),
         };
-        Ok(Plan::status(status, hourly).child(Child::apply(&desired, None).needed(!same)))
+        let mut plan = Plan::status(status, hourly).child(Child::apply(&desired, None).needed(!same));
+        if let Some(why) = pods_refused(live) {
+            // Shown on the Foo, where its owner looks; repeated only when the Deployment changes.
+            plan = plan.event(Event::warning(
+                PODS_REFUSED,
+                "Reconcile",
+                format!(
+                    "Pods of Deployment {} cannot be created: {why}",
+                    foo.spec.deployment_name
+                ),
+            ));
+        }
+        Ok(plan)
     }
 }
 
@@ -321,6 +354,33 @@ mod tests {
             FooController
                 .plan(&f, &World::default(), Timestamp::UNIX_EPOCH)
                 .is_ok()
+        );
+    }
+
+    #[test]
+    fn pods_refused_by_admission_are_reported_on_the_foo() {
+        let f = foo(Some(1));
+        let mut d = build_deployment(&f).unwrap();
+        d.status = Some(k8s_openapi::api::apps::v1::DeploymentStatus {
+            conditions: Some(vec![k8s_openapi::api::apps::v1::DeploymentCondition {
+                type_: "ReplicaFailure".into(),
+                status: "True".into(),
+                reason: Some("FailedCreate".into()),
+                message: Some("pods \"x\" is forbidden: violates PodSecurity \"restricted:latest\"".into()),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        });
+        let world = World {
+            deployment: Some(Arc::new(d)),
+        };
+        let p = FooController.plan(&f, &world, Timestamp::UNIX_EPOCH).unwrap();
+        assert_eq!(p.events.len(), 1);
+        assert_eq!(p.events[0].reason, PODS_REFUSED);
+        assert!(
+            p.events[0].note.contains("violates PodSecurity"),
+            "{}",
+            p.events[0].note
         );
     }
 }
