@@ -28,6 +28,10 @@ lint: ## Check formatting and run clippy with warnings denied
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets -- -D warnings
 
+.PHONY: fuzz
+fuzz: ## Fuzz the cron parser for FUZZ_SECONDS (default 120); needs a nightly toolchain and cargo-fuzz
+	cd fuzz && cargo +nightly fuzz run cron -- -max_total_time=$${FUZZ_SECONDS:-120}
+
 .PHONY: testenv-build
 testenv-build: ## Build (or find cached) the local control-plane binaries
 	bash crates/testenv/scripts/build-binaries.sh

@@ -12,7 +12,7 @@
 //!   opkit created — a hand-written Eru of that name wins and is never touched).
 //!
 //! observe (caches) → plan (pure: [`decide`], then status, conditions and Events); opkit writes.
-mod cron;
+pub mod cron;
 mod plan;
 mod webhook;
 
