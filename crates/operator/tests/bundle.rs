@@ -6,15 +6,11 @@ use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use anyhow::{Context, anyhow, ensure};
-use k8s_openapi::api::authentication::v1::TokenRequest;
-use k8s_openapi::api::core::v1::ServiceAccount;
-use kube::Api;
-use kube::api::PostParams;
 use opkit_testenv::{Binaries, Versions, shared, wait_for};
 use serde_json::{Value, json};
 
 mod common;
-use common::{Running, free_port, kubectl, kubectl_stdin};
+use common::{Running, free_port, jsonpath_is, kubectl, kubectl_stdin, service_account_kubeconfig};
 
 const T: Duration = Duration::from_secs(60);
 
@@ -171,22 +167,6 @@ fn apply_json(v: &Value) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn jsonpath_is(kind_name: &[&str], ns: &str, path: &str, want: &str) -> anyhow::Result<()> {
-    wait_for(&format!("{} {path} = {want}", kind_name.join(" ")), T, || async {
-        let mut args = vec!["get"];
-        args.extend_from_slice(kind_name);
-        let path = format!("jsonpath={path}");
-        args.extend(["-n", ns, "-o", &path]);
-        let got = kubectl(&args)?;
-        if got == want {
-            Ok(())
-        } else {
-            Err(anyhow!("{got:?}"))
-        }
-    })
-    .await
-}
-
 /// What OLM does with an AllNamespaces CSV, minus the Pod (kwok runs no container, so the
 /// operator runs here, as the CSV's ServiceAccount, with the CSV's arguments): the CRDs, a
 /// ServiceAccount, `clusterPermissions` as a ClusterRole, `permissions` as a Role in the
@@ -278,17 +258,7 @@ async fn the_csv_installed_as_olm_does_runs_its_examples_with_only_its_permissio
                 }))?;
             }
 
-            let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), &ns);
-            let tr: TokenRequest =
-                serde_json::from_value(json!({"spec": {"audiences": [], "expirationSeconds": 3600}}))?;
-            let token = sas
-                .create_token_request(&sa, &PostParams::default(), &tr)
-                .await?
-                .status
-                .context("no token")?
-                .token;
-            let kubeconfig = std::env::temp_dir().join(format!("opkit-olm-{ns}.kubeconfig"));
-            std::fs::write(&kubeconfig, shared().kubeconfig_with_token(&token)?)?;
+            let kubeconfig = service_account_kubeconfig(&client, &ns, &sa).await?;
             // OLM owns the webhook configurations: the operator may not even read them.
             let out = shared()
                 .kubectl()

@@ -4,16 +4,13 @@
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use anyhow::{Context, anyhow, ensure};
+use anyhow::{anyhow, ensure};
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::authentication::v1::TokenRequest;
-use k8s_openapi::api::core::v1::ServiceAccount;
 use kube::Api;
-use kube::api::PostParams;
 use opkit_testenv::{shared, wait_for};
 
 mod common;
-use common::Running;
+use common::{Running, jsonpath_is, kubectl, service_account_kubeconfig};
 
 const T: Duration = Duration::from_secs(60);
 
@@ -25,35 +22,8 @@ fn kubectl_with(kubeconfig: Option<&std::path::Path>, args: &[&str]) -> anyhow::
     Ok(c.args(args).output()?)
 }
 
-fn kubectl(args: &[&str]) -> anyhow::Result<String> {
-    let out = kubectl_with(None, args)?;
-    ensure!(
-        out.status.success(),
-        "kubectl {}: {}",
-        args.join(" "),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(String::from_utf8(out.stdout)?)
-}
-
 fn config_dir() -> String {
     format!("{}/../../config", env!("CARGO_MANIFEST_DIR"))
-}
-
-async fn jsonpath_is(kind_name: &[&str], ns: &str, path: &str, want: &str) -> anyhow::Result<()> {
-    wait_for(&format!("{} {path} = {want}", kind_name.join(" ")), T, || async {
-        let mut args = vec!["get"];
-        args.extend_from_slice(kind_name);
-        let path = format!("jsonpath={path}");
-        args.extend(["-n", ns, "-o", &path]);
-        let got = kubectl(&args)?;
-        if got == want {
-            Ok(())
-        } else {
-            Err(anyhow!("{got:?}"))
-        }
-    })
-    .await
 }
 
 #[tokio::test]
@@ -73,17 +43,7 @@ async fn the_generated_deployment_and_rbac_run_every_sample_and_nothing_more() {
             })
             .await?;
 
-            let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), "opkit-system");
-            let tr: TokenRequest =
-                serde_json::from_value(serde_json::json!({"spec": {"audiences": [], "expirationSeconds": 3600}}))?;
-            let token = sas
-                .create_token_request("opkit-controller-manager", &PostParams::default(), &tr)
-                .await?
-                .status
-                .context("no token")?
-                .token;
-            let kubeconfig = std::env::temp_dir().join(format!("opkit-deploy-{ns}.kubeconfig"));
-            std::fs::write(&kubeconfig, shared().kubeconfig_with_token(&token)?)?;
+            let kubeconfig = service_account_kubeconfig(&client, "opkit-system", "opkit-controller-manager").await?;
 
             // Outside the rules: refused.
             for args in [

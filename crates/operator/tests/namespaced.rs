@@ -5,14 +5,10 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use anyhow::{Context, anyhow, ensure};
-use k8s_openapi::api::authentication::v1::TokenRequest;
-use k8s_openapi::api::core::v1::ServiceAccount;
-use kube::Api;
-use kube::api::PostParams;
 use opkit_testenv::{shared, wait_for};
 
 mod common;
-use common::{Running, install_crds, kubectl, kubectl_stdin};
+use common::{Running, install_crds, kubectl, kubectl_stdin, service_account_kubeconfig};
 
 const T: Duration = Duration::from_secs(60);
 
@@ -35,17 +31,7 @@ async fn manifests_for_one_namespace_confine_the_operator_to_it() {
 
             kubectl(&["create", "namespace", "opkit-system"])?;
             kubectl(&["apply", "--server-side", "-k", &dir.join("rbac").to_string_lossy()])?;
-            let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), "opkit-system");
-            let tr: TokenRequest =
-                serde_json::from_value(serde_json::json!({"spec": {"audiences": [], "expirationSeconds": 3600}}))?;
-            let token = sas
-                .create_token_request("opkit-controller-manager", &PostParams::default(), &tr)
-                .await?
-                .status
-                .context("no token")?
-                .token;
-            let kubeconfig = std::env::temp_dir().join(format!("opkit-namespaced-{ns}.kubeconfig"));
-            std::fs::write(&kubeconfig, shared().kubeconfig_with_token(&token)?)?;
+            let kubeconfig = service_account_kubeconfig(&client, "opkit-system", "opkit-controller-manager").await?;
             let as_operator = |args: &[&str]| -> anyhow::Result<std::process::Output> {
                 Ok(shared().kubectl().env("KUBECONFIG", &kubeconfig).args(args).output()?)
             };

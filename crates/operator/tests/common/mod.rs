@@ -2,8 +2,15 @@
 #![allow(dead_code)]
 use std::process::{Child, Command, Stdio};
 
-use anyhow::{Context, ensure};
-use opkit_testenv::shared;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, anyhow, ensure};
+use k8s_openapi::api::authentication::v1::TokenRequest;
+use k8s_openapi::api::core::v1::ServiceAccount;
+use kube::Api;
+use kube::api::PostParams;
+use opkit_testenv::{shared, wait_for};
 
 /// Runs the pinned kubectl against the local control plane; its stdout, or an error with
 /// its stderr.
@@ -73,4 +80,49 @@ pub fn sigterm(pid: u32) {
 /// A loopback port nobody listens on right now.
 pub fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// Waits until `kubectl get <kind_name> -n ns -o jsonpath=<path>` prints `want`.
+pub async fn jsonpath_is(kind_name: &[&str], ns: &str, path: &str, want: &str) -> anyhow::Result<()> {
+    wait_for(
+        &format!("{} {path} = {want}", kind_name.join(" ")),
+        Duration::from_secs(60),
+        || async {
+            let mut args = vec!["get"];
+            args.extend_from_slice(kind_name);
+            let path = format!("jsonpath={path}");
+            args.extend(["-n", ns, "-o", &path]);
+            let got = kubectl(&args)?;
+            if got == want {
+                Ok(())
+            } else {
+                Err(anyhow!("{got:?}"))
+            }
+        },
+    )
+    .await
+}
+
+/// A kubeconfig that authenticates as ServiceAccount `namespace/name` (a one-hour token), so
+/// that only the RBAC granted to it applies.
+pub async fn service_account_kubeconfig(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+) -> anyhow::Result<PathBuf> {
+    let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), namespace);
+    let tr: TokenRequest =
+        serde_json::from_value(serde_json::json!({"spec": {"audiences": [], "expirationSeconds": 3600}}))?;
+    let token = sas
+        .create_token_request(name, &PostParams::default(), &tr)
+        .await?
+        .status
+        .context("no token")?
+        .token;
+    let path = std::env::temp_dir().join(format!(
+        "opkit-{namespace}-{name}-{}.kubeconfig",
+        std::process::id()
+    ));
+    std::fs::write(&path, shared().kubeconfig_with_token(&token)?)?;
+    Ok(path)
 }
