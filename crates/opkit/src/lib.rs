@@ -26,7 +26,7 @@ pub mod webhook;
 pub use manager::{DEFAULT_CONCURRENCY, Manager, ManagerOptions};
 pub use reconciler::{Child, Event, Invalid, Plan, Reconciler, Requeue};
 pub use registry::{Registration, Registry};
-pub use runtime::{Cache, Watch, Watches};
+pub use runtime::{Cache, Watch, Watchable, Watches};
 pub use scope::Scope;
 
 pub use k8s_openapi;

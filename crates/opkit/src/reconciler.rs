@@ -14,7 +14,6 @@ use std::future::Future;
 
 use std::time::Duration;
 
-use k8s_openapi::NamespaceResourceScope;
 use k8s_openapi::api::rbac::v1::PolicyRule;
 use k8s_openapi::jiff::Timestamp;
 use kube::core::ApiResource;
@@ -23,7 +22,7 @@ use kube::{Client, Resource, ResourceExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::runtime::Watches;
+use crate::runtime::{Watchable, Watches};
 
 /// One controller: what it reconciles, what it watches and how it decides.
 ///
@@ -31,14 +30,7 @@ use crate::runtime::Watches;
 /// needed to run it, generate its RBAC or select it with `--controllers`.
 pub trait Reconciler: Send + Sync + 'static {
     /// The primary kind; one reconcile per object of it.
-    type Object: Resource<DynamicType = (), Scope = NamespaceResourceScope>
-        + Clone
-        + Debug
-        + Serialize
-        + DeserializeOwned
-        + Send
-        + Sync
-        + 'static;
+    type Object: Watchable + Serialize;
     /// The caches [`Reconciler::watch`] builds, read by [`Reconciler::observe`].
     type Cache: Send + Sync + 'static;
     /// Everything [`Reconciler::plan`] needs about the world besides the object itself.

@@ -170,6 +170,29 @@ where
     background: Vec<BoxFuture<'static, ()>>,
 }
 
+/// A namespaced kind opkit can watch and cache: what every watch, cache and primary needs.
+pub trait Watchable:
+    Resource<DynamicType = (), Scope = NamespaceResourceScope>
+    + Clone
+    + Debug
+    + DeserializeOwned
+    + Send
+    + Sync
+    + 'static
+{
+}
+
+impl<T> Watchable for T where
+    T: Resource<DynamicType = (), Scope = NamespaceResourceScope>
+        + Clone
+        + Debug
+        + DeserializeOwned
+        + Send
+        + Sync
+        + 'static
+{
+}
+
 fn api<C>(client: &Client, namespace: Option<&str>) -> Api<C>
 where
     C: Resource<DynamicType = (), Scope = NamespaceResourceScope>,
@@ -182,13 +205,7 @@ where
 
 impl<K> Watches<K>
 where
-    K: Resource<DynamicType = (), Scope = NamespaceResourceScope>
-        + Clone
-        + Debug
-        + DeserializeOwned
-        + Send
-        + Sync
-        + 'static,
+    K: Watchable,
 {
     /// The cache of the primary kind (e.g. to map a watched object to the primaries that
     /// refer to it).
@@ -204,13 +221,7 @@ where
         impl Stream<Item = Result<C, watcher::Error>> + Send + use<K, C>,
     )
     where
-        C: Resource<DynamicType = (), Scope = NamespaceResourceScope>
-            + Clone
-            + Debug
-            + DeserializeOwned
-            + Send
-            + Sync
-            + 'static,
+        C: Watchable,
     {
         let mut cfg = watcher::Config::default();
         if let Some(l) = &w.labels {
@@ -254,13 +265,7 @@ where
     /// reconciles its owner.
     pub fn owns<C>(&mut self, w: Watch<C>) -> Cache<C>
     where
-        C: Resource<DynamicType = (), Scope = NamespaceResourceScope>
-            + Clone
-            + Debug
-            + DeserializeOwned
-            + Send
-            + Sync
-            + 'static,
+        C: Watchable,
     {
         let (cache, stream) = self.reflect(&w);
         if w.prune {
@@ -273,13 +278,7 @@ where
     /// Watches a related kind: a change to one reconciles the primary objects `map` names.
     pub fn watches<C, I>(&mut self, w: Watch<C>, map: impl Fn(C) -> I + Send + Sync + 'static) -> Cache<C>
     where
-        C: Resource<DynamicType = (), Scope = NamespaceResourceScope>
-            + Clone
-            + Debug
-            + DeserializeOwned
-            + Send
-            + Sync
-            + 'static,
+        C: Watchable,
         I: IntoIterator<Item = ObjectRef<K>> + 'static,
         I::IntoIter: Send,
     {
@@ -291,13 +290,7 @@ where
     /// Caches a kind without triggering anything on its changes.
     pub fn reads<C>(&mut self, w: Watch<C>) -> Cache<C>
     where
-        C: Resource<DynamicType = (), Scope = NamespaceResourceScope>
-            + Clone
-            + Debug
-            + DeserializeOwned
-            + Send
-            + Sync
-            + 'static,
+        C: Watchable,
     {
         let (cache, stream) = self.reflect(&w);
         self.background
