@@ -6,10 +6,9 @@ pub mod at;
 pub mod eru;
 pub mod foo;
 pub mod memcached;
-pub mod security;
 
 use kube::CustomResourceExt;
-use opkit::{Registration, Registry};
+use opkit::{Operator, Registration, Registry};
 
 /// Operator settings the controllers take from the command line.
 #[derive(Clone, Debug)]
@@ -26,8 +25,15 @@ impl Default for Settings {
     }
 }
 
-/// Prefix of the names of the operator's own objects (webhook configurations and Service).
-pub const PROJECT: &str = "opkit";
+/// The operator: what `opkit run`, `opkit manifests` and `opkit bundle` are made from.
+pub fn operator() -> Operator<Settings> {
+    Operator {
+        name: "opkit",
+        version: env!("CARGO_PKG_VERSION"),
+        about: "Kubernetes operators in Rust: Memcached, At, Eru and friends",
+        registry: registry(),
+    }
+}
 
 /// Every controller opkit ships, in start order. Adding a kind: its folder, its types, and one
 /// entry here.

@@ -2,28 +2,35 @@
 //! ([`Reconciler`]: declare watches, return a pure [`Plan`]), a runtime that carries plans out
 //! (server-side apply that skips no-op writes, orphan pruning, status through the subresource,
 //! Events, per-object backoff, synced caches), a manager with metrics, health probes and
-//! leader election, admission webhooks, and one [`registry::Registry`] that drives RBAC,
-//! manifests and `--controllers`.
+//! leader election, admission webhooks, and one [`Operator`] (name, version, [`Registry`]) from
+//! which the command line ([`cli::main`]), RBAC, the `config/` manifests and the OLM bundle are
+//! generated.
 //!
 //! Watching, caching, queueing and the reconcile loop itself are kube-runtime's `Controller`;
 //! opkit only wires them together the way an operator in production needs.
 
 pub mod backoff;
+pub mod bundle;
+pub mod cli;
 pub mod conditions;
 mod context;
 pub mod diff;
 pub mod leader;
 pub mod manager;
+pub mod manifests;
 pub mod metrics;
+pub mod operator;
 pub mod rbac;
 pub mod reconciler;
 pub mod registry;
 pub mod runtime;
 mod scope;
+pub mod security;
 mod server;
 pub mod webhook;
 
 pub use manager::{DEFAULT_CONCURRENCY, Manager, ManagerOptions};
+pub use operator::Operator;
 pub use reconciler::{Child, Event, Invalid, Plan, Reconciler, Requeue};
 pub use registry::{Registration, Registry};
 pub use runtime::{Cache, Watch, Watchable, Watches};

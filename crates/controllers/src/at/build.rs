@@ -9,7 +9,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::{Resource, ResourceExt};
 use opkit_api::MANAGED_BY;
 
-use crate::security::{restricted_container, restricted_pod};
+use opkit::security::{restricted_container, restricted_pod};
 use opkit_api::at::{At, DEFAULT_IMAGE, Outcome, Phase};
 
 /// The `app.kubernetes.io/name` of every Pod this controller starts.

@@ -14,7 +14,7 @@ use kube::{Resource, ResourceExt};
 use opkit::conditions::{self, Desired};
 use opkit_api::MANAGED_BY;
 
-use crate::security::{restricted_container, restricted_pod};
+use opkit::security::{restricted_container, restricted_pod};
 use opkit_api::memcached::{Memcached, MemcachedStatus};
 
 use super::{CR_LABEL, condition, reason};

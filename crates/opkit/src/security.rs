@@ -1,4 +1,4 @@
-//! The security contexts every Pod opkit makes (and opkit's own) start from: what the
+//! The security contexts every Pod an operator makes (and the operator's own) start from: what the
 //! restricted Pod Security Standard requires, so those Pods run in `restricted` namespaces.
 use k8s_openapi::api::core::v1::{Capabilities, PodSecurityContext, SeccompProfile, SecurityContext};
 

@@ -14,11 +14,11 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
     CustomResourceDefinition, JSONSchemaProps,
 };
 use kube::ResourceExt;
-use opkit_controllers::{PROJECT, registry};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
 use crate::manifests;
+use crate::operator::Operator;
 
 /// Where the OLM mounts the serving certificate it makes for the webhooks.
 const OLM_CERT_DIR: &str = "/tmp/k8s-webhook-server/serving-certs";
@@ -47,8 +47,8 @@ pub struct Options {
 
 impl Options {
     /// What the bundle in `dir` was made with, so that a check regenerates it the same way.
-    pub fn of_bundle(dir: &Path) -> anyhow::Result<Self> {
-        let csv: Value = read_yaml(&dir.join(format!("manifests/{PROJECT}.clusterserviceversion.yaml")))?;
+    pub fn of_bundle(name: &str, dir: &Path) -> anyhow::Result<Self> {
+        let csv: Value = read_yaml(&dir.join(format!("manifests/{name}.clusterserviceversion.yaml")))?;
         let annotations: Value = read_yaml(&dir.join("metadata/annotations.yaml"))?;
         let a = &annotations["annotations"];
         let text = |v: &Value, what: &str| {
@@ -224,7 +224,7 @@ fn examples(samples: &Path, crds: &[CustomResourceDefinition]) -> anyhow::Result
 }
 
 /// OLM's form of a webhook: the rules of the configuration plus where the Deployment serves it.
-fn webhook_definition(kind: &str, hook: Value) -> Value {
+fn webhook_definition(manager: &str, kind: &str, hook: Value) -> Value {
     let path = hook["clientConfig"]["service"]["path"].clone();
     let mut d = json!({
         "type": kind,
@@ -238,7 +238,7 @@ fn webhook_definition(kind: &str, hook: Value) -> Value {
         "webhookPath": path,
         "containerPort": 443,
         "targetPort": WEBHOOK_PORT,
-        "deploymentName": manifests::MANAGER,
+        "deploymentName": manager,
     });
     if kind == "MutatingAdmissionWebhook" {
         d["reinvocationPolicy"] = hook["reinvocationPolicy"].clone();
@@ -246,19 +246,21 @@ fn webhook_definition(kind: &str, hook: Value) -> Value {
     d
 }
 
-fn webhook_definitions() -> anyhow::Result<Vec<Value>> {
-    let (mutating, validating) = manifests::webhook_configurations()?;
+fn webhook_definitions<S>(op: &Operator<S>) -> anyhow::Result<Vec<Value>> {
+    let (mutating, validating) = manifests::webhook_configurations(op)?;
     let m: Vec<MutatingWebhook> = mutating.webhooks.unwrap_or_default();
     let v: Vec<ValidatingWebhook> = validating.webhooks.unwrap_or_default();
     let mut out = Vec::new();
     for h in m {
         out.push(webhook_definition(
+            &op.manager(),
             "MutatingAdmissionWebhook",
             serde_json::to_value(h)?,
         ));
     }
     for h in v {
         out.push(webhook_definition(
+            &op.manager(),
             "ValidatingAdmissionWebhook",
             serde_json::to_value(h)?,
         ));
@@ -268,8 +270,8 @@ fn webhook_definitions() -> anyhow::Result<Vec<Value>> {
 
 /// The manager Deployment as OLM runs it: the bundle's image, the certificate OLM mounts, and
 /// webhook configurations left to OLM.
-fn install_deployment(image: &str) -> anyhow::Result<Value> {
-    let mut d = manifests::deployment();
+fn install_deployment<S>(op: &Operator<S>, image: &str) -> anyhow::Result<Value> {
+    let mut d = manifests::deployment(op);
     let spec = d.spec.as_mut().context("the manager Deployment has a spec")?;
     let pod = spec
         .template
@@ -282,7 +284,7 @@ fn install_deployment(image: &str) -> anyhow::Result<Value> {
     args.push(format!("--webhook-cert-dir={OLM_CERT_DIR}"));
     args.push("--manage-webhook-configurations=false".into());
     Ok(json!({
-        "name": manifests::MANAGER,
+        "name": op.manager(),
         "label": d.metadata.labels,
         "spec": spec,
     }))
@@ -300,19 +302,20 @@ fn icon(metadata_dir: &Path, m: &Metadata) -> anyhow::Result<Value> {
 }
 
 /// The ClusterServiceVersion.
-fn csv(
+fn csv<S>(
+    op: &Operator<S>,
     opts: &Options,
     m: &Metadata,
     metadata_dir: &Path,
     crds: &[CustomResourceDefinition],
     samples: &[Value],
 ) -> anyhow::Result<Value> {
-    let sa = manifests::MANAGER;
+    let sa = op.manager();
     Ok(json!({
         "apiVersion": "operators.coreos.com/v1alpha1",
         "kind": "ClusterServiceVersion",
         "metadata": {
-            "name": format!("{PROJECT}.v{}", opts.version),
+            "name": format!("{}.v{}", op.name, opts.version),
             "namespace": "placeholder",
             "annotations": {
                 "alm-examples": serde_json::to_string_pretty(samples)?,
@@ -344,13 +347,13 @@ fn csv(
                 { "type": "AllNamespaces", "supported": true },
             ],
             "customresourcedefinitions": { "owned": owned(crds) },
-            "webhookdefinitions": webhook_definitions()?,
+            "webhookdefinitions": webhook_definitions(op)?,
             "install": {
                 "strategy": "deployment",
                 "spec": {
-                    "deployments": [install_deployment(&opts.image)?],
+                    "deployments": [install_deployment(op, &opts.image)?],
                     // OLM makes the webhook configurations, so the operator needs no access to them.
-                    "clusterPermissions": [{ "serviceAccountName": sa, "rules": manifests::cluster_rules(false) }],
+                    "clusterPermissions": [{ "serviceAccountName": sa, "rules": manifests::cluster_rules(op, false) }],
                     "permissions": [{ "serviceAccountName": sa, "rules": manifests::leader_rules() }],
                 },
             },
@@ -359,15 +362,15 @@ fn csv(
 }
 
 /// Every bundle file, relative to the repository root, made from `config/` under `root`.
-pub fn all(root: &Path, opts: &Options) -> anyhow::Result<Vec<(PathBuf, String)>> {
+pub fn all<S>(op: &Operator<S>, root: &Path, opts: &Options) -> anyhow::Result<Vec<(PathBuf, String)>> {
     opts.check()?;
     let metadata_dir = root.join("config/manifests");
     let m: Metadata = read_yaml(&metadata_dir.join("metadata.yaml"))?;
-    let crds = registry().crds();
+    let crds = op.registry.crds();
     let samples = examples(&root.join("config/samples"), &crds)?;
     let mut files = vec![(
-        PathBuf::from(format!("bundle/manifests/{PROJECT}.clusterserviceversion.yaml")),
-        to_yaml(&csv(opts, &m, &metadata_dir, &crds, &samples)?)?,
+        PathBuf::from(format!("bundle/manifests/{}.clusterserviceversion.yaml", op.name)),
+        to_yaml(&csv(op, opts, &m, &metadata_dir, &crds, &samples)?)?,
     )];
     for crd in &crds {
         files.push((
@@ -378,7 +381,7 @@ pub fn all(root: &Path, opts: &Options) -> anyhow::Result<Vec<(PathBuf, String)>
             to_yaml(crd)?,
         ));
     }
-    let mut metrics = serde_json::to_value(manifests::metrics_service())?;
+    let mut metrics = serde_json::to_value(manifests::metrics_service(op))?;
     // OLM installs into the namespace the user picks.
     metrics["metadata"]
         .as_object_mut()
@@ -395,7 +398,7 @@ pub fn all(root: &Path, opts: &Options) -> anyhow::Result<Vec<(PathBuf, String)>
         (MEDIATYPE, "registry+v1".to_string()),
         (MANIFESTS, "manifests/".to_string()),
         (METADATA, "metadata/".to_string()),
-        (PACKAGE, PROJECT.to_string()),
+        (PACKAGE, op.name.to_string()),
         (CHANNELS, opts.channels.join(",")),
         (DEFAULT_CHANNEL, opts.default_channel.clone()),
     ]);

@@ -1,0 +1,399 @@
+//! The operator's command line, the same for every operator built on opkit: `run` starts the
+//! manager with the selected controllers; `crd`, `manifests` and `bundle` print or write what
+//! is generated from the [`Operator`]. An operator's `main` is one call to [`main`]; its own
+//! flags come in through `A` (`NoArgs` when it has none).
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::runtime::wait::{await_condition, conditions};
+use kube::{Api, Client, Config, ResourceExt};
+
+use crate::operator::Operator;
+use crate::{Manager, ManagerOptions, Scope, bundle, manifests};
+
+#[derive(Parser)]
+struct Cli<A: Args> {
+    #[command(subcommand)]
+    command: Command<A>,
+}
+
+/// Flags for an operator that has none of its own.
+#[derive(Args, Clone, Debug, Default)]
+pub struct NoArgs {}
+
+#[derive(Subcommand)]
+enum Command<A: Args> {
+    /// Run the controllers (the manager).
+    Run(Box<RunArgs<A>>),
+    /// Print every CRD as YAML (what `make install` applies).
+    Crd,
+    /// Write the generated manifests (CRDs, RBAC, manager, kustomizations) under a directory,
+    /// or check they are fresh.
+    Manifests {
+        /// The config directory.
+        #[arg(long, default_value = "config")]
+        dir: PathBuf,
+        /// Fail if a file would change instead of writing it.
+        #[arg(long)]
+        check: bool,
+        /// Confine the operator to these namespaces: `--namespace` in its Deployment and a
+        /// Role per namespace instead of a ClusterRole for the controllers (repeatable).
+        #[arg(long = "namespace", short = 'n')]
+        namespaces: Vec<String>,
+    },
+    /// Write the OLM bundle (`bundle/`, `bundle.Dockerfile`) from the generated manifests,
+    /// `config/manifests/metadata.yaml` and `config/samples`, or check it is fresh.
+    Bundle(BundleArgs),
+}
+
+#[derive(clap::Args)]
+struct BundleArgs {
+    /// The operator's version (semver; default: the operator's own).
+    #[arg(long)]
+    version: Option<String>,
+    /// Channels, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "candidate")]
+    channels: Vec<String>,
+    /// Default channel (default: the first of --channels).
+    #[arg(long)]
+    default_channel: Option<String>,
+    /// Operator image (default: <name>:v<version>).
+    #[arg(long)]
+    image: Option<String>,
+    /// Repository root: reads `config/`, writes `bundle/` and `bundle.Dockerfile`.
+    #[arg(long, default_value = ".")]
+    root: PathBuf,
+    /// Regenerate the existing bundle with its own version, channels and image and fail if a
+    /// file would change, instead of writing.
+    #[arg(long)]
+    check: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(clap::Args)]
+struct RunArgs<A: Args> {
+    /// Controllers to run, comma-separated (default: all).
+    #[arg(long, value_delimiter = ',')]
+    controllers: Vec<String>,
+    /// Watch only this namespace (repeatable); all namespaces when absent.
+    #[arg(long = "namespace", short = 'n')]
+    namespaces: Vec<String>,
+    /// Where to serve Prometheus metrics; "0" disables.
+    #[arg(long, default_value = "0.0.0.0:8080")]
+    metrics_bind_address: String,
+    /// Where to serve /healthz and /readyz; "0" disables.
+    #[arg(long, default_value = "0.0.0.0:8081")]
+    health_probe_bind_address: String,
+    /// Reconciles running at once, per controller over all its namespaces (0: no limit).
+    #[arg(long, default_value_t = crate::DEFAULT_CONCURRENCY)]
+    concurrency: u16,
+    /// Kubeconfig file (in-cluster config, then $KUBECONFIG, when absent).
+    #[arg(long)]
+    kubeconfig: Option<PathBuf>,
+    /// Kubeconfig context.
+    #[arg(long)]
+    context: Option<String>,
+    /// Log format.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+    /// Seconds in-flight reconciles get to finish after SIGTERM.
+    #[arg(long, default_value_t = 30)]
+    shutdown_timeout: u64,
+    /// Run controllers only while holding a Lease, so that one of several replicas reconciles.
+    #[arg(long)]
+    leader_elect: bool,
+    /// Name of the leader-election Lease (default: `<name>-leader`).
+    #[arg(long)]
+    leader_election_id: Option<String>,
+    /// Namespace of the Lease (default: the Pod's namespace in a cluster, else `default`).
+    #[arg(long)]
+    leader_election_namespace: Option<String>,
+    /// Seconds a Lease stays valid without renewal (a standby takes over after a crash).
+    #[arg(long, default_value_t = 15)]
+    leader_elect_lease_duration: u64,
+    /// Seconds a leader keeps trying to renew before it gives up and exits.
+    #[arg(long, default_value_t = 10)]
+    leader_elect_renew_deadline: u64,
+    /// Seconds between renewals.
+    #[arg(long, default_value_t = 2)]
+    leader_elect_retry_period: u64,
+    /// Where to serve the admission webhooks (HTTPS); "0" disables them.
+    #[arg(long, default_value = "0")]
+    webhook_bind_address: String,
+    /// Directory with `tls.crt`, `tls.key` (and `ca.crt`), e.g. a cert-manager Secret; reloaded
+    /// when they change. Without it a self-signed certificate is made at start.
+    #[arg(long)]
+    webhook_cert_dir: Option<PathBuf>,
+    /// Base URL the apiserver uses to reach the webhooks when opkit runs outside the cluster
+    /// (e.g. `https://127.0.0.1:9443`); in a cluster, the Service `<name>-webhook-service`.
+    #[arg(long)]
+    webhook_url: Option<String>,
+    /// Write the webhook configurations (and their CA bundle) at start; `false` when OLM or
+    /// another tool owns them.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    manage_webhook_configurations: bool,
+    #[command(flatten)]
+    operator: A,
+}
+
+/// The namespace this process runs in, when it runs in a Pod.
+fn own_namespace() -> Option<String> {
+    std::env::var("POD_NAMESPACE").ok().or_else(|| {
+        std::fs::read_to_string("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+            .ok()
+            .map(|s| s.trim().to_string())
+    })
+}
+
+fn leader_election<A: Args>(
+    args: &RunArgs<A>,
+    default_id: String,
+) -> anyhow::Result<Option<crate::leader::LeaderElectionConfig>> {
+    if !args.leader_elect {
+        return Ok(None);
+    }
+    let (lease, renew, retry) = (
+        args.leader_elect_lease_duration,
+        args.leader_elect_renew_deadline,
+        args.leader_elect_retry_period,
+    );
+    if !(retry < renew && renew < lease) {
+        bail!(
+            "leader election needs retry period < renew deadline < lease duration, got {retry}s, {renew}s, {lease}s"
+        );
+    }
+    let ns = args
+        .leader_election_namespace
+        .clone()
+        .or_else(own_namespace)
+        .unwrap_or_else(|| "default".into());
+    let id = args.leader_election_id.clone().unwrap_or(default_id);
+    let mut cfg = crate::leader::LeaderElectionConfig::new(ns, id);
+    cfg.lease_duration = Duration::from_secs(lease);
+    cfg.renew_deadline = Duration::from_secs(renew);
+    cfg.retry_period = Duration::from_secs(retry);
+    Ok(Some(cfg))
+}
+
+fn addr(s: &str, what: &str) -> anyhow::Result<Option<SocketAddr>> {
+    if s == "0" || s.is_empty() {
+        return Ok(None);
+    }
+    let s = if s.starts_with(':') {
+        format!("0.0.0.0{s}")
+    } else {
+        s.to_string()
+    };
+    Ok(Some(
+        s.parse()
+            .with_context(|| format!("--{what}: not an address: {s}"))?,
+    ))
+}
+
+async fn client_config<A: Args>(args: &RunArgs<A>) -> anyhow::Result<Config> {
+    let opts = KubeConfigOptions {
+        context: args.context.clone(),
+        ..Default::default()
+    };
+    Ok(match &args.kubeconfig {
+        Some(path) => Config::from_custom_kubeconfig(Kubeconfig::read_from(path)?, &opts).await?,
+        None if args.context.is_some() => Config::from_kubeconfig(&opts).await?,
+        None => Config::infer().await?,
+    })
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,kube_runtime=warn,kube_client=warn"));
+    let b = tracing_subscriber::fmt().with_env_filter(filter);
+    match format {
+        LogFormat::Json => b.json().init(),
+        LogFormat::Text => b.init(),
+    }
+}
+
+/// Waits until the operator's CRDs are Established, so the controllers' first list does not fail.
+async fn wait_for_crds(client: &Client, names: &[String]) -> anyhow::Result<()> {
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    for name in names {
+        let established = await_condition(crds.clone(), name, conditions::is_crd_established());
+        match tokio::time::timeout(Duration::from_secs(60), established).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => bail!("waiting for CRD {name}: {e}"),
+            Err(_) => bail!(
+                "CRD {name} is not installed or not established (run `make install`, or `crd` piped to `kubectl apply -f -`)"
+            ),
+        }
+    }
+    Ok(())
+}
+
+async fn run<S, A: Args>(
+    op: &Operator<S>,
+    args: RunArgs<A>,
+    settings: impl FnOnce(&A) -> S,
+) -> anyhow::Result<()> {
+    init_logging(args.log_format);
+    let registry = &op.registry;
+    let wanted = if args.controllers.is_empty() {
+        registry.names().iter().map(|s| s.to_string()).collect()
+    } else {
+        args.controllers.clone()
+    };
+    let selected = registry.select(&wanted).map_err(anyhow::Error::msg)?;
+    let opts = ManagerOptions {
+        metrics_addr: addr(&args.metrics_bind_address, "metrics-bind-address")?,
+        health_addr: addr(&args.health_probe_bind_address, "health-probe-bind-address")?,
+        shutdown_timeout: Duration::from_secs(args.shutdown_timeout),
+        handle_signals: true,
+        leader_election: leader_election(&args, op.lease())?,
+    };
+    let client = Client::try_from(client_config(&args).await?)?;
+    let scope = Scope::namespaces(args.namespaces.clone());
+    let mut manager = Manager::new(client.clone())
+        .with_scope(scope.clone())
+        .with_concurrency(args.concurrency);
+    let settings = settings(&args.operator);
+    for r in &selected {
+        (r.add)(&mut manager, &settings);
+    }
+    let crds: Vec<String> = crate::registry::crds(&selected)
+        .iter()
+        .map(|c| c.name_any())
+        .collect();
+    wait_for_crds(&client, &crds).await?;
+    if let Some(bind) = addr(&args.webhook_bind_address, "webhook-bind-address")? {
+        // Every kind's admission rules, whichever controllers run here: the configurations are
+        // shared by all replicas and must not depend on one process's `--controllers`.
+        let hooks = registry.webhooks(&client);
+        let webhook_opts = crate::webhook::WebhookOptions {
+            project: op.name,
+            bind,
+            cert_dir: args.webhook_cert_dir.clone(),
+            url: args.webhook_url.clone(),
+            namespace: own_namespace().unwrap_or_else(|| op.namespace()),
+            configure: args.manage_webhook_configurations,
+        };
+        crate::webhook::start(&client, &hooks, &webhook_opts, manager.shutdown_token()).await?;
+    }
+    tracing::info!(controllers = ?wanted, namespaces = ?scope.list(), "{} starting", op.name);
+    manager.run(opts).await?;
+    Ok(())
+}
+
+fn write_manifests<S>(
+    op: &Operator<S>,
+    dir: &Path,
+    check: bool,
+    namespaces: &[String],
+) -> anyhow::Result<()> {
+    let mut stale = Vec::new();
+    for (rel, content) in manifests::all(op, namespaces)? {
+        let path = dir.join(&rel);
+        if std::fs::read_to_string(&path).ok().as_deref() == Some(content.as_str()) {
+            continue;
+        }
+        if check {
+            stale.push(rel);
+        } else {
+            std::fs::create_dir_all(path.parent().unwrap_or(dir))?;
+            std::fs::write(&path, content)?;
+            println!("wrote {}", path.display());
+        }
+    }
+    if !stale.is_empty() {
+        bail!(
+            "generated manifests are stale (run `make manifests`): {}",
+            stale.join(", ")
+        );
+    }
+    Ok(())
+}
+
+fn write_bundle<S>(op: &Operator<S>, args: BundleArgs) -> anyhow::Result<()> {
+    let opts = if args.check {
+        bundle::Options::of_bundle(op.name, &args.root.join("bundle"))?
+    } else {
+        let version = args.version.unwrap_or_else(|| op.version.to_string());
+        bundle::Options {
+            default_channel: args
+                .default_channel
+                .unwrap_or_else(|| args.channels.first().cloned().unwrap_or_default()),
+            image: args.image.unwrap_or_else(|| op.image_for(&version)),
+            version,
+            channels: args.channels,
+        }
+    };
+    let mut stale = Vec::new();
+    let files = bundle::all(op, &args.root, &opts)?;
+    for (rel, content) in &files {
+        let path = args.root.join(rel);
+        if std::fs::read_to_string(&path).ok().as_deref() == Some(content.as_str()) {
+            continue;
+        }
+        if args.check {
+            stale.push(rel.display().to_string());
+        } else {
+            std::fs::create_dir_all(path.parent().unwrap_or(&args.root))?;
+            std::fs::write(&path, content)?;
+            println!("wrote {}", path.display());
+        }
+    }
+    // A kind removed from the registry must not leave its CRD behind in the bundle.
+    let manifests_dir = args.root.join("bundle/manifests");
+    for entry in std::fs::read_dir(&manifests_dir).into_iter().flatten().flatten() {
+        let rel = Path::new("bundle/manifests").join(entry.file_name());
+        if files.iter().any(|(r, _)| *r == rel) {
+            continue;
+        }
+        if args.check {
+            stale.push(rel.display().to_string());
+        } else {
+            std::fs::remove_file(entry.path())?;
+            println!("removed {}", entry.path().display());
+        }
+    }
+    if !stale.is_empty() {
+        bail!("the bundle is stale (run `make bundle`): {}", stale.join(", "));
+    }
+    Ok(())
+}
+
+/// Parses the command line and runs the command: the whole `main` of an operator. `settings`
+/// turns the operator's own flags (`A`) into what its controllers are added with.
+pub fn main<S, A: Args>(op: Operator<S>, settings: impl FnOnce(&A) -> S) -> anyhow::Result<()> {
+    let command = Cli::<A>::command()
+        .name(op.name)
+        .bin_name(op.name)
+        .version(op.version)
+        .about(op.about);
+    let cli = Cli::<A>::from_arg_matches(&command.get_matches()).map_err(|e| e.exit())?;
+    // Every command needs the runtime: even generating manifests builds an (offline) client.
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let _guard = runtime.enter();
+    match cli.command {
+        Command::Run(args) => runtime.block_on(run(&op, *args, settings)),
+        Command::Crd => {
+            for crd in op.registry.crds() {
+                print!("---\n{}", serde_yaml::to_string(&crd)?);
+            }
+            Ok(())
+        }
+        Command::Manifests {
+            dir,
+            check,
+            namespaces,
+        } => write_manifests(&op, &dir, check, &namespaces),
+        Command::Bundle(args) => write_bundle(&op, args),
+    }
+}
