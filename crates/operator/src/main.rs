@@ -1,5 +1,6 @@
-//! `opkit`: the operator binary of this repository (Memcached, At, Eru, Foo). Its command line
-//! is opkit's own ([`opkit::cli`]) plus `--memcached-image`.
+//! `opkit`: the operator binary of this repository (Memcached, At, Eru, Foo), with opkit's
+//! command line ([`opkit::cli`]) plus `--memcached-image`, and the scaffolding commands that
+//! start a new operator (`opkit init`, `opkit create api`, `opkit create webhook`).
 use opkit_controllers::{Settings, memcached, operator};
 
 /// The flags only this operator has.
@@ -11,7 +12,11 @@ struct Flags {
 }
 
 fn main() -> anyhow::Result<()> {
-    opkit::cli::main(operator(), |f: &Flags| Settings {
-        memcached_image: f.memcached_image.clone(),
-    })
+    opkit::cli::main_with(
+        operator(),
+        |f: &Flags| Settings {
+            memcached_image: f.memcached_image.clone(),
+        },
+        opkit_scaffold::run,
+    )
 }

@@ -17,17 +17,45 @@ use crate::operator::Operator;
 use crate::{Manager, ManagerOptions, Scope, bundle, manifests};
 
 #[derive(Parser)]
-struct Cli<A: Args> {
+struct Cli<A: Args, X: Subcommand> {
     #[command(subcommand)]
-    command: Command<A>,
+    command: Command<A, X>,
 }
 
 /// Flags for an operator that has none of its own.
 #[derive(Args, Clone, Debug, Default)]
 pub struct NoArgs {}
 
+/// Commands for an operator that adds none of its own.
+#[derive(Clone, Copy, Debug)]
+pub enum NoCommands {}
+
+impl FromArgMatches for NoCommands {
+    fn from_arg_matches(_: &clap::ArgMatches) -> Result<Self, clap::Error> {
+        Err(clap::Error::new(clap::error::ErrorKind::InvalidSubcommand))
+    }
+
+    fn update_from_arg_matches(&mut self, _: &clap::ArgMatches) -> Result<(), clap::Error> {
+        match *self {}
+    }
+}
+
+impl Subcommand for NoCommands {
+    fn augment_subcommands(cmd: clap::Command) -> clap::Command {
+        cmd
+    }
+
+    fn augment_subcommands_for_update(cmd: clap::Command) -> clap::Command {
+        cmd
+    }
+
+    fn has_subcommand(_: &str) -> bool {
+        false
+    }
+}
+
 #[derive(Subcommand)]
-enum Command<A: Args> {
+enum Command<A: Args, X: Subcommand> {
     /// Run the controllers (the manager).
     Run(Box<RunArgs<A>>),
     /// Print every CRD as YAML (what `make install` applies).
@@ -49,6 +77,8 @@ enum Command<A: Args> {
     /// Write the OLM bundle (`bundle/`, `bundle.Dockerfile`) from the generated manifests,
     /// `config/manifests/metadata.yaml` and `config/samples`, or check it is fresh.
     Bundle(BundleArgs),
+    #[command(flatten)]
+    Extra(X),
 }
 
 #[derive(clap::Args)]
@@ -372,12 +402,21 @@ fn write_bundle<S>(op: &Operator<S>, args: BundleArgs) -> anyhow::Result<()> {
 /// Parses the command line and runs the command: the whole `main` of an operator. `settings`
 /// turns the operator's own flags (`A`) into what its controllers are added with.
 pub fn main<S, A: Args>(op: Operator<S>, settings: impl FnOnce(&A) -> S) -> anyhow::Result<()> {
-    let command = Cli::<A>::command()
+    main_with::<S, A, NoCommands>(op, settings, |never| match never {})
+}
+
+/// [`main`] with the operator's own subcommands `X`, run by `extra`.
+pub fn main_with<S, A: Args, X: Subcommand>(
+    op: Operator<S>,
+    settings: impl FnOnce(&A) -> S,
+    extra: impl FnOnce(X) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    let command = Cli::<A, X>::command()
         .name(op.name)
         .bin_name(op.name)
         .version(op.version)
         .about(op.about);
-    let cli = Cli::<A>::from_arg_matches(&command.get_matches()).map_err(|e| e.exit())?;
+    let cli = Cli::<A, X>::from_arg_matches(&command.get_matches()).map_err(|e| e.exit())?;
     // Every command needs the runtime: even generating manifests builds an (offline) client.
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let _guard = runtime.enter();
@@ -395,5 +434,6 @@ pub fn main<S, A: Args>(op: Operator<S>, settings: impl FnOnce(&A) -> S) -> anyh
             namespaces,
         } => write_manifests(&op, &dir, check, &namespaces),
         Command::Bundle(args) => write_bundle(&op, args),
+        Command::Extra(x) => extra(x),
     }
 }

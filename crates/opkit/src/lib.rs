@@ -30,7 +30,7 @@ mod server;
 pub mod webhook;
 
 pub use manager::{DEFAULT_CONCURRENCY, Manager, ManagerOptions};
-pub use operator::Operator;
+pub use operator::{Operator, Running};
 pub use reconciler::{Child, Event, Invalid, Plan, Reconciler, Requeue};
 pub use registry::{Registration, Registry};
 pub use runtime::{Cache, Watch, Watchable, Watches};

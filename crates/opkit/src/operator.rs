@@ -44,3 +44,81 @@ impl<S> Operator<S> {
         format!("{}-leader", self.name)
     }
 }
+
+/// The operator's controllers running inside this process (what a controller test starts);
+/// they stop when this is dropped.
+pub struct Running {
+    stop: tokio_util::sync::CancellationToken,
+    metrics: crate::metrics::Metrics,
+    handle: Option<tokio::task::JoinHandle<Result<(), crate::manager::ManagerError>>>,
+}
+
+impl Running {
+    /// The metrics every controller of this run reports to.
+    pub fn metrics(&self) -> &crate::metrics::Metrics {
+        &self.metrics
+    }
+
+    /// Stops the controllers gracefully and returns how the manager ended.
+    pub async fn stop(mut self) -> anyhow::Result<()> {
+        self.stop.cancel();
+        match self.handle.take() {
+            Some(h) => Ok(h.await??),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.stop.cancel();
+        if let Some(h) = self.handle.take() {
+            h.abort();
+        }
+    }
+}
+
+impl<S> Operator<S> {
+    /// Applies every CRD of the operator (server-side, forced) and waits until each is
+    /// Established, so objects of them can be created right after.
+    pub async fn install_crds(&self, client: &kube::Client) -> anyhow::Result<()> {
+        use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+        use kube::api::{Api, Patch, PatchParams};
+        use kube::runtime::wait::{await_condition, conditions};
+        let api: Api<CustomResourceDefinition> = Api::all(client.clone());
+        for crd in self.registry.crds() {
+            let name = kube::ResourceExt::name_any(&crd);
+            api.patch(
+                &name,
+                &PatchParams::apply(&format!("{}-install", self.name)).force(),
+                &Patch::Apply(&crd),
+            )
+            .await?;
+            let established = await_condition(api.clone(), &name, conditions::is_crd_established());
+            tokio::time::timeout(std::time::Duration::from_secs(60), established)
+                .await
+                .map_err(|_| anyhow::anyhow!("CRD {name} was not Established within 60 s"))??;
+        }
+        Ok(())
+    }
+
+    /// Runs every controller in this process, confined to `scope`, without leader election or
+    /// signal handling: what a controller test needs. Install the CRDs first.
+    pub fn spawn(&self, client: kube::Client, scope: crate::Scope, settings: &S) -> Running {
+        let mut manager = crate::Manager::new(client).with_scope(scope);
+        for r in self.registry.all() {
+            (r.add)(&mut manager, settings);
+        }
+        let stop = manager.shutdown_token();
+        let metrics = manager.metrics().clone();
+        let opts = crate::ManagerOptions {
+            handle_signals: false,
+            ..Default::default()
+        };
+        Running {
+            stop,
+            metrics,
+            handle: Some(tokio::spawn(manager.run(opts))),
+        }
+    }
+}

@@ -5,6 +5,7 @@
 //! `make testenv-up` when `KUBECONFIG` points at it) and [`TestNamespace`] for isolation.
 
 mod binaries;
+pub mod cli;
 mod cluster;
 mod harness;
 mod pki;

@@ -1,0 +1,753 @@
+//! `opkit init`, `opkit create api` and `opkit create webhook`: a new operator on opkit in a few
+//! commands, laid out like opkit's own repository (types crate, controllers crate, operator
+//! binary, `config/`, the same Makefile targets).
+//!
+//! Commands are safe to re-run: a file that exists is never overwritten (it is reported as
+//! skipped), code is added to existing files only at `// +opkit:scaffold:` markers and only
+//! once, and the `PROJECT` file records what was scaffolded so a repeated `create api` is
+//! refused with a clear message.
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, bail, ensure};
+use serde::{Deserialize, Serialize};
+
+mod names;
+pub use names::{Resource, plural};
+
+/// The version of the opkit crates a new project depends on.
+pub const OPKIT_VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// The scaffolding commands, for an operator binary to offer next to its own.
+#[derive(clap::Subcommand, Debug)]
+pub enum Command {
+    /// Start a new operator project in the current (empty) directory.
+    Init(InitArgs),
+    /// Add an API (types, controller, sample, test) or a webhook to the project.
+    #[command(subcommand)]
+    Create(Create),
+}
+
+/// `opkit init`.
+#[derive(clap::Args, Debug)]
+pub struct InitArgs {
+    /// The domain of the project's API groups (`--group webapp` → `webapp.<domain>`).
+    #[arg(long)]
+    pub domain: String,
+    /// The project's name, a DNS label (default: the directory's name).
+    #[arg(long)]
+    pub project_name: Option<String>,
+    /// An opkit checkout to build against instead of the crate registry (default: the checkout
+    /// this binary was built from, when it still exists; `-` for none).
+    #[arg(long)]
+    pub opkit_path: Option<PathBuf>,
+    /// The project directory.
+    #[arg(long, default_value = ".")]
+    pub dir: PathBuf,
+}
+
+/// `opkit create ...`.
+#[derive(clap::Subcommand, Debug)]
+pub enum Create {
+    /// Add a kind (or a version of one): types, CRD, controller, registry entry, RBAC, sample
+    /// and a controller test.
+    Api(ApiArgs),
+    /// Add admission webhooks for a kind: handlers wired into the operator and its webhook
+    /// configurations.
+    Webhook(WebhookArgs),
+}
+
+/// `opkit create api`.
+#[derive(clap::Args, Debug)]
+pub struct ApiArgs {
+    #[command(flatten)]
+    pub gvk: Gvk,
+    /// Objects of the kind live in namespaces (false: cluster-scoped).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub namespaced: bool,
+    /// Generate the types and the CRD.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub resource: bool,
+    /// Generate a controller.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub controller: bool,
+    /// The project directory.
+    #[arg(long, default_value = ".")]
+    pub dir: PathBuf,
+}
+
+/// `opkit create webhook`.
+#[derive(clap::Args, Debug)]
+pub struct WebhookArgs {
+    #[command(flatten)]
+    pub gvk: Gvk,
+    /// A mutating webhook that fills in defaults.
+    #[arg(long)]
+    pub defaulting: bool,
+    /// A validating webhook with checks written in Rust.
+    #[arg(long)]
+    pub programmatic_validation: bool,
+    /// The project directory.
+    #[arg(long, default_value = ".")]
+    pub dir: PathBuf,
+}
+
+/// Group, version and kind, as Kubebuilder takes them.
+#[derive(clap::Args, Debug, Clone)]
+pub struct Gvk {
+    /// The API group without the domain, e.g. `webapp`.
+    #[arg(long)]
+    pub group: String,
+    /// The version, e.g. `v1`, `v1alpha1`.
+    #[arg(long)]
+    pub version: String,
+    /// The kind, in UpperCamelCase, e.g. `Guestbook`.
+    #[arg(long)]
+    pub kind: String,
+}
+
+/// Runs one scaffolding command and prints what it did.
+pub fn run(command: Command) -> anyhow::Result<()> {
+    let report = match command {
+        Command::Init(args) => init(&args)?,
+        Command::Create(Create::Api(args)) => create_api(&args)?,
+        Command::Create(Create::Webhook(args)) => create_webhook(&args)?,
+    };
+    print!("{report}");
+    Ok(())
+}
+
+/// The `PROJECT` file: what was scaffolded, read by every later command.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Project {
+    /// The scaffold layout, so a future opkit can tell old projects apart.
+    pub layout: String,
+    pub domain: String,
+    pub project_name: String,
+    #[serde(default)]
+    pub resources: Vec<ResourceEntry>,
+}
+
+/// One scaffolded group/version/kind.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ResourceEntry {
+    pub group: String,
+    pub version: String,
+    pub kind: String,
+    pub namespaced: bool,
+    pub controller: bool,
+    #[serde(default)]
+    pub defaulting: bool,
+    #[serde(default)]
+    pub validation: bool,
+}
+
+const LAYOUT: &str = "opkit.dev/v1";
+const PROJECT_HEADER: &str =
+    "# Written by `opkit init` and `opkit create`, read by them to know the layout. Edit with care.\n";
+
+impl Project {
+    fn load(dir: &Path) -> anyhow::Result<Project> {
+        let path = dir.join("PROJECT");
+        let text = std::fs::read_to_string(&path).with_context(|| {
+            format!(
+                "{} has no PROJECT file: run `opkit init --domain <domain>` there first",
+                dir.display()
+            )
+        })?;
+        let p: Project =
+            serde_yaml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+        ensure!(
+            p.layout == LAYOUT,
+            "{}: layout {:?} is not {LAYOUT:?}, which this opkit scaffolds",
+            path.display(),
+            p.layout
+        );
+        Ok(p)
+    }
+
+    fn save(&self, dir: &Path) -> anyhow::Result<()> {
+        std::fs::write(
+            dir.join("PROJECT"),
+            format!("{PROJECT_HEADER}{}", serde_yaml::to_string(self)?),
+        )?;
+        Ok(())
+    }
+
+    fn find(&self, r: &Resource) -> Option<usize> {
+        self.resources
+            .iter()
+            .position(|e| e.group == r.group && e.version == r.version && e.kind == r.kind)
+    }
+}
+
+/// What a command did to each file, printed for the user.
+#[derive(Debug, Default)]
+pub struct Report {
+    lines: Vec<String>,
+    /// Files created or changed (and so formatted).
+    touched: Vec<PathBuf>,
+    notes: Vec<String>,
+}
+
+impl std::fmt::Display for Report {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for l in self.lines.iter().chain(&self.notes) {
+            writeln!(f, "{l}")?;
+        }
+        Ok(())
+    }
+}
+
+impl Report {
+    /// Every line, for tests and callers.
+    pub fn lines(&self) -> &[String] {
+        &self.lines
+    }
+
+    /// Creates `rel` with `content` unless it exists; an existing file is left alone.
+    fn create(&mut self, root: &Path, rel: &str, content: &str) -> anyhow::Result<()> {
+        let path = root.join(rel);
+        match std::fs::read_to_string(&path) {
+            Ok(old) if old == content => self.lines.push(format!("unchanged {rel}")),
+            Ok(_) => self
+                .lines
+                .push(format!("skipped   {rel} (exists and differs; left as it is)")),
+            Err(_) if path.exists() => bail!("{} exists but cannot be read", path.display()),
+            Err(_) => {
+                if let Some(parent) = path.parent() {
+                    std::fs::create_dir_all(parent)?;
+                }
+                std::fs::write(&path, content)?;
+                self.lines.push(format!("created   {rel}"));
+                self.touched.push(path);
+            }
+        }
+        Ok(())
+    }
+
+    /// Inserts `snippet` before the line holding `marker` in `rel`, unless `already` (a string
+    /// unique to the snippet) is there. A missing marker is reported with what to add by hand.
+    fn insert(
+        &mut self,
+        root: &Path,
+        rel: &str,
+        marker: &str,
+        snippet: &str,
+        already: &str,
+    ) -> anyhow::Result<()> {
+        let path = root.join(rel);
+        let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+        if text.contains(already) {
+            self.lines
+                .push(format!("unchanged {rel} ({} is there)", already.trim()));
+            return Ok(());
+        }
+        let Some(at) = text
+            .find(marker)
+            .map(|i| text[..i].rfind('\n').map_or(0, |n| n + 1))
+        else {
+            self.notes.push(format!(
+                "note: {rel} has no `{marker}` line any more; add this yourself:\n{snippet}"
+            ));
+            self.lines.push(format!("skipped   {rel} (marker removed)"));
+            return Ok(());
+        };
+        let mut out = String::with_capacity(text.len() + snippet.len());
+        out.push_str(&text[..at]);
+        out.push_str(snippet);
+        out.push_str(&text[at..]);
+        std::fs::write(&path, out)?;
+        self.lines.push(format!("updated   {rel}"));
+        self.touched.push(path);
+        Ok(())
+    }
+
+    /// Replaces the line after `marker` in `rel` with `line`, unless `already` is in the file.
+    fn replace_after(
+        &mut self,
+        root: &Path,
+        rel: &str,
+        marker: &str,
+        line: &str,
+        already: &str,
+    ) -> anyhow::Result<()> {
+        let path = root.join(rel);
+        let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+        if text.contains(already) {
+            self.lines.push(format!("unchanged {rel} ({already} is there)"));
+            return Ok(());
+        }
+        let mut lines: Vec<&str> = text.split_inclusive('\n').collect();
+        let Some(i) = lines
+            .iter()
+            .position(|l| l.contains(marker))
+            .filter(|i| i + 1 < lines.len())
+        else {
+            self.notes.push(format!(
+                "note: {rel} has no `{marker}` line any more; set `{line}` yourself"
+            ));
+            self.lines.push(format!("skipped   {rel} (marker removed)"));
+            return Ok(());
+        };
+        let indent: String = lines[i].chars().take_while(|c| c.is_whitespace()).collect();
+        let new = format!("{indent}{line}\n");
+        lines[i + 1] = &new;
+        std::fs::write(&path, lines.concat())?;
+        self.lines.push(format!("updated   {rel}"));
+        self.touched.push(path);
+        Ok(())
+    }
+
+    /// Formats the Rust files this command wrote, so the project stays `cargo fmt` clean. Done
+    /// with rustfmt itself, file by file: files the command did not touch are not reformatted.
+    fn format(&mut self) {
+        let files: Vec<&PathBuf> = self
+            .touched
+            .iter()
+            .filter(|p| p.extension().is_some_and(|e| e == "rs"))
+            .collect();
+        if files.is_empty() {
+            return;
+        }
+        let status = std::process::Command::new("rustfmt")
+            .args(["--edition", "2024"])
+            .args(&files)
+            .status();
+        if !status.is_ok_and(|s| s.success()) {
+            self.notes
+                .push("note: rustfmt did not run; `cargo fmt --all` formats the new code".into());
+        }
+    }
+}
+
+/// Fills `{{name}}` placeholders; a placeholder left unfilled is a bug in the template.
+fn render(template: &str, vars: &BTreeMap<&str, String>) -> String {
+    let mut out = template.to_string();
+    for (k, v) in vars {
+        out = out.replace(&format!("{{{{{k}}}}}"), v);
+    }
+    debug_assert!(
+        !out.contains("{{project") && !out.contains("{{kind"),
+        "unfilled: {out}"
+    );
+    out
+}
+
+fn is_dns_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+        && s.as_bytes()[0].is_ascii_lowercase()
+}
+
+/// Where this binary's opkit checkout is, if it is still there (a build from a clone).
+fn own_checkout() -> Option<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent()?.parent()?;
+    (root.join("crates/opkit/Cargo.toml").exists() && root.join("crates/testenv/Cargo.toml").exists())
+        .then(|| root.to_path_buf())
+}
+
+/// `opkit init`: a new workspace in `args.dir`.
+pub fn init(args: &InitArgs) -> anyhow::Result<Report> {
+    let dir = &args.dir;
+    std::fs::create_dir_all(dir)?;
+    let dir = dir.canonicalize()?;
+    if dir.join("PROJECT").exists() {
+        bail!(
+            "{} already has a PROJECT file: it is a project already",
+            dir.display()
+        );
+    }
+    let name = match &args.project_name {
+        Some(n) => n.clone(),
+        None => dir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .context("the directory has no name; pass --project-name")?
+            .to_string(),
+    };
+    ensure!(
+        is_dns_label(&name),
+        "project name {name:?} must be a DNS label (lowercase letters, digits and '-', starting with a letter); pass --project-name"
+    );
+    ensure!(
+        names::is_domain(&args.domain),
+        "--domain {:?} must be a DNS subdomain such as my.domain",
+        args.domain
+    );
+    let opkit_path = match &args.opkit_path {
+        Some(p) if p.as_os_str() == "-" => None,
+        Some(p) => Some(
+            p.canonicalize()
+                .with_context(|| format!("--opkit-path {}", p.display()))?,
+        ),
+        None => own_checkout(),
+    };
+    let patch = match &opkit_path {
+        Some(p) => format!(
+            "\n# opkit is not published yet: build against a local checkout.\n[patch.crates-io]\nopkit = {{ path = \"{0}/crates/opkit\" }}\nopkit-testenv = {{ path = \"{0}/crates/testenv\" }}\n",
+            p.display()
+        ),
+        None => String::new(),
+    };
+    let vars = BTreeMap::from([
+        ("project", name.clone()),
+        ("project_snake", name.replace('-', "_")),
+        ("domain", args.domain.clone()),
+        ("opkit_version", OPKIT_VERSION.to_string()),
+        ("patch", patch),
+    ]);
+    let mut r = Report::default();
+    let files: [(&str, &str); 12] = [
+        ("Cargo.toml", include_str!("../templates/Cargo.toml.tmpl")),
+        ("Makefile", include_str!("../templates/Makefile.tmpl")),
+        ("Dockerfile", include_str!("../templates/Dockerfile.tmpl")),
+        ("README.md", include_str!("../templates/README.md.tmpl")),
+        (".gitignore", include_str!("../templates/gitignore.tmpl")),
+        (
+            "crates/api/Cargo.toml",
+            include_str!("../templates/api.Cargo.toml.tmpl"),
+        ),
+        (
+            "crates/api/src/lib.rs",
+            include_str!("../templates/api.lib.rs.tmpl"),
+        ),
+        (
+            "crates/controllers/Cargo.toml",
+            include_str!("../templates/controllers.Cargo.toml.tmpl"),
+        ),
+        (
+            "crates/controllers/src/lib.rs",
+            include_str!("../templates/controllers.lib.rs.tmpl"),
+        ),
+        (
+            "crates/operator/Cargo.toml",
+            include_str!("../templates/operator.Cargo.toml.tmpl"),
+        ),
+        (
+            "crates/operator/src/main.rs",
+            include_str!("../templates/operator.main.rs.tmpl"),
+        ),
+        (
+            "crates/testenv/Cargo.toml",
+            include_str!("../templates/testenv.Cargo.toml.tmpl"),
+        ),
+    ];
+    for (rel, t) in files {
+        r.create(&dir, rel, &render(t, &vars))?;
+    }
+    r.create(
+        &dir,
+        "crates/testenv/src/main.rs",
+        &render(include_str!("../templates/testenv.main.rs.tmpl"), &vars),
+    )?;
+    // The versions opkit is tested with, when building against a checkout.
+    if let Some(lock) = opkit_path.map(|p| p.join("Cargo.lock")).filter(|l| l.exists()) {
+        r.create(&dir, "Cargo.lock", &std::fs::read_to_string(lock)?)?;
+    }
+    Project {
+        layout: LAYOUT.into(),
+        domain: args.domain.clone(),
+        project_name: name.clone(),
+        resources: Vec::new(),
+    }
+    .save(&dir)?;
+    r.lines.push("created   PROJECT".into());
+    // The config directory `make manifests` fills.
+    r.create(&dir, "config/samples/.gitkeep", "")?;
+    r.format();
+    r.notes.push(format!(
+        "next: opkit create api --group <group> --version <version> --kind <Kind>   (in {})",
+        dir.display()
+    ));
+    Ok(r)
+}
+
+fn vars_of(p: &Project, r: &Resource) -> BTreeMap<&'static str, String> {
+    BTreeMap::from([
+        ("project", p.project_name.clone()),
+        ("project_snake", p.project_name.replace('-', "_")),
+        ("domain", p.domain.clone()),
+        ("group", r.group.clone()),
+        ("group_domain", r.group_domain.clone()),
+        ("group_dashed", r.group_domain.replace('.', "-")),
+        ("version", r.version.clone()),
+        ("kind", r.kind.clone()),
+        ("kind_lower", r.kind.to_lowercase()),
+        ("kind_snake", r.kind_snake.clone()),
+        ("plural", r.plural.clone()),
+        ("module", r.module.clone()),
+    ])
+}
+
+/// `opkit create api`.
+pub fn create_api(args: &ApiArgs) -> anyhow::Result<Report> {
+    let dir = &args.dir;
+    let mut project = Project::load(dir)?;
+    let res = Resource::new(
+        &args.gvk.group,
+        &args.gvk.version,
+        &args.gvk.kind,
+        &project.domain,
+    )?;
+    ensure!(
+        args.resource || args.controller,
+        "--resource false --controller false leaves nothing to create"
+    );
+    ensure!(
+        args.namespaced || !args.controller,
+        "opkit controllers reconcile namespaced kinds; serve a cluster-scoped {} without one (--controller false)",
+        res.kind
+    );
+    if project.find(&res).is_some() {
+        bail!(
+            "{} {}/{} already exists in this project (see PROJECT); nothing was changed",
+            res.kind,
+            res.group_domain,
+            res.version
+        );
+    }
+    let existing = project
+        .resources
+        .iter()
+        .find(|e| e.group == res.group && e.kind == res.kind)
+        .cloned();
+    if let Some(e) = &existing {
+        ensure!(
+            e.namespaced == args.namespaced,
+            "{} is {} in {}; every version of a kind has the same scope",
+            res.kind,
+            if e.namespaced {
+                "namespaced"
+            } else {
+                "cluster-scoped"
+            },
+            e.version
+        );
+    }
+    let mut vars = vars_of(&project, &res);
+    vars.insert(
+        "namespaced_attr",
+        if args.namespaced {
+            "\n    namespaced,".into()
+        } else {
+            String::new()
+        },
+    );
+    let mut r = Report::default();
+    let module_dir = format!("crates/api/src/{}", res.module);
+    r.create(
+        dir,
+        &format!("{module_dir}/mod.rs"),
+        &render(include_str!("../templates/api.version.rs.tmpl"), &vars),
+    )?;
+    r.insert(
+        dir,
+        "crates/api/src/lib.rs",
+        "// +opkit:scaffold:modules",
+        &format!("pub mod {};\n", res.module),
+        &format!("pub mod {};", res.module),
+    )?;
+    r.create(
+        dir,
+        &format!("{module_dir}/{}.rs", res.kind_snake),
+        &render(include_str!("../templates/api.types.rs.tmpl"), &vars),
+    )?;
+    r.insert(
+        dir,
+        &format!("{module_dir}/mod.rs"),
+        "// +opkit:scaffold:kinds",
+        &format!("mod {0};\npub use {0}::*;\n", res.kind_snake),
+        &format!("mod {};", res.kind_snake),
+    )?;
+    match &existing {
+        // A new version of a known kind: served next to the others; the first stays stored.
+        Some(_) => r.insert(
+            dir,
+            "crates/api/src/lib.rs",
+            &format!("// +opkit:scaffold:versions:{}:{}", res.group, res.kind),
+            &format!("        {}::{}::crd(),\n", res.module, res.kind),
+            &format!("{}::{}::crd()", res.module, res.kind),
+        )?,
+        None => {
+            r.insert(
+                dir,
+                "crates/api/src/lib.rs",
+                "// +opkit:scaffold:kinds",
+                &render(include_str!("../templates/api.kind-crd.rs.tmpl"), &vars),
+                &format!("fn {}_crd()", res.kind_snake),
+            )?;
+            r.insert(
+                dir,
+                "crates/api/src/lib.rs",
+                "// +opkit:scaffold:crds",
+                &format!("        {}_crd(),\n", res.kind_snake),
+                &format!("{}_crd(),", res.kind_snake),
+            )?;
+            let (module, registration) = if args.controller {
+                r.create(
+                    dir,
+                    &format!("crates/controllers/src/{}.rs", res.kind_snake),
+                    &render(include_str!("../templates/controller.rs.tmpl"), &vars),
+                )?;
+                r.create(
+                    dir,
+                    &format!("crates/controllers/tests/{}.rs", res.kind_snake),
+                    &render(include_str!("../templates/controller-test.rs.tmpl"), &vars),
+                )?;
+                (
+                    Some(format!("pub mod {};\n", res.kind_snake)),
+                    include_str!("../templates/registration.rs.tmpl"),
+                )
+            } else {
+                (None, include_str!("../templates/registration-crd-only.rs.tmpl"))
+            };
+            if let Some(m) = module {
+                r.insert(
+                    dir,
+                    "crates/controllers/src/lib.rs",
+                    "// +opkit:scaffold:modules",
+                    &m,
+                    m.trim(),
+                )?;
+            }
+            r.insert(
+                dir,
+                "crates/controllers/src/lib.rs",
+                "// +opkit:scaffold:registrations",
+                &render(registration, &vars),
+                &format!("{}_crd()]", res.kind_snake),
+            )?;
+        }
+    }
+    r.create(
+        dir,
+        &format!(
+            "config/samples/{}_{}_{}.yaml",
+            res.group,
+            res.version,
+            res.kind.to_lowercase()
+        ),
+        &render(include_str!("../templates/sample.yaml.tmpl"), &vars),
+    )?;
+    project.resources.push(ResourceEntry {
+        group: res.group.clone(),
+        version: res.version.clone(),
+        kind: res.kind.clone(),
+        namespaced: args.namespaced,
+        controller: args.controller && existing.is_none(),
+        defaulting: false,
+        validation: false,
+    });
+    project.save(dir)?;
+    r.lines.push("updated   PROJECT".into());
+    r.format();
+    let mut next = String::from("next: edit the types");
+    if args.controller && existing.is_none() {
+        let _ = write!(next, " and crates/controllers/src/{}.rs", res.kind_snake);
+    }
+    next.push_str(", then `make manifests` and `make test`");
+    r.notes.push(next);
+    Ok(r)
+}
+
+/// `opkit create webhook`.
+pub fn create_webhook(args: &WebhookArgs) -> anyhow::Result<Report> {
+    let dir = &args.dir;
+    let mut project = Project::load(dir)?;
+    let res = Resource::new(
+        &args.gvk.group,
+        &args.gvk.version,
+        &args.gvk.kind,
+        &project.domain,
+    )?;
+    ensure!(
+        args.defaulting || args.programmatic_validation,
+        "say which webhooks: --defaulting and/or --programmatic-validation"
+    );
+    let Some(i) = project.find(&res) else {
+        bail!(
+            "{} {}/{} is not in this project: run `opkit create api` for it first",
+            res.kind,
+            res.group_domain,
+            res.version
+        );
+    };
+    let entry = &project.resources[i];
+    if (entry.defaulting || !args.defaulting) && (entry.validation || !args.programmatic_validation) {
+        bail!(
+            "{} {}/{} already has these webhooks (see PROJECT); nothing was changed",
+            res.kind,
+            res.group_domain,
+            res.version
+        );
+    }
+    ensure!(
+        !(entry.defaulting || entry.validation),
+        "{} already has webhooks in crates/controllers/src/{}_webhook.rs; add the others there by hand",
+        res.kind,
+        res.kind_snake
+    );
+    let vars = vars_of(&project, &res);
+    let (mut chain, mut handlers) = (String::new(), String::new());
+    if args.defaulting {
+        chain.push_str(&render(
+            include_str!("../templates/webhook-chain-defaulting.rs.tmpl"),
+            &vars,
+        ));
+        handlers.push_str(&render(
+            include_str!("../templates/webhook-defaulting.rs.tmpl"),
+            &vars,
+        ));
+    }
+    if args.programmatic_validation {
+        chain.push_str(&render(
+            include_str!("../templates/webhook-chain-validation.rs.tmpl"),
+            &vars,
+        ));
+        handlers.push_str(&render(
+            include_str!("../templates/webhook-validation.rs.tmpl"),
+            &vars,
+        ));
+    }
+    let mut vars = vars;
+    vars.insert("webhook_chain", chain.trim_end().to_string());
+    vars.insert("webhook_handlers", handlers);
+    let module = format!("{}_webhook", res.kind_snake);
+    let mut r = Report::default();
+    r.create(
+        dir,
+        &format!("crates/controllers/src/{module}.rs"),
+        &render(include_str!("../templates/webhook.rs.tmpl"), &vars),
+    )?;
+    r.insert(
+        dir,
+        "crates/controllers/src/lib.rs",
+        "// +opkit:scaffold:modules",
+        &format!("pub mod {module};\n"),
+        &format!("pub mod {module};"),
+    )?;
+    r.replace_after(
+        dir,
+        "crates/controllers/src/lib.rs",
+        &format!("// +opkit:scaffold:webhooks:{}", res.kind),
+        &format!("webhooks: {module}::webhooks,"),
+        &format!("{module}::webhooks"),
+    )?;
+    let entry = &mut project.resources[i];
+    entry.defaulting |= args.defaulting;
+    entry.validation |= args.programmatic_validation;
+    project.save(dir)?;
+    r.lines.push("updated   PROJECT".into());
+    r.format();
+    r.notes
+        .push("next: `make manifests` writes config/webhook; `make test`".into());
+    Ok(r)
+}
