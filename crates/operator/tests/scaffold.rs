@@ -1,0 +1,346 @@
+//! `opkit init` / `create api` / `create webhook` end to end: seed 001's Guestbook scaffolded in
+//! a temporary directory, then, inside the generated project, `make manifests`, `cargo fmt
+//! --check`, `cargo clippy -D warnings` and its own `make test` (its controller test converges
+//! the sample to `Available=True` on the local control plane); its operator binary then serves
+//! the scaffolded webhooks to the apiserver, and seed 000's CronTab (no controller) answers
+//! `kubectl get ct`.
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, anyhow, ensure};
+use opkit_testenv::{shared, wait_for};
+
+mod common;
+use common::{Running, free_port, kubectl, kubectl_stdin};
+
+/// Runs `opkit <args>` in `dir`; (succeeded, stdout + stderr).
+fn opkit_in(dir: &Path, args: &[&str]) -> anyhow::Result<(bool, String)> {
+    let out = Command::new(env!("CARGO_BIN_EXE_opkit"))
+        .args(args)
+        .current_dir(dir)
+        .env("RUST_BACKTRACE", "0")
+        .output()?;
+    Ok((
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    ))
+}
+
+fn opkit_ok(dir: &Path, args: &[&str]) -> anyhow::Result<String> {
+    let (ok, out) = opkit_in(dir, args)?;
+    ensure!(ok, "opkit {} failed:\n{out}", args.join(" "));
+    Ok(out)
+}
+
+/// The generated project's builds share one target directory across runs, outside this
+/// workspace's own (a nested cargo would wait for this one's lock).
+fn target_dir() -> PathBuf {
+    Path::new(env!("CARGO_TARGET_TMPDIR")).join("scaffold-target")
+}
+
+/// Runs a command of the generated project (`make ...`, `cargo ...`) in `dir`.
+fn project(dir: &Path, program: &str, args: &[&str]) -> anyhow::Result<String> {
+    let started = Instant::now();
+    let out = Command::new(program)
+        .args(args)
+        .current_dir(dir)
+        .env("CARGO_TARGET_DIR", target_dir())
+        .env("OPKIT_TESTENV_KUBECONFIG", shared().kubeconfig())
+        .env("KUBECONFIG", shared().kubeconfig())
+        .env_remove("CARGO_MANIFEST_DIR")
+        .env_remove("RUSTFLAGS")
+        .stdin(Stdio::null())
+        .output()?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    ensure!(
+        out.status.success(),
+        "`{program} {}` failed in the generated project:\n{text}",
+        args.join(" ")
+    );
+    eprintln!(
+        "`{program} {}`: {:.1} s",
+        args.join(" "),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(text)
+}
+
+/// Lines of Rust in the generated project.
+fn rust_lines(dir: &Path) -> usize {
+    let mut n = 0;
+    let mut stack = vec![dir.join("crates")];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                n += std::fs::read_to_string(&p)
+                    .map(|s| s.lines().count())
+                    .unwrap_or(0);
+            }
+        }
+    }
+    n
+}
+
+const CRONTAB_FIELDS: &str = r#"pub struct CronTabSpec {
+    /// The schedule, in cron format.
+    pub cron_spec: String,
+    /// The image to run.
+    pub image: String,
+    /// How many to run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<i32>,
+}"#;
+
+#[tokio::test]
+async fn a_scaffolded_guestbook_builds_lints_and_passes_its_own_tests() -> anyhow::Result<()> {
+    let started = Instant::now();
+    let base = tempdir()?;
+    let dir = base.join("guestbook");
+    std::fs::create_dir_all(&dir)?;
+
+    opkit_ok(&dir, &["init", "--domain", "my.domain"])?;
+    let gvk = ["--group", "webapp", "--version", "v1", "--kind", "Guestbook"];
+    opkit_ok(&dir, &[&["create", "api"][..], &gvk].concat())?;
+    opkit_ok(
+        &dir,
+        &[
+            &["create", "webhook"][..],
+            &gvk,
+            &["--defaulting", "--programmatic-validation"],
+        ]
+        .concat(),
+    )?;
+    // A second served version of the same kind.
+    opkit_ok(
+        &dir,
+        &[
+            "create",
+            "api",
+            "--group",
+            "webapp",
+            "--version",
+            "v2",
+            "--kind",
+            "Guestbook",
+        ],
+    )?;
+    // Seed 000's CronTab: a CRD without a controller.
+    opkit_ok(
+        &dir,
+        &[
+            "create",
+            "api",
+            "--group",
+            "stable",
+            "--version",
+            "v1",
+            "--kind",
+            "CronTab",
+            "--controller",
+            "false",
+        ],
+    )?;
+
+    // Re-running is safe: refused with a reason, nothing changed.
+    let snapshot = |d: &Path| -> anyhow::Result<String> {
+        Ok(std::fs::read_to_string(d.join("PROJECT"))?
+            + &std::fs::read_to_string(d.join("crates/controllers/src/lib.rs"))?)
+    };
+    let before = snapshot(&dir)?;
+    let (ok, out) = opkit_in(&dir, &[&["create", "api"][..], &gvk].concat())?;
+    ensure!(!ok && out.contains("already exists"), "{out}");
+    let (ok, out) = opkit_in(
+        &dir,
+        &[&["create", "webhook"][..], &gvk, &["--defaulting"]].concat(),
+    )?;
+    ensure!(!ok && out.contains("already has"), "{out}");
+    let (ok, out) = opkit_in(&dir, &["init", "--domain", "my.domain"])?;
+    ensure!(!ok && out.contains("already has a PROJECT"), "{out}");
+    let (ok, out) = opkit_in(
+        &dir,
+        &[
+            "create",
+            "api",
+            "--group",
+            "webapp",
+            "--version",
+            "v1",
+            "--kind",
+            "guest-book",
+        ],
+    )?;
+    ensure!(!ok && out.contains("--kind"), "{out}");
+    ensure!(snapshot(&dir)? == before, "a refused command changed the project");
+
+    // The tutorial's edit: CronTab's fields and short name.
+    let types = dir.join("crates/api/src/stable_v1/cron_tab.rs");
+    let text = std::fs::read_to_string(&types)?;
+    let start = text.find("pub struct CronTabSpec {").context("CronTabSpec")?;
+    let end = start + text[start..].find("\n}").context("end of CronTabSpec")? + 2;
+    let text = format!("{}{CRONTAB_FIELDS}{}", &text[..start], &text[end..]).replace(
+        "plural = \"crontabs\",",
+        "plural = \"crontabs\",\n    shortname = \"ct\",",
+    );
+    std::fs::write(&types, text)?;
+    std::fs::write(
+        dir.join("config/samples/stable_v1_crontab.yaml"),
+        "apiVersion: stable.my.domain/v1\nkind: CronTab\nmetadata:\n  name: my-new-cron-object\nspec:\n  cronSpec: \"* * * * */5\"\n  image: my-awesome-cron-image\n",
+    )?;
+
+    project(&dir, "make", &["manifests"])?;
+    let crd = std::fs::read_to_string(dir.join("config/crd/guestbooks.webapp.my.domain.yaml"))?;
+    ensure!(
+        crd.contains("name: v1\n") && crd.contains("name: v2\n"),
+        "both versions served:\n{crd}"
+    );
+    let hooks = std::fs::read_to_string(dir.join("config/webhook/manifests.yaml"))?;
+    for path in [
+        "/mutate-webapp-my-domain-v1-guestbook",
+        "/validate-webapp-my-domain-v1-guestbook",
+    ] {
+        ensure!(hooks.contains(path), "{path} not in config/webhook:\n{hooks}");
+    }
+    let role = std::fs::read_to_string(dir.join("config/rbac/role.yaml"))?;
+    ensure!(role.contains("guestbooks/status"), "{role}");
+    project(&dir, "cargo", &["fmt", "--all", "--check"])?;
+    project(
+        &dir,
+        "cargo",
+        &["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"],
+    )?;
+    let tests = project(&dir, "make", &["test"])?;
+    ensure!(
+        tests.contains("test the_sample_becomes_available ... ok"),
+        "the generated controller test did not run:\n{tests}"
+    );
+    eprintln!(
+        "opkit init → green `make test` in the generated project: {:.0} s; {} lines of Rust",
+        started.elapsed().as_secs_f64(),
+        rust_lines(&dir)
+    );
+
+    // The generated operator itself: CRDs installed with `make install`, webhooks served.
+    project(&dir, "make", &["install"])?;
+    let ns = format!("scaffold-{}", std::process::id());
+    kubectl(&["create", "namespace", &ns])?;
+    let port = free_port()?;
+    let binary = target_dir().join("debug/guestbook");
+    let child = Command::new(&binary)
+        .args([
+            "run",
+            "--metrics-bind-address",
+            "0",
+            "--health-probe-bind-address",
+            "0",
+        ])
+        .args(["--webhook-bind-address", &format!("127.0.0.1:{port}")])
+        .args(["--webhook-url", &format!("https://127.0.0.1:{port}")])
+        .env("KUBECONFIG", shared().kubeconfig())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .with_context(|| format!("starting {}", binary.display()))?;
+    let _operator = Running(child);
+    let unnamed = |name: &str, spec: &str| {
+        format!(
+            "{{\"apiVersion\":\"webapp.my.domain/v1\",\"kind\":\"Guestbook\",\"metadata\":{{\"name\":\"{name}\"}},\"spec\":{spec}}}"
+        )
+    };
+    // Defaulting: `spec.foo` filled in by the webhook (retried until the server is up).
+    wait_for("the defaulting webhook", Duration::from_secs(60), || async {
+        let _ = kubectl(&[
+            "delete",
+            "guestbook",
+            "-n",
+            &ns,
+            "defaulted",
+            "--ignore-not-found",
+        ]);
+        let (ok, out) = kubectl_stdin(
+            &["apply", "-n", &ns, "-f", "-"],
+            unnamed("defaulted", "{}").as_bytes(),
+        )?;
+        ensure!(ok, "{out}");
+        let foo = kubectl(&[
+            "get",
+            "guestbook",
+            "-n",
+            &ns,
+            "defaulted",
+            "-o",
+            "jsonpath={.spec.foo}",
+        ])?;
+        ensure!(foo == "default", "spec.foo is {foo:?}");
+        Ok::<_, anyhow::Error>(())
+    })
+    .await?;
+    let (ok, out) = kubectl_stdin(
+        &["apply", "-n", &ns, "-f", "-"],
+        unnamed("empty", "{\"foo\":\"\"}").as_bytes(),
+    )?;
+    ensure!(!ok && out.contains("spec.foo must not be empty"), "{out}");
+    // The operator reconciles what it admitted.
+    wait_for(
+        "the defaulted Guestbook to be Available",
+        Duration::from_secs(60),
+        || async {
+            let s = kubectl(&[
+                "get",
+                "guestbook",
+                "-n",
+                &ns,
+                "defaulted",
+                "-o",
+                "jsonpath={.status.conditions[?(@.type==\"Available\")].status}",
+            ])?;
+            if s == "True" {
+                Ok(())
+            } else {
+                Err(anyhow!("Available={s:?}"))
+            }
+        },
+    )
+    .await?;
+    // CronTab: served without a controller, reachable by its short name.
+    let (ok, out) = kubectl_stdin(
+        &["apply", "-n", &ns, "-f", "-"],
+        &std::fs::read(dir.join("config/samples/stable_v1_crontab.yaml"))?,
+    )?;
+    ensure!(ok, "{out}");
+    let ct = kubectl(&["get", "ct", "-n", &ns, "-o", "name"])?;
+    ensure!(ct.trim() == "crontab.stable.my.domain/my-new-cron-object", "{ct}");
+
+    drop(_operator);
+    kubectl(&["delete", "namespace", &ns, "--wait=false"])?;
+    for kind in ["mutating", "validating"] {
+        let name = format!("guestbook-{kind}-webhook-configuration");
+        kubectl(&[
+            "delete",
+            &format!("{kind}webhookconfiguration"),
+            &name,
+            "--ignore-not-found",
+        ])?;
+    }
+    let _ = std::fs::remove_dir_all(&base);
+    Ok(())
+}
+
+/// A fresh directory under the system temporary directory.
+fn tempdir() -> anyhow::Result<PathBuf> {
+    let d = std::env::temp_dir().join(format!("opkit-scaffold-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d)?;
+    Ok(d)
+}
