@@ -27,6 +27,7 @@ fmt: ## Format the code
 lint: ## Check formatting and run clippy with warnings denied
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets -- -D warnings
+	RUSTDOCFLAGS="-D warnings" cargo doc --no-deps -q -p opkit -p opkit-testenv -p opkit-scaffold
 
 .PHONY: fuzz
 fuzz: ## Fuzz the cron parser for FUZZ_SECONDS (default 120); needs a nightly toolchain and cargo-fuzz

@@ -4,10 +4,13 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 /// The desired state of one condition; `set` turns it into a `metav1.Condition`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Desired<'a> {
+    /// The condition type, e.g. `Available`.
     pub type_: &'a str,
     /// `Some(true)` is `True`, `Some(false)` is `False`, `None` is `Unknown`.
     pub status: Option<bool>,
+    /// A CamelCase reason a program can match on.
     pub reason: &'a str,
+    /// What a person reads in `kubectl describe`.
     pub message: String,
 }
 

@@ -50,6 +50,7 @@ impl LeaderElectionConfig {
 
 /// Errors of leader election.
 #[derive(Debug, thiserror::Error)]
+#[allow(missing_docs)] // every variant says what failed in its message
 pub enum LeaderError {
     #[error("reading or writing Lease {name}: {source}")]
     Api { name: String, source: kube::Error },

@@ -9,6 +9,8 @@
 //! Watching, caching, queueing and the reconcile loop itself are kube-runtime's `Controller`;
 //! opkit only wires them together the way an operator in production needs.
 
+#![warn(missing_docs)]
+
 pub mod backoff;
 pub mod bundle;
 pub mod cli;

@@ -55,6 +55,7 @@ impl Default for ManagerOptions {
 
 /// Errors that stop the manager.
 #[derive(Debug, thiserror::Error)]
+#[allow(missing_docs)] // every variant says what failed in its message
 pub enum ManagerError {
     #[error("binding {what} on {addr}: {source}")]
     Bind {

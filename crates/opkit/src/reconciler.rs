@@ -242,9 +242,13 @@ impl Child {
 /// An Event about the primary object, shown by `kubectl describe`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Event {
+    /// Normal or Warning.
     pub type_: EventType,
+    /// A CamelCase reason, e.g. `Created`.
     pub reason: &'static str,
+    /// What the controller did or tried, e.g. `Reconcile`.
     pub action: &'static str,
+    /// The message a person reads (cut to [`MAX_NOTE`] bytes).
     pub note: String,
 }
 

@@ -301,6 +301,7 @@ where
 
 /// Errors of the steps opkit carries out; the category labels metrics and log lines.
 #[derive(Debug, thiserror::Error)]
+#[allow(missing_docs)] // every variant says what failed in its message
 pub enum Error {
     #[error("observing: {source}")]
     Observe { source: kube::Error },

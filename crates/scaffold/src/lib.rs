@@ -6,6 +6,8 @@
 //! skipped), code is added to existing files only at `// +opkit:scaffold:` markers and only
 //! once, and the `PROJECT` file records what was scaffolded so a repeated `create api` is
 //! refused with a clear message.
+#![warn(missing_docs)]
+
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -61,6 +63,7 @@ pub enum Create {
 /// `opkit create api`.
 #[derive(clap::Args, Debug)]
 pub struct ApiArgs {
+    /// The group, version and kind.
     #[command(flatten)]
     pub gvk: Gvk,
     /// Objects of the kind live in namespaces (false: cluster-scoped).
@@ -80,6 +83,7 @@ pub struct ApiArgs {
 /// `opkit create webhook`.
 #[derive(clap::Args, Debug)]
 pub struct WebhookArgs {
+    /// The group, version and kind (created with `create api` before).
     #[command(flatten)]
     pub gvk: Gvk,
     /// A mutating webhook that fills in defaults.
@@ -124,8 +128,11 @@ pub fn run(command: Command) -> anyhow::Result<()> {
 pub struct Project {
     /// The scaffold layout, so a future opkit can tell old projects apart.
     pub layout: String,
+    /// Added to every `--group`.
     pub domain: String,
+    /// The DNS label every generated name starts with.
     pub project_name: String,
+    /// What `create api` added, in order.
     #[serde(default)]
     pub resources: Vec<ResourceEntry>,
 }
@@ -134,13 +141,20 @@ pub struct Project {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ResourceEntry {
+    /// The group without the domain.
     pub group: String,
+    /// The version, e.g. `v1`.
     pub version: String,
+    /// The kind, e.g. `Guestbook`.
     pub kind: String,
+    /// Namespaced (true) or cluster-scoped.
     pub namespaced: bool,
+    /// Whether this entry created the kind's controller.
     pub controller: bool,
+    /// A defaulting webhook exists.
     #[serde(default)]
     pub defaulting: bool,
+    /// A validating webhook exists.
     #[serde(default)]
     pub validation: bool,
 }
@@ -498,8 +512,8 @@ pub fn create_api(args: &ApiArgs) -> anyhow::Result<Report> {
         &project.domain,
     )?;
     ensure!(
-        args.resource || args.controller,
-        "--resource false --controller false leaves nothing to create"
+        args.resource,
+        "--resource false (a controller for a kind defined elsewhere) is not scaffolded yet: create the api with --controller true and delete its types, or write the controller by hand"
     );
     ensure!(
         args.namespaced || !args.controller,
@@ -750,4 +764,112 @@ pub fn create_webhook(args: &WebhookArgs) -> anyhow::Result<Report> {
     r.notes
         .push("next: `make manifests` writes config/webhook; `make test`".into());
     Ok(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scratch(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("opkit-scaffold-unit-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).expect("a scratch directory");
+        d
+    }
+
+    #[test]
+    fn an_edited_file_is_never_overwritten() {
+        let d = scratch("create");
+        let mut r = Report::default();
+        r.create(&d, "a/b.txt", "generated\n").unwrap();
+        std::fs::write(d.join("a/b.txt"), "edited\n").unwrap();
+        r.create(&d, "a/b.txt", "generated\n").unwrap();
+        assert_eq!(std::fs::read_to_string(d.join("a/b.txt")).unwrap(), "edited\n");
+        assert!(r.lines()[1].starts_with("skipped"), "{:?}", r.lines());
+        std::fs::write(d.join("a/b.txt"), "generated\n").unwrap();
+        r.create(&d, "a/b.txt", "generated\n").unwrap();
+        assert!(r.lines()[2].starts_with("unchanged"), "{:?}", r.lines());
+    }
+
+    #[test]
+    fn insertions_happen_once_and_a_removed_marker_is_reported() {
+        let d = scratch("insert");
+        std::fs::write(d.join("lib.rs"), "a\n    // +m\nb\n").unwrap();
+        let mut r = Report::default();
+        r.insert(&d, "lib.rs", "// +m", "    x;\n", "x;").unwrap();
+        r.insert(&d, "lib.rs", "// +m", "    x;\n", "x;").unwrap();
+        assert_eq!(
+            std::fs::read_to_string(d.join("lib.rs")).unwrap(),
+            "a\n    x;\n    // +m\nb\n"
+        );
+        std::fs::write(d.join("lib.rs"), "a\n").unwrap();
+        r.insert(&d, "lib.rs", "// +m", "    y;\n", "y;").unwrap();
+        assert_eq!(std::fs::read_to_string(d.join("lib.rs")).unwrap(), "a\n");
+        assert!(r.to_string().contains("add this yourself"), "{r}");
+    }
+
+    #[test]
+    fn every_placeholder_of_every_template_is_filled() {
+        let res = Resource::new("webapp", "v1", "Guestbook", "my.domain").unwrap();
+        let p = Project {
+            layout: LAYOUT.into(),
+            domain: "my.domain".into(),
+            project_name: "guestbook".into(),
+            resources: Vec::new(),
+        };
+        let mut vars = vars_of(&p, &res);
+        for k in [
+            "namespaced_attr",
+            "webhook_chain",
+            "webhook_handlers",
+            "opkit_version",
+            "patch",
+        ] {
+            vars.insert(k, String::new());
+        }
+        for t in [
+            include_str!("../templates/Cargo.toml.tmpl"),
+            include_str!("../templates/Makefile.tmpl"),
+            include_str!("../templates/README.md.tmpl"),
+            include_str!("../templates/api.types.rs.tmpl"),
+            include_str!("../templates/api.kind-crd.rs.tmpl"),
+            include_str!("../templates/controller.rs.tmpl"),
+            include_str!("../templates/controller-test.rs.tmpl"),
+            include_str!("../templates/registration.rs.tmpl"),
+            include_str!("../templates/webhook.rs.tmpl"),
+            include_str!("../templates/webhook-chain-defaulting.rs.tmpl"),
+            include_str!("../templates/webhook-chain-validation.rs.tmpl"),
+            include_str!("../templates/webhook-defaulting.rs.tmpl"),
+            include_str!("../templates/webhook-validation.rs.tmpl"),
+        ] {
+            let out = render(t, &vars);
+            // `{{` stays only where Rust's format strings escape a brace.
+            assert!(!out.contains("{{") || out.contains("format!("), "{out}");
+        }
+    }
+
+    #[test]
+    fn the_generated_dependencies_are_the_ones_opkit_is_built_with() {
+        let ours = include_str!("../../../Cargo.toml");
+        let theirs = include_str!("../templates/Cargo.toml.tmpl");
+        for dep in [
+            "kube",
+            "k8s-openapi",
+            "schemars",
+            "serde",
+            "serde_json",
+            "serde_yaml",
+            "json-patch",
+            "anyhow",
+            "clap",
+        ] {
+            let line = |text: &str| {
+                text.lines()
+                    .find(|l| l.starts_with(&format!("{dep} = ")))
+                    .map(String::from)
+                    .unwrap_or_else(|| panic!("{dep} missing"))
+            };
+            assert_eq!(line(ours), line(theirs), "{dep}");
+        }
+    }
 }

@@ -9,8 +9,11 @@ const VERSIONS_ENV: &str = include_str!("../versions.env");
 /// The pinned upstream versions, read from `versions.env` (the single place they live).
 #[derive(Debug, Clone)]
 pub struct Versions {
+    /// Kubernetes (apiserver, controller-manager, scheduler, kubectl).
     pub kubernetes: String,
+    /// etcd.
     pub etcd: String,
+    /// kwok (the fake nodes).
     pub kwok: String,
 }
 

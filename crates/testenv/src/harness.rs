@@ -207,6 +207,7 @@ impl Shared {
 
 /// A namespace created for one test.
 pub struct TestNamespace {
+    /// The generated name (`<prefix>-<random>`).
     pub name: String,
     client: Client,
 }

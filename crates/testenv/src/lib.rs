@@ -4,6 +4,8 @@
 //! Tests call [`shared`] for one cluster per test binary (or the long-lived one from
 //! `make testenv-up` when `KUBECONFIG` points at it) and [`TestNamespace`] for isolation.
 
+#![warn(missing_docs)]
+
 mod binaries;
 pub mod cli;
 mod cluster;
@@ -24,6 +26,7 @@ pub const RUN_FOR_ANNOTATION: &str = "testenv.opkit.dev/run-for";
 
 /// Errors from building or running the control plane.
 #[derive(Debug, thiserror::Error)]
+#[allow(missing_docs)] // every variant says what failed in its message
 pub enum Error {
     #[error("building the control-plane binaries failed: {0}")]
     Build(String),

@@ -24,7 +24,10 @@ use crate::rbac::rule;
 #[derive(Clone, Debug)]
 pub enum Endpoint {
     /// The in-cluster Service `<project>-webhook-service` in `namespace`.
-    Service { namespace: String },
+    Service {
+        /// The operator's namespace.
+        namespace: String,
+    },
     /// A URL base such as `https://127.0.0.1:9443` (operator running outside the cluster).
     Url(String),
 }

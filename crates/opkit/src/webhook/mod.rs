@@ -63,9 +63,13 @@ impl Verdict {
 
 /// The request as a handler sees it: operation, the new object and the old one (on updates).
 pub struct Review<K> {
+    /// `Create`, `Update`, `Delete` or `Connect`.
     pub operation: Operation,
+    /// The object as it would be stored (absent on delete).
     pub object: Option<K>,
+    /// The stored object (updates and deletes only).
     pub old_object: Option<K>,
+    /// The request's namespace (absent for cluster-scoped kinds).
     pub namespace: Option<String>,
 }
 
@@ -79,7 +83,9 @@ pub struct Rule {
     pub name: &'static str,
     /// HTTP path it is served at.
     pub path: &'static str,
+    /// The API group, e.g. `cache.example.com`.
     pub group: &'static str,
+    /// The versions sent to this webhook; list each one the handler can read.
     pub versions: &'static [&'static str],
     /// Plural resource name, e.g. `memcacheds`.
     pub resource: &'static str,
@@ -245,7 +251,9 @@ async fn review(h: Handler, body: Bytes) -> Response {
 /// A serving certificate: PEM chain and key.
 #[derive(Clone)]
 pub struct Certificate {
+    /// The certificate chain, PEM.
     pub cert_pem: String,
+    /// Its private key, PEM.
     pub key_pem: String,
     /// The CA that signed it, for the configurations' `caBundle`.
     pub ca_pem: String,
@@ -337,6 +345,7 @@ pub mod limits {
 
 /// Errors starting the webhook server.
 #[derive(Debug, thiserror::Error)]
+#[allow(missing_docs)] // every variant says what failed in its message
 pub enum WebhookError {
     #[error("webhook certificate: {0}")]
     Certificate(String),
