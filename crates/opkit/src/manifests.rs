@@ -336,8 +336,8 @@ pub fn all<S>(op: &Operator<S>, namespaces: &[String]) -> anyhow::Result<Vec<(St
     let registry = &op.registry;
     let manager_role = format!("{}-manager-role", op.name);
     let manager_binding = format!("{}-manager-rolebinding", op.name);
-    let leader_role = format!("{}-leader-election-role", op.name);
-    let leader_binding = format!("{}-leader-election-rolebinding", op.name);
+    let leader_role_name = format!("{}-leader-election-role", op.name);
+    let leader_binding_name = format!("{}-leader-election-rolebinding", op.name);
     let namespace = op.namespace();
     let mut files = Vec::new();
     let mut crd_files = Vec::new();
@@ -390,15 +390,15 @@ pub fn all<S>(op: &Operator<S>, namespaces: &[String]) -> anyhow::Result<Vec<(St
         })?);
     }
     let leader_role = Role {
-        metadata: meta(op, &leader_role, Some(&namespace)),
+        metadata: meta(op, &leader_role_name, Some(&namespace)),
         rules: Some(leader_rules()),
     };
     let leader_binding = RoleBinding {
-        metadata: meta(op, &leader_binding, Some(&namespace)),
+        metadata: meta(op, &leader_binding_name, Some(&namespace)),
         role_ref: RoleRef {
             api_group: "rbac.authorization.k8s.io".into(),
             kind: "Role".into(),
-            name: leader_role.metadata.name.clone().unwrap_or_default(),
+            name: leader_role_name.clone(),
         },
         subjects: Some(service_account_subject(op)),
     };
