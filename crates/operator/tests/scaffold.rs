@@ -14,10 +14,10 @@ use opkit_testenv::{shared, wait_for};
 mod common;
 use common::{Running, free_port, kubectl, kubectl_stdin};
 
-/// Runs `opkit <args>` in `dir`; (succeeded, stdout + stderr).
-fn opkit_in(dir: &Path, args: &[&str]) -> anyhow::Result<(bool, String)> {
+/// Runs `opkit <command line>` (split at spaces) in `dir`; (succeeded, stdout + stderr).
+fn opkit_in(dir: &Path, command: &str) -> anyhow::Result<(bool, String)> {
     let out = Command::new(env!("CARGO_BIN_EXE_opkit"))
-        .args(args)
+        .args(command.split_whitespace())
         .current_dir(dir)
         .env("RUST_BACKTRACE", "0")
         .output()?;
@@ -31,10 +31,20 @@ fn opkit_in(dir: &Path, args: &[&str]) -> anyhow::Result<(bool, String)> {
     ))
 }
 
-fn opkit_ok(dir: &Path, args: &[&str]) -> anyhow::Result<String> {
-    let (ok, out) = opkit_in(dir, args)?;
-    ensure!(ok, "opkit {} failed:\n{out}", args.join(" "));
+fn opkit_ok(dir: &Path, command: &str) -> anyhow::Result<String> {
+    let (ok, out) = opkit_in(dir, command)?;
+    ensure!(ok, "opkit {command} failed:\n{out}");
     Ok(out)
+}
+
+/// `opkit <command line>` fails and its output says `why`.
+fn opkit_refused(dir: &Path, command: &str, why: &str) -> anyhow::Result<()> {
+    let (ok, out) = opkit_in(dir, command)?;
+    ensure!(
+        !ok && out.contains(why),
+        "opkit {command}: expected a refusal saying {why:?}, got (ok={ok}):\n{out}"
+    );
+    Ok(())
 }
 
 /// The generated project's builds share one target directory across runs, outside this
@@ -110,47 +120,19 @@ async fn a_scaffolded_guestbook_builds_lints_and_passes_its_own_tests() -> anyho
     let dir = base.join("guestbook");
     std::fs::create_dir_all(&dir)?;
 
-    opkit_ok(&dir, &["init", "--domain", "my.domain"])?;
-    let gvk = ["--group", "webapp", "--version", "v1", "--kind", "Guestbook"];
-    opkit_ok(&dir, &[&["create", "api"][..], &gvk].concat())?;
+    let guestbook = "--group webapp --version v1 --kind Guestbook";
+    opkit_ok(&dir, "init --domain my.domain")?;
+    opkit_ok(&dir, &format!("create api {guestbook}"))?;
     opkit_ok(
         &dir,
-        &[
-            &["create", "webhook"][..],
-            &gvk,
-            &["--defaulting", "--programmatic-validation"],
-        ]
-        .concat(),
+        &format!("create webhook {guestbook} --defaulting --programmatic-validation"),
     )?;
     // A second served version of the same kind.
-    opkit_ok(
-        &dir,
-        &[
-            "create",
-            "api",
-            "--group",
-            "webapp",
-            "--version",
-            "v2",
-            "--kind",
-            "Guestbook",
-        ],
-    )?;
+    opkit_ok(&dir, "create api --group webapp --version v2 --kind Guestbook")?;
     // Seed 000's CronTab: a CRD without a controller.
     opkit_ok(
         &dir,
-        &[
-            "create",
-            "api",
-            "--group",
-            "stable",
-            "--version",
-            "v1",
-            "--kind",
-            "CronTab",
-            "--controller",
-            "false",
-        ],
+        "create api --group stable --version v1 --kind CronTab --controller false",
     )?;
 
     // Re-running is safe: refused with a reason, nothing changed.
@@ -159,29 +141,18 @@ async fn a_scaffolded_guestbook_builds_lints_and_passes_its_own_tests() -> anyho
             + &std::fs::read_to_string(d.join("crates/controllers/src/lib.rs"))?)
     };
     let before = snapshot(&dir)?;
-    let (ok, out) = opkit_in(&dir, &[&["create", "api"][..], &gvk].concat())?;
-    ensure!(!ok && out.contains("already exists"), "{out}");
-    let (ok, out) = opkit_in(
+    opkit_refused(&dir, &format!("create api {guestbook}"), "already exists")?;
+    opkit_refused(
         &dir,
-        &[&["create", "webhook"][..], &gvk, &["--defaulting"]].concat(),
+        &format!("create webhook {guestbook} --defaulting"),
+        "already has",
     )?;
-    ensure!(!ok && out.contains("already has"), "{out}");
-    let (ok, out) = opkit_in(&dir, &["init", "--domain", "my.domain"])?;
-    ensure!(!ok && out.contains("already has a PROJECT"), "{out}");
-    let (ok, out) = opkit_in(
+    opkit_refused(&dir, "init --domain my.domain", "already has a PROJECT")?;
+    opkit_refused(
         &dir,
-        &[
-            "create",
-            "api",
-            "--group",
-            "webapp",
-            "--version",
-            "v1",
-            "--kind",
-            "guest-book",
-        ],
+        "create api --group webapp --version v1 --kind guest-book",
+        "--kind",
     )?;
-    ensure!(!ok && out.contains("--kind"), "{out}");
     ensure!(snapshot(&dir)? == before, "a refused command changed the project");
 
     // The tutorial's edit: CronTab's fields and short name.

@@ -253,34 +253,14 @@ impl Report {
         snippet: &str,
         already: &str,
     ) -> anyhow::Result<()> {
-        let path = root.join(rel);
-        let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-        if text.contains(already) {
-            self.lines
-                .push(format!("unchanged {rel} ({} is there)", already.trim()));
-            return Ok(());
-        }
-        let Some(at) = text
-            .find(marker)
-            .map(|i| text[..i].rfind('\n').map_or(0, |n| n + 1))
-        else {
-            self.notes.push(format!(
-                "note: {rel} has no `{marker}` line any more; add this yourself:\n{snippet}"
-            ));
-            self.lines.push(format!("skipped   {rel} (marker removed)"));
-            return Ok(());
-        };
-        let mut out = String::with_capacity(text.len() + snippet.len());
-        out.push_str(&text[..at]);
-        out.push_str(snippet);
-        out.push_str(&text[at..]);
-        std::fs::write(&path, out)?;
-        self.lines.push(format!("updated   {rel}"));
-        self.touched.push(path);
-        Ok(())
+        let by_hand = format!("add this yourself:\n{snippet}");
+        self.edit_at(root, rel, marker, already, &by_hand, |lines, i| {
+            lines.insert(i, snippet.to_string());
+        })
     }
 
-    /// Replaces the line after `marker` in `rel` with `line`, unless `already` is in the file.
+    /// Replaces the line after `marker` in `rel` with `line` (indented like the marker),
+    /// unless `already` is in the file.
     fn replace_after(
         &mut self,
         root: &Path,
@@ -289,27 +269,53 @@ impl Report {
         line: &str,
         already: &str,
     ) -> anyhow::Result<()> {
+        let by_hand = format!("set `{line}` yourself");
+        self.edit_at(
+            root,
+            rel,
+            &format!("{marker}\n"),
+            already,
+            &by_hand,
+            |lines, i| {
+                let indent: String = lines[i].chars().take_while(|c| c.is_whitespace()).collect();
+                let new = format!("{indent}{line}\n");
+                match lines.get_mut(i + 1) {
+                    Some(next) => *next = new,
+                    None => lines.push(new),
+                }
+            },
+        )
+    }
+
+    /// The skeleton of every edit of an existing file: nothing when `already` is there, a note
+    /// with `by_hand` when the line holding `marker` is gone, else `change` on the file's lines
+    /// (each with its newline) at the marker's index.
+    fn edit_at(
+        &mut self,
+        root: &Path,
+        rel: &str,
+        marker: &str,
+        already: &str,
+        by_hand: &str,
+        change: impl FnOnce(&mut Vec<String>, usize),
+    ) -> anyhow::Result<()> {
         let path = root.join(rel);
         let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
         if text.contains(already) {
-            self.lines.push(format!("unchanged {rel} ({already} is there)"));
+            self.lines
+                .push(format!("unchanged {rel} ({} is there)", already.trim()));
             return Ok(());
         }
-        let mut lines: Vec<&str> = text.split_inclusive('\n').collect();
-        let Some(i) = lines
-            .iter()
-            .position(|l| l.contains(marker))
-            .filter(|i| i + 1 < lines.len())
-        else {
+        let mut lines: Vec<String> = text.split_inclusive('\n').map(String::from).collect();
+        let Some(i) = lines.iter().position(|l| l.contains(marker)) else {
             self.notes.push(format!(
-                "note: {rel} has no `{marker}` line any more; set `{line}` yourself"
+                "note: {rel} has no `{}` line any more; {by_hand}",
+                marker.trim_end()
             ));
             self.lines.push(format!("skipped   {rel} (marker removed)"));
             return Ok(());
         };
-        let indent: String = lines[i].chars().take_while(|c| c.is_whitespace()).collect();
-        let new = format!("{indent}{line}\n");
-        lines[i + 1] = &new;
+        change(&mut lines, i);
         std::fs::write(&path, lines.concat())?;
         self.lines.push(format!("updated   {rel}"));
         self.touched.push(path);
@@ -806,6 +812,23 @@ mod tests {
         r.insert(&d, "lib.rs", "// +m", "    y;\n", "y;").unwrap();
         assert_eq!(std::fs::read_to_string(d.join("lib.rs")).unwrap(), "a\n");
         assert!(r.to_string().contains("add this yourself"), "{r}");
+    }
+
+    #[test]
+    fn the_line_after_a_marker_is_replaced_once_with_its_indent() {
+        let d = scratch("replace");
+        std::fs::write(d.join("lib.rs"), "a\n    // +w\n    old,\nb\n").unwrap();
+        let mut r = Report::default();
+        r.replace_after(&d, "lib.rs", "// +w", "new,", "new").unwrap();
+        r.replace_after(&d, "lib.rs", "// +w", "new,", "new").unwrap();
+        assert_eq!(
+            std::fs::read_to_string(d.join("lib.rs")).unwrap(),
+            "a\n    // +w\n    new,\nb\n"
+        );
+        assert!(r.lines()[1].starts_with("unchanged"), "{:?}", r.lines());
+        std::fs::write(d.join("lib.rs"), "a\n").unwrap();
+        r.replace_after(&d, "lib.rs", "// +w", "new,", "new").unwrap();
+        assert!(r.to_string().contains("set `new,` yourself"), "{r}");
     }
 
     #[test]
