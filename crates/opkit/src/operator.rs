@@ -82,22 +82,8 @@ impl<S> Operator<S> {
     /// Applies every CRD of the operator (server-side, forced) and waits until each is
     /// Established, so objects of them can be created right after.
     pub async fn install_crds(&self, client: &kube::Client) -> anyhow::Result<()> {
-        use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-        use kube::api::{Api, Patch, PatchParams};
-        use kube::runtime::wait::{await_condition, conditions};
-        let api: Api<CustomResourceDefinition> = Api::all(client.clone());
         for crd in self.registry.crds() {
-            let name = kube::ResourceExt::name_any(&crd);
-            api.patch(
-                &name,
-                &PatchParams::apply(&format!("{}-install", self.name)).force(),
-                &Patch::Apply(&crd),
-            )
-            .await?;
-            let established = await_condition(api.clone(), &name, conditions::is_crd_established());
-            tokio::time::timeout(std::time::Duration::from_secs(60), established)
-                .await
-                .map_err(|_| anyhow::anyhow!("CRD {name} was not Established within 60 s"))??;
+            install_crd(client, &crd, &format!("{}-install", self.name)).await?;
         }
         Ok(())
     }
@@ -121,4 +107,28 @@ impl<S> Operator<S> {
             handle: Some(tokio::spawn(manager.run(opts))),
         }
     }
+}
+
+/// Applies one CRD (server-side, forced, as `field_manager`) and waits up to 60 s until it is
+/// Established, so objects of it can be created right after.
+pub async fn install_crd(
+    client: &kube::Client,
+    crd: &k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
+    field_manager: &str,
+) -> anyhow::Result<()> {
+    use kube::api::{Api, Patch, PatchParams};
+    use kube::runtime::wait::{await_condition, conditions};
+    let api: Api<_> = Api::all(client.clone());
+    let name = kube::ResourceExt::name_any(crd);
+    api.patch(
+        &name,
+        &PatchParams::apply(field_manager).force(),
+        &Patch::Apply(crd),
+    )
+    .await?;
+    let established = await_condition(api, &name, conditions::is_crd_established());
+    tokio::time::timeout(std::time::Duration::from_secs(60), established)
+        .await
+        .map_err(|_| anyhow::anyhow!("CRD {name} was not Established within 60 s"))??;
+    Ok(())
 }

@@ -6,8 +6,7 @@ use std::time::Duration;
 
 use anyhow::{anyhow, ensure};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::api::{Api, Patch, PatchParams};
-use kube::runtime::wait::{await_condition, conditions};
+use kube::api::Api;
 use kube::{Client, Resource, ResourceExt};
 use opkit::metrics::{ControllerMetrics, Metrics};
 use opkit::{Manager, ManagerOptions, Scope};
@@ -60,17 +59,7 @@ impl Drop for Operator {
 
 /// Applies a CRD and waits until it is Established.
 pub async fn install_crd(client: &Client, crd: CustomResourceDefinition) -> anyhow::Result<()> {
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let name = crd.name_any();
-    crds.patch(
-        &name,
-        &PatchParams::apply("opkit-tests").force(),
-        &Patch::Apply(&crd),
-    )
-    .await?;
-    let established = await_condition(crds, &name, conditions::is_crd_established());
-    tokio::time::timeout(T, established).await??;
-    Ok(())
+    opkit::operator::install_crd(client, &crd, "opkit-tests").await
 }
 
 /// Installs the CRDs of the registry entry `name` and runs it, watching only `ns`, without
