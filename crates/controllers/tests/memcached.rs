@@ -245,9 +245,8 @@ async fn a_converged_resync_writes_nothing() {
 }
 
 fn free_addr() -> std::net::SocketAddr {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free loopback port")
+    let port = opkit_testenv::free_port().expect("a free loopback port");
+    std::net::SocketAddr::from(([127, 0, 0, 1], port))
 }
 
 #[tokio::test]

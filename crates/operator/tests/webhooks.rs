@@ -73,7 +73,7 @@ async fn the_apiserver_calls_the_webhooks_and_kubectl_shows_their_answers() {
         .in_namespace("webhooks", |client, ns| async move {
             install_crds()?;
 
-            let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+            let port = common::free_port()?;
             let log = std::env::temp_dir().join(format!("opkit-webhooks-{ns}.log"));
             let mut op = Running(
                 Command::new(env!("CARGO_BIN_EXE_opkit"))

@@ -123,8 +123,22 @@ impl ControlPlane {
             components: Vec::new(),
         };
         let deadline = Instant::now() + opts.timeout;
-        cp.boot(&opts, deadline).await?;
-        Ok(cp)
+        // A port found free can still be taken before the component binds it (by another
+        // control plane booting at the same moment): start again on fresh ports.
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            match cp.boot(&opts, deadline).await {
+                Ok(()) => return Ok(cp),
+                Err(e) if attempts < 3 && e.to_string().contains("address already in use") => {
+                    tracing::warn!("control plane start lost a port race, starting again: {e}");
+                    cp.stop_components();
+                    std::fs::remove_dir_all(&cp.dir)?;
+                    std::fs::create_dir_all(&cp.dir)?;
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     async fn boot(&mut self, opts: &Options, deadline: Instant) -> Result<()> {
@@ -396,11 +410,18 @@ pub async fn config_from_file(path: &Path) -> Result<Config> {
         .map_err(|e| Error::Setup(format!("loading {}: {e}", path.display())))
 }
 
-impl Drop for ControlPlane {
-    fn drop(&mut self) {
+impl ControlPlane {
+    /// Stops the components, the last started first.
+    fn stop_components(&mut self) {
         while let Some(mut c) = self.components.pop() {
             c.stop(Duration::from_secs(5));
         }
+    }
+}
+
+impl Drop for ControlPlane {
+    fn drop(&mut self) {
+        self.stop_components();
         if self.remove_dir {
             let _ = std::fs::remove_dir_all(&self.dir);
         }

@@ -134,15 +134,64 @@ pub fn log_tail(path: &Path, lines: usize) -> String {
     }
 }
 
-/// A TCP port on 127.0.0.1 that was free a moment ago.
+/// A TCP port on 127.0.0.1 that was free a moment ago, for a component to listen on.
+///
+/// Taken below the kernel's ephemeral range where there is room: a port handed out by the
+/// kernel (`bind(0)`) is also what outgoing connections use, so between this check and the
+/// component's own bind an apiserver-to-etcd connection can take it ("address already in
+/// use"). Below that range only another listener can, and the random start makes two
+/// control planes booting at once unlikely to meet.
 pub fn free_port() -> Result<u16> {
+    const LOW: u16 = 10_000;
+    let ephemeral_start = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32_768);
+    if ephemeral_start > LOW + 1_000 {
+        let span = u32::from(ephemeral_start - LOW);
+        let start = random_u32()? % span;
+        for i in 0..span.min(2_000) {
+            let port = LOW + ((start + i) % span) as u16;
+            if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                return Ok(port);
+            }
+        }
+    }
     let l = std::net::TcpListener::bind("127.0.0.1:0")?;
     Ok(l.local_addr()?.port())
+}
+
+fn random_u32() -> Result<u32> {
+    use std::io::Read;
+    let mut buf = [0u8; 4];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut buf)?;
+    Ok(u32::from_le_bytes(buf))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn free_ports_are_bindable_and_outside_the_ephemeral_range() {
+        let start: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .unwrap()
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        for _ in 0..20 {
+            let port = free_port().unwrap();
+            std::net::TcpListener::bind(("127.0.0.1", port)).unwrap();
+            if start > 11_000 {
+                assert!(
+                    (10_000..start).contains(&port),
+                    "port {port}, ephemeral from {start}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn a_component_that_exits_is_reported_by_name_with_its_log_tail() {

@@ -77,9 +77,9 @@ pub fn sigterm(pid: u32) {
     let _ = Command::new("kill").args(["-TERM", &pid.to_string()]).status();
 }
 
-/// A loopback port nobody listens on right now.
+/// A loopback port nobody listens on right now (outside the kernel's ephemeral range).
 pub fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    Ok(opkit_testenv::free_port()?)
 }
 
 /// Waits until `kubectl get <kind_name> -n ns -o jsonpath=<path>` prints `want`.
