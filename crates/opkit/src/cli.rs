@@ -288,11 +288,16 @@ async fn run<S, A: Args>(
         handle_signals: true,
         leader_election: leader_election(&args, op.lease())?,
     };
-    let client = Client::try_from(client_config(&args).await?)?;
+    let config = client_config(&args).await?;
+    let client = Client::try_from(config.clone())?;
     let scope = Scope::namespaces(args.namespaces.clone());
     let mut manager = Manager::new(client.clone())
         .with_scope(scope.clone())
         .with_concurrency(args.concurrency);
+    if let Some(le) = &opts.leader_election {
+        let election = crate::leader::election_client_config(config, le);
+        manager = manager.with_election_client(Client::try_from(election)?);
+    }
     let settings = settings(&args.operator);
     for r in &selected {
         (r.add)(&mut manager, &settings);

@@ -7,6 +7,7 @@ use kube::{Client, Resource};
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
+use crate::leader::WriteGate;
 use crate::metrics::ControllerMetrics;
 use crate::reconciler::Event;
 use crate::runtime::Error;
@@ -21,6 +22,7 @@ pub(crate) struct ControllerContext {
     metrics: ControllerMetrics,
     backoff: Backoff,
     shutdown: CancellationToken,
+    gate: WriteGate,
 }
 
 impl Debug for ControllerContext {
@@ -48,6 +50,7 @@ impl ControllerContext {
         client: Client,
         metrics: ControllerMetrics,
         shutdown: CancellationToken,
+        gate: WriteGate,
     ) -> Self {
         let reporter = Reporter {
             controller: format!("opkit-{name}"),
@@ -61,7 +64,19 @@ impl ControllerContext {
             metrics,
             backoff: Backoff::default(),
             shutdown,
+            gate,
         }
+    }
+
+    /// Counts a write of `verb` if this process may write now; every write of the runtime
+    /// goes through here first.
+    pub(crate) fn may_write(&self, verb: &'static str) -> Result<(), Error> {
+        self.gate.check().map_err(|_| {
+            self.metrics.write_refused();
+            Error::NotLeader
+        })?;
+        self.metrics.write(verb);
+        Ok(())
     }
 
     pub(crate) fn field_manager(&self) -> &str {
@@ -91,7 +106,12 @@ impl ControllerContext {
     pub(crate) fn error_policy<K: Resource<DynamicType = ()>>(&self, obj: &K, err: &Error) -> Action {
         self.metrics.reconcile_failed(err.category());
         let delay = self.backoff.next_delay(&key(obj));
-        tracing::warn!(controller = self.name, object = %key(obj), error = %err, ?delay, "reconcile failed");
+        if matches!(err, Error::Stale) {
+            // Routine with several writers; the newer version is on its way through the watch.
+            tracing::debug!(controller = self.name, object = %key(obj), ?delay, "stale plan, retrying");
+        } else {
+            tracing::warn!(controller = self.name, object = %key(obj), error = %err, ?delay, "reconcile failed");
+        }
         Action::requeue(delay)
     }
 
@@ -105,7 +125,9 @@ impl ControllerContext {
             action: e.action.into(),
             secondary: None,
         };
-        self.metrics.write("event");
+        if self.may_write("event").is_err() {
+            return;
+        }
         if let Err(err) = self.recorder.publish(&ev, &obj.object_ref(&())).await {
             tracing::warn!(controller = self.name, object = %key(obj), error = %err, reason = e.reason, "publishing an Event failed");
         }

@@ -1,16 +1,30 @@
 //! Leader election on a `coordination.k8s.io` Lease, so that of several replicas only one
-//! reconciles. Same protocol and defaults as client-go's leaderelection (15 s lease, 10 s renew
-//! deadline, 2 s retry), with two differences: a standby waits on a watch of the Lease instead
-//! of polling, and a leader that stops releases the Lease, so a standby takes over at once.
-use std::time::Duration;
+//! reconciles, and a [`WriteGate`] so that a leader that was frozen or cut off writes nothing
+//! once its lease may have passed to another replica.
+//!
+//! Same protocol and defaults as client-go's leaderelection (15 s lease, 10 s renew deadline,
+//! 2 s retry), made safe against overlap:
+//! - every renewal is bounded by the time left to the deadline, counted from when the last
+//!   successful renewal was *sent* (not when its answer came back);
+//! - a standby judges expiry by its own monotonic clock, from when it last saw the record
+//!   change, never by comparing the holder's `renewTime` with its wall clock (clock skew);
+//! - transient API errors are retried within the deadline instead of ending the process;
+//! - the gate every write passes closes at `last renewal sent + renew deadline`, which is at
+//!   least `lease duration − renew deadline` before any standby may take over.
+//!
+//! Differences from client-go besides: a standby waits on a watch of the Lease instead of
+//! polling, and a leader that stops releases the Lease, so a standby takes over at once.
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
-use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use k8s_openapi::jiff::Timestamp;
 use kube::api::{ObjectMeta, PostParams};
 use kube::runtime::watcher;
-use kube::{Api, Client};
+use kube::{Api, Client, Config};
 use tokio_util::sync::CancellationToken;
 
 /// Where the Lease lives, who we are, and the timings.
@@ -24,7 +38,8 @@ pub struct LeaderElectionConfig {
     pub identity: String,
     /// How long a Lease is valid after its last renewal; a standby takes over after that.
     pub lease_duration: Duration,
-    /// A leader that could not renew for this long gives up (and the process exits).
+    /// A leader that could not renew for this long gives up (and the process exits). The
+    /// difference to the lease duration is the safety margin of the write gate.
     pub renew_deadline: Duration,
     /// How often the leader renews.
     pub retry_period: Duration,
@@ -48,6 +63,17 @@ impl LeaderElectionConfig {
     }
 }
 
+/// The client configuration for leader election: no retry layer (a retried renewal could
+/// outlive the deadline, the time limit is set per request instead) and socket timeouts, so a
+/// stalled connection fails instead of hanging.
+pub fn election_client_config(mut config: Config, cfg: &LeaderElectionConfig) -> Config {
+    config.default_retry = false;
+    config.connect_timeout = Some(cfg.retry_period);
+    config.read_timeout = Some(cfg.renew_deadline);
+    config.write_timeout = Some(cfg.renew_deadline);
+    config
+}
+
 /// Errors of leader election.
 #[derive(Debug, thiserror::Error)]
 #[allow(missing_docs)] // every variant says what failed in its message
@@ -56,6 +82,91 @@ pub enum LeaderError {
     Api { name: String, source: kube::Error },
     #[error("leadership lost: Lease {name} not renewed within {deadline:?}")]
     Lost { name: String, deadline: Duration },
+    #[error("leadership lost: Lease {name} is now held by {holder:?}")]
+    TakenOver { name: String, holder: String },
+}
+
+/// Whether this process may write: always without leader election; with it, only while the
+/// lease it last renewed is valid with a margin, judged on the monotonic clock. A process
+/// that was stopped (SIGSTOP, a VM pause) or cut off finds the gate closed when it runs again,
+/// before it learns anything from the apiserver.
+#[derive(Clone, Debug)]
+pub struct WriteGate {
+    inner: Arc<GateInner>,
+}
+
+#[derive(Debug)]
+struct GateInner {
+    base: Instant,
+    enforced: AtomicBool,
+    /// Nanoseconds after `base` until which writes may start; 0: closed.
+    open_until: AtomicU64,
+    refused: AtomicU64,
+}
+
+/// A write refused because this process may no longer be the leader.
+#[derive(Clone, Copy, Debug, thiserror::Error)]
+#[error("not the leader (the lease this process renewed may have expired): write refused")]
+pub struct NotLeader;
+
+impl Default for WriteGate {
+    fn default() -> Self {
+        WriteGate {
+            inner: Arc::new(GateInner {
+                base: Instant::now(),
+                enforced: AtomicBool::new(false),
+                open_until: AtomicU64::new(0),
+                refused: AtomicU64::new(0),
+            }),
+        }
+    }
+}
+
+impl WriteGate {
+    /// A gate that lets every write through until [`WriteGate::enforce`].
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// From now on writes pass only while a renewal holds the gate open.
+    pub fn enforce(&self) {
+        self.inner.open_until.store(0, Ordering::SeqCst);
+        self.inner.enforced.store(true, Ordering::SeqCst);
+    }
+
+    /// Lets writes start until `until`.
+    pub fn open_until(&self, until: Instant) {
+        let ns = until.saturating_duration_since(self.inner.base).as_nanos();
+        let ns = u64::try_from(ns).unwrap_or(u64::MAX).max(1);
+        self.inner.open_until.store(ns, Ordering::SeqCst);
+    }
+
+    /// Refuses every write from now on.
+    pub fn close(&self) {
+        self.inner.open_until.store(0, Ordering::SeqCst);
+    }
+
+    /// `Ok` if a write may start now.
+    pub fn check(&self) -> Result<(), NotLeader> {
+        if !self.inner.enforced.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        let until = self.inner.open_until.load(Ordering::SeqCst);
+        let now = Instant::now()
+            .saturating_duration_since(self.inner.base)
+            .as_nanos();
+        if until != 0 && now < u128::from(until) {
+            Ok(())
+        } else {
+            self.inner.refused.fetch_add(1, Ordering::Relaxed);
+            Err(NotLeader)
+        }
+    }
+
+    /// How many writes the gate refused.
+    pub fn refused(&self) -> u64 {
+        self.inner.refused.load(Ordering::Relaxed)
+    }
 }
 
 /// Acquires, renews and releases one Lease.
@@ -63,35 +174,45 @@ pub enum LeaderError {
 pub struct LeaderElector {
     api: Api<Lease>,
     cfg: LeaderElectionConfig,
+    gate: WriteGate,
 }
 
 fn now() -> MicroTime {
     MicroTime(Timestamp::now())
 }
 
-/// Whether `lease` may be taken by `identity` at `now`: free, expired, or already ours.
-pub fn claimable(lease: &Lease, identity: &str, now: Timestamp) -> bool {
+/// The Lease's record: what changes when its holder renews or another replica takes it.
+fn record(lease: &Lease) -> Option<&LeaseSpec> {
+    lease.spec.as_ref()
+}
+
+/// Whether `lease` may be taken by `identity`: free, ours, or unchanged for its duration since
+/// `seen_change` (on this process's monotonic clock) at `now`.
+pub fn claimable(lease: &Lease, identity: &str, seen_change: Instant, now: Instant) -> bool {
     let Some(spec) = &lease.spec else { return true };
     match spec.holder_identity.as_deref() {
         None | Some("") => true,
         Some(h) if h == identity => true,
-        Some(_) => expiry(spec).is_none_or(|e| e <= now),
+        Some(_) => {
+            let secs = u64::try_from(spec.lease_duration_seconds.unwrap_or(0)).unwrap_or(0);
+            now.saturating_duration_since(seen_change) >= Duration::from_secs(secs)
+        }
     }
 }
 
-/// When the current holder's claim runs out.
-fn expiry(spec: &LeaseSpec) -> Option<Timestamp> {
-    let renewed = spec.renew_time.as_ref().or(spec.acquire_time.as_ref())?.0;
-    let secs = i64::from(spec.lease_duration_seconds.unwrap_or(0));
-    renewed.checked_add(SignedDuration::from_secs(secs)).ok()
+/// The outcome of one renewal attempt.
+enum Renewal {
+    Held,
+    TakenBy(String),
 }
 
 impl LeaderElector {
-    /// An elector for `cfg`'s Lease.
-    pub fn new(client: Client, cfg: LeaderElectionConfig) -> Self {
+    /// An elector for `cfg`'s Lease. Give it a client from [`election_client_config`].
+    pub fn new(client: Client, cfg: LeaderElectionConfig, gate: WriteGate) -> Self {
         LeaderElector {
             api: Api::namespaced(client, &cfg.namespace),
             cfg,
+            gate,
         }
     }
 
@@ -107,9 +228,16 @@ impl LeaderElector {
         }
     }
 
-    /// One attempt to take or renew the Lease, given its last known state. Returns whether we
-    /// hold it; a write conflict (someone else was faster) is `false`, not an error.
-    async fn try_hold(&self, live: Option<Lease>) -> Result<bool, LeaderError> {
+    fn lost(&self) -> LeaderError {
+        LeaderError::Lost {
+            name: self.cfg.name.clone(),
+            deadline: self.cfg.renew_deadline,
+        }
+    }
+
+    /// Writes us in as holder (taking over `live` if it is given). `Ok(false)`: someone else
+    /// wrote first (a conflict), which is not an error.
+    async fn write(&self, live: Option<Lease>) -> Result<bool, LeaderError> {
         let t = now();
         let duration = i32::try_from(self.cfg.lease_duration.as_secs()).unwrap_or(i32::MAX);
         let result = match live {
@@ -132,9 +260,6 @@ impl LeaderElector {
                 self.api.create(&PostParams::default(), &lease).await
             }
             Some(mut lease) => {
-                if !claimable(&lease, &self.cfg.identity, t.0) {
-                    return Ok(false);
-                }
                 let spec = lease.spec.get_or_insert_with(Default::default);
                 if spec.holder_identity.as_deref() != Some(self.cfg.identity.as_str()) {
                     spec.holder_identity = Some(self.cfg.identity.clone());
@@ -157,89 +282,153 @@ impl LeaderElector {
         }
     }
 
-    /// Waits until this replica holds the Lease; `Ok(false)` if `cancel` fired first.
-    pub async fn acquire(&self, cancel: &CancellationToken) -> Result<bool, LeaderError> {
+    /// Waits until this replica holds the Lease and opens the gate; returns the renewal
+    /// deadline to give [`LeaderElector::renew`], or `None` if `cancel` fired first. API errors
+    /// are logged and retried.
+    pub async fn acquire(&self, cancel: &CancellationToken) -> Result<Option<Instant>, LeaderError> {
         let cfg = watcher::Config::default().fields(&format!("metadata.name={}", self.cfg.name));
         let mut events = watcher(self.api.clone(), cfg).boxed();
+        // The record as last seen, and when (monotonic) it was seen to change.
         let mut live: Option<Lease> = None;
+        let mut seen_change = Instant::now();
         let mut synced = false;
-        loop {
-            // Lost a race or the Lease is held: look again at its expiry or its next change.
-            if synced && self.try_hold(live.clone()).await? {
-                return Ok(true);
+        fn observe(l: Option<Lease>, live: &mut Option<Lease>, seen_change: &mut Instant) {
+            if l.as_ref().and_then(record) != live.as_ref().and_then(record) {
+                *seen_change = Instant::now();
             }
-            let wait = match live.as_ref().and_then(|l| l.spec.as_ref()).and_then(expiry) {
-                Some(e) => Duration::try_from(Timestamp::now().duration_until(e))
-                    .unwrap_or_default()
-                    .clamp(Duration::from_millis(100), self.cfg.lease_duration),
-                None => self.cfg.retry_period,
+            *live = l;
+        }
+        loop {
+            if synced {
+                let claim = match &live {
+                    None => true,
+                    Some(l) => claimable(l, &self.cfg.identity, seen_change, Instant::now()),
+                };
+                if claim {
+                    let sent = Instant::now();
+                    let attempt = tokio::time::timeout(self.cfg.renew_deadline, self.write(live.clone()));
+                    match attempt.await {
+                        Ok(Ok(true)) => {
+                            let deadline = sent + self.cfg.renew_deadline;
+                            self.gate.open_until(deadline);
+                            return Ok(Some(deadline));
+                        }
+                        Ok(Ok(false)) => {}
+                        Ok(Err(e)) => tracing::warn!(error = %e, "taking the Lease failed; retrying"),
+                        Err(_) => {
+                            tracing::warn!(lease = %self.cfg.name, "taking the Lease timed out; retrying")
+                        }
+                    }
+                }
+            }
+            // Look again when the holder's claim would run out, or on its next change.
+            let wait = match live.as_ref().and_then(|l| l.spec.as_ref()) {
+                Some(s) if s.holder_identity.as_deref().is_some_and(|h| !h.is_empty()) => {
+                    let secs = u64::try_from(s.lease_duration_seconds.unwrap_or(0)).unwrap_or(0);
+                    (seen_change + Duration::from_secs(secs))
+                        .saturating_duration_since(Instant::now())
+                        .clamp(Duration::from_millis(100), self.cfg.lease_duration)
+                }
+                _ => self.cfg.retry_period,
             };
             tokio::select! {
-                _ = cancel.cancelled() => return Ok(false),
+                _ = cancel.cancelled() => return Ok(None),
                 _ = tokio::time::sleep(wait), if synced => {
-                    live = self.api.get_opt(&self.cfg.name).await.map_err(|e| self.err(e))?;
+                    match tokio::time::timeout(self.cfg.retry_period, self.api.get_opt(&self.cfg.name)).await {
+                        Ok(Ok(l)) => { observe(l, &mut live, &mut seen_change); }
+                        Ok(Err(e)) => tracing::warn!(error = %e, lease = %self.cfg.name, "reading the Lease failed; retrying"),
+                        Err(_) => tracing::warn!(lease = %self.cfg.name, "reading the Lease timed out; retrying"),
+                    }
                 }
                 ev = events.next() => match ev {
-                    Some(Ok(watcher::Event::Apply(l) | watcher::Event::InitApply(l))) => live = Some(l),
-                    Some(Ok(watcher::Event::Delete(_))) => live = None,
-                    Some(Ok(watcher::Event::Init)) => live = None,
+                    Some(Ok(watcher::Event::Apply(l) | watcher::Event::InitApply(l))) => { observe(Some(l), &mut live, &mut seen_change); }
+                    Some(Ok(watcher::Event::Delete(_))) => { observe(None, &mut live, &mut seen_change); }
+                    Some(Ok(watcher::Event::Init)) => {}
                     Some(Ok(watcher::Event::InitDone)) => synced = true,
                     Some(Err(e)) => {
                         tracing::warn!(error = %e, lease = %self.cfg.name, "watching the Lease failed; retrying");
                         tokio::time::sleep(self.cfg.retry_period).await;
                     }
-                    None => return Err(self.err(kube::Error::Service("Lease watch ended".into()))),
+                    None => {
+                        events = watcher(self.api.clone(), watcher::Config::default().fields(&format!("metadata.name={}", self.cfg.name))).boxed();
+                    }
                 },
             }
         }
     }
 
-    /// Renews every `retry_period` until `cancel` fires (`Ok`) or renewal fails for longer
-    /// than `renew_deadline` (`Err(Lost)`).
-    pub async fn renew(&self, cancel: &CancellationToken) -> Result<(), LeaderError> {
-        let mut last_ok = tokio::time::Instant::now();
+    /// One renewal: read the Lease, give up if someone else holds it, write a new stamp.
+    async fn renew_once(&self) -> Result<Renewal, LeaderError> {
+        let live = self.api.get_opt(&self.cfg.name).await.map_err(|e| self.err(e))?;
+        if let Some(holder) = live
+            .as_ref()
+            .and_then(|l| l.spec.as_ref()?.holder_identity.clone())
+            .filter(|h| !h.is_empty() && *h != self.cfg.identity)
+        {
+            return Ok(Renewal::TakenBy(holder));
+        }
+        if self.write(live).await? {
+            Ok(Renewal::Held)
+        } else {
+            Err(self.err(kube::Error::Service("the Lease changed while renewing".into())))
+        }
+    }
+
+    /// Renews every `retry_period` until `cancel` fires (`Ok`) or the Lease could not be
+    /// renewed before the deadline or was taken by another replica (`Err`; the gate is then
+    /// closed). Each attempt may only use the time left to the deadline.
+    pub async fn renew(&self, cancel: &CancellationToken, mut deadline: Instant) -> Result<(), LeaderError> {
         loop {
             tokio::select! {
                 _ = cancel.cancelled() => return Ok(()),
                 _ = tokio::time::sleep(self.cfg.retry_period) => {}
             }
-            let held = match self.api.get_opt(&self.cfg.name).await {
-                Ok(live) => {
-                    let ours = live
-                        .as_ref()
-                        .and_then(|l| l.spec.as_ref()?.holder_identity.as_deref())
-                        == Some(self.cfg.identity.as_str());
-                    // Someone else holds it: we lost it, whatever the deadline says.
-                    if !ours {
-                        return Err(LeaderError::Lost {
+            loop {
+                let sent = Instant::now();
+                let left = deadline.saturating_duration_since(sent);
+                if left.is_zero() {
+                    self.gate.close();
+                    return Err(self.lost());
+                }
+                match tokio::time::timeout(left, self.renew_once()).await {
+                    Ok(Ok(Renewal::Held)) => {
+                        deadline = sent + self.cfg.renew_deadline;
+                        self.gate.open_until(deadline);
+                        break;
+                    }
+                    Ok(Ok(Renewal::TakenBy(holder))) => {
+                        self.gate.close();
+                        return Err(LeaderError::TakenOver {
                             name: self.cfg.name.clone(),
-                            deadline: Duration::ZERO,
+                            holder,
                         });
                     }
-                    self.try_hold(live).await.unwrap_or_else(|e| {
-                        tracing::warn!(error = %e, "renewing the Lease failed");
-                        false
-                    })
+                    Ok(Err(e)) => {
+                        tracing::warn!(error = %e, ?left, "renewing the Lease failed; retrying within the deadline");
+                        let pause = (self.cfg.retry_period / 4)
+                            .min(deadline.saturating_duration_since(Instant::now()));
+                        tokio::select! {
+                            _ = cancel.cancelled() => return Ok(()),
+                            _ = tokio::time::sleep(pause) => {}
+                        }
+                    }
+                    Err(_) => {
+                        self.gate.close();
+                        return Err(self.lost());
+                    }
                 }
-                Err(e) => {
-                    tracing::warn!(error = %e, "reading the Lease failed");
-                    false
-                }
-            };
-            if held {
-                last_ok = tokio::time::Instant::now();
-            } else if last_ok.elapsed() > self.cfg.renew_deadline {
-                return Err(LeaderError::Lost {
-                    name: self.cfg.name.clone(),
-                    deadline: self.cfg.renew_deadline,
-                });
             }
         }
     }
 
     /// Gives the Lease up (if we still hold it) so a standby can take over immediately.
     pub async fn release(&self) -> Result<(), LeaderError> {
-        let Some(mut lease) = self.api.get_opt(&self.cfg.name).await.map_err(|e| self.err(e))? else {
+        self.gate.close();
+        let get = tokio::time::timeout(self.cfg.retry_period, self.api.get_opt(&self.cfg.name));
+        let Ok(got) = get.await else {
+            return Ok(());
+        };
+        let Some(mut lease) = got.map_err(|e| self.err(e))? else {
             return Ok(());
         };
         let Some(spec) = lease.spec.as_mut() else {
@@ -253,13 +442,11 @@ impl LeaderElector {
         spec.lease_duration_seconds = Some(1);
         spec.acquire_time = Some(t.clone());
         spec.renew_time = Some(t);
-        match self
-            .api
-            .replace(&self.cfg.name, &PostParams::default(), &lease)
-            .await
-        {
-            Ok(_) | Err(kube::Error::Api(_)) => Ok(()),
-            Err(e) => Err(self.err(e)),
+        let pp = PostParams::default();
+        let put = self.api.replace(&self.cfg.name, &pp, &lease);
+        match tokio::time::timeout(self.cfg.retry_period, put).await {
+            Err(_) | Ok(Ok(_)) | Ok(Err(kube::Error::Api(_))) => Ok(()),
+            Ok(Err(e)) => Err(self.err(e)),
         }
     }
 }
@@ -268,12 +455,12 @@ impl LeaderElector {
 mod tests {
     use super::*;
 
-    fn lease(holder: Option<&str>, renewed: i64, secs: i32) -> Lease {
+    fn lease(holder: Option<&str>, secs: i32) -> Lease {
         Lease {
             metadata: Default::default(),
             spec: Some(LeaseSpec {
                 holder_identity: holder.map(String::from),
-                renew_time: Some(MicroTime(Timestamp::from_second(renewed).unwrap())),
+                renew_time: Some(MicroTime(Timestamp::from_second(100).unwrap())),
                 lease_duration_seconds: Some(secs),
                 ..Default::default()
             }),
@@ -281,12 +468,32 @@ mod tests {
     }
 
     #[test]
-    fn a_lease_is_claimable_when_free_expired_or_ours() {
-        let at = |s| Timestamp::from_second(s).unwrap();
-        assert!(claimable(&lease(None, 100, 15), "me", at(101)));
-        assert!(claimable(&lease(Some(""), 100, 15), "me", at(101)));
-        assert!(claimable(&lease(Some("me"), 100, 15), "me", at(101)));
-        assert!(!claimable(&lease(Some("other"), 100, 15), "me", at(114)));
-        assert!(claimable(&lease(Some("other"), 100, 15), "me", at(115)));
+    fn a_lease_is_claimable_when_free_ours_or_unchanged_for_its_duration() {
+        let seen = Instant::now();
+        let at = |s| seen + Duration::from_secs(s);
+        assert!(claimable(&lease(None, 15), "me", seen, at(0)));
+        assert!(claimable(&lease(Some(""), 15), "me", seen, at(0)));
+        assert!(claimable(&lease(Some("me"), 15), "me", seen, at(0)));
+        assert!(!claimable(&lease(Some("other"), 15), "me", seen, at(14)));
+        assert!(claimable(&lease(Some("other"), 15), "me", seen, at(15)));
+        // The holder's renewTime (here far in the past by any wall clock) does not matter:
+        // only how long this process has seen the record unchanged.
+        assert!(!claimable(&lease(Some("other"), 15), "me", seen, at(1)));
+    }
+
+    #[test]
+    fn the_gate_is_open_until_enforced_then_only_while_renewed() {
+        let gate = WriteGate::new();
+        assert!(gate.check().is_ok());
+        gate.enforce();
+        assert!(gate.check().is_err());
+        gate.open_until(Instant::now() + Duration::from_secs(60));
+        assert!(gate.check().is_ok());
+        gate.open_until(Instant::now() - Duration::from_millis(1));
+        assert!(gate.check().is_err());
+        gate.open_until(Instant::now() + Duration::from_secs(60));
+        gate.close();
+        assert!(gate.check().is_err());
+        assert_eq!(gate.refused(), 3);
     }
 }

@@ -11,7 +11,7 @@ use kube::Client;
 use tokio_util::sync::CancellationToken;
 
 use crate::context::ControllerContext;
-use crate::leader::{LeaderElectionConfig, LeaderElector, LeaderError};
+use crate::leader::{LeaderElectionConfig, LeaderElector, LeaderError, WriteGate};
 use crate::metrics::Metrics;
 use crate::reconciler::Reconciler;
 use crate::runtime::{self, Synced};
@@ -85,6 +85,8 @@ pub struct Manager {
     scope: Scope,
     concurrency: u16,
     controllers: Vec<Registered>,
+    gate: WriteGate,
+    election_client: Option<Client>,
 }
 
 impl Manager {
@@ -98,7 +100,22 @@ impl Manager {
             scope: Scope::all(),
             concurrency: DEFAULT_CONCURRENCY,
             controllers: Vec::new(),
+            gate: WriteGate::new(),
+            election_client: None,
         }
+    }
+
+    /// The client leader election uses (default: the controllers'). Build it from
+    /// [`crate::leader::election_client_config`]: without retries and with socket timeouts.
+    pub fn with_election_client(mut self, client: Client) -> Self {
+        self.election_client = Some(client);
+        self
+    }
+
+    /// The gate every write of the controllers passes; with leader election it is open only
+    /// while this replica's lease is certainly valid.
+    pub fn write_gate(&self) -> &WriteGate {
+        &self.gate
     }
 
     /// The namespaces controllers added from now on watch.
@@ -139,6 +156,7 @@ impl Manager {
             self.client.clone(),
             self.metrics.for_controller(name),
             self.shutdown.clone(),
+            self.gate.clone(),
         );
         let namespaces = match self.scope.list() {
             None => vec![None],
@@ -157,14 +175,18 @@ impl Manager {
 
     /// Serves the HTTP endpoints and runs every controller until SIGTERM, SIGINT or the
     /// shutdown token; then lets in-flight reconciles finish (bounded by the timeout). With
-    /// leader election, controllers start only once the Lease is held, the process stops with
-    /// an error if it is lost, and it is released on the way out.
+    /// leader election, controllers start only once the Lease is held and every write passes
+    /// the [`WriteGate`]; if the Lease is lost the controllers are aborted at once (no drain:
+    /// another replica may already lead) and the manager returns the error; on a normal stop
+    /// the Lease is released.
     pub async fn run(self, opts: ManagerOptions) -> Result<(), ManagerError> {
         let Manager {
             client,
             metrics,
             shutdown,
             controllers,
+            gate,
+            election_client,
             ..
         } = self;
         let readiness: Vec<(&'static str, Arc<AtomicBool>)> =
@@ -190,25 +212,26 @@ impl Manager {
         let elector = opts
             .leader_election
             .clone()
-            .map(|cfg| LeaderElector::new(client.clone(), cfg));
+            .map(|cfg| LeaderElector::new(election_client.unwrap_or(client.clone()), cfg, gate.clone()));
         let mut renewal = None;
         let lost = CancellationToken::new();
         if let Some(e) = &elector {
             // A standby is healthy and ready (to take over); readiness then tracks the
             // controllers' caches once this replica leads.
             set_all(&controllers, true);
+            gate.enforce();
             tracing::info!(identity = e.identity(), "waiting to become the leader");
-            if !e.acquire(&shutdown).await? {
+            let Some(deadline) = e.acquire(&shutdown).await? else {
                 tracing::info!("manager stopped before becoming the leader");
                 stop(signals, http);
                 return Ok(());
-            }
+            };
             tracing::info!(identity = e.identity(), "became the leader");
             set_all(&controllers, false);
             let (shutdown, lost) = (shutdown.clone(), lost.clone());
             let e = e.clone();
             renewal = Some(tokio::spawn(async move {
-                let r = e.renew(&shutdown).await;
+                let r = e.renew(&shutdown, deadline).await;
                 if let Err(err) = &r {
                     tracing::error!(error = %err, "leader election lost, stopping");
                     lost.cancel();
@@ -219,10 +242,13 @@ impl Manager {
         }
 
         let mut running = futures::stream::FuturesUnordered::new();
+        let mut aborts = Vec::new();
         for c in controllers {
             tracing::info!(controller = c.name, "starting controller");
             let name = c.name;
-            running.push(tokio::spawn(c.run).map(move |r| (name, r)));
+            let task = tokio::spawn(c.run);
+            aborts.push(task.abort_handle());
+            running.push(task.map(move |r| (name, r)));
         }
         let mut result = Ok(());
         let drain = async {
@@ -237,6 +263,10 @@ impl Manager {
         tokio::pin!(drain);
         tokio::select! {
             _ = &mut drain => {},
+            _ = lost.cancelled() => {
+                aborts.iter().for_each(|a| a.abort());
+                tracing::warn!("controllers aborted: leadership lost");
+            }
             _ = async { shutdown.cancelled().await; tokio::time::sleep(opts.shutdown_timeout).await } => {
                 tracing::warn!(timeout = ?opts.shutdown_timeout, "controllers did not stop in time");
             }

@@ -47,6 +47,7 @@ pub struct Metrics {
     failures: Family<ErrorLabels, Counter>,
     duration: Family<ControllerLabel, Histogram, fn() -> Histogram>,
     writes: Family<WriteLabels, Counter>,
+    refused: Family<ControllerLabel, Counter>,
     totals: Arc<Mutex<HashMap<String, Arc<Totals>>>>,
 }
 
@@ -73,6 +74,7 @@ impl Default for Metrics {
             duration_histogram as fn() -> Histogram,
         );
         let writes = Family::<WriteLabels, Counter>::default();
+        let refused = Family::<ControllerLabel, Counter>::default();
         registry.register(
             "reconcile",
             "Reconciles finished, by result (success, invalid, error)",
@@ -94,6 +96,11 @@ impl Default for Metrics {
             "Writes sent to the Kubernetes API, by verb",
             writes.clone(),
         );
+        registry.register(
+            "api_writes_refused",
+            "Writes not sent because this replica may no longer be the leader",
+            refused.clone(),
+        );
         Metrics {
             registry: Arc::new(registry),
             reconciles,
@@ -101,6 +108,7 @@ impl Default for Metrics {
             failures,
             duration,
             writes,
+            refused,
             totals: Arc::default(),
         }
     }
@@ -159,6 +167,11 @@ impl ControllerMetrics {
             category: category.to_string(),
         };
         self.metrics.failures.get_or_create(&l).inc();
+    }
+
+    /// Counts a write the leader-election gate refused.
+    pub fn write_refused(&self) {
+        self.metrics.refused.get_or_create(&self.label()).inc();
     }
 
     /// Counts one write to the API (`apply`, `apply_status`, `create`, `delete`, `event`).

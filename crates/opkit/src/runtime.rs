@@ -315,6 +315,10 @@ pub enum Error {
     Status { source: kube::Error },
     #[error("encoding: {0}")]
     Encode(#[from] serde_json::Error),
+    #[error("not the leader (its lease may have expired): write refused")]
+    NotLeader,
+    #[error("the object changed since it was read; planning again from the newer version")]
+    Stale,
 }
 
 impl Error {
@@ -327,6 +331,8 @@ impl Error {
             Error::Prune { .. } => "delete",
             Error::Status { .. } => "status",
             Error::Encode(_) => "encode",
+            Error::NotLeader => "not_leader",
+            Error::Stale => "stale",
         }
     }
 }
@@ -509,14 +515,14 @@ impl<R: Reconciler> Runner<R> {
         match child.mode {
             Mode::Apply | Mode::Fields => {
                 let pp = PatchParams::apply(self.ctx.field_manager()).force();
-                self.ctx.metrics().write("apply");
+                self.ctx.may_write("apply")?;
                 api.patch(&child.name, &pp, &Patch::Apply(&child.body))
                     .await
                     .map_err(err)?;
             }
             Mode::Create => {
                 let obj: DynamicObject = serde_json::from_value(child.body.clone())?;
-                self.ctx.metrics().write("create");
+                self.ctx.may_write("create")?;
                 match api.create(&PostParams::default(), &obj).await {
                     Ok(_) => {}
                     Err(kube::Error::Api(s)) if s.code == 409 => {
@@ -535,7 +541,7 @@ impl<R: Reconciler> Runner<R> {
     async fn delete_object(&self, obj: &R::Object) -> Result<(), Error> {
         let api: Api<R::Object> =
             Api::namespaced(self.ctx.client().clone(), &obj.namespace().unwrap_or_default());
-        self.ctx.metrics().write("delete");
+        self.ctx.may_write("delete")?;
         let dp = DeleteParams {
             preconditions: Some(kube::api::Preconditions {
                 uid: obj.uid(),
@@ -555,7 +561,7 @@ impl<R: Reconciler> Runner<R> {
 
     async fn prune(&self, ns: &str, resource: &ApiResource, name: &str) -> Result<(), Error> {
         let api: Api<DynamicObject> = Api::namespaced_with(self.ctx.client().clone(), ns, resource);
-        self.ctx.metrics().write("delete");
+        self.ctx.may_write("delete")?;
         tracing::info!(
             kind = resource.kind,
             name,
@@ -578,19 +584,24 @@ impl<R: Reconciler> Runner<R> {
         if is_subset(&desired, &live) {
             return Ok(false);
         }
+        // The resourceVersion the plan saw is a precondition: a plan made from a stale cache
+        // (another replica or reconcile wrote since) gets a conflict and is made again from
+        // the newer object, so a status never goes backwards and its Events are not repeated.
         let body = serde_json::json!({
             "apiVersion": R::Object::api_version(&()),
             "kind": R::Object::kind(&()),
+            "metadata": {"resourceVersion": obj.resource_version()},
             "status": desired,
         });
         let api: Api<R::Object> =
             Api::namespaced(self.ctx.client().clone(), &obj.namespace().unwrap_or_default());
         let pp = PatchParams::apply(self.ctx.field_manager()).force();
-        self.ctx.metrics().write("apply_status");
-        api.patch_status(&obj.name_any(), &pp, &Patch::Apply(&body))
-            .await
-            .map_err(|source| Error::Status { source })?;
-        Ok(true)
+        self.ctx.may_write("apply_status")?;
+        match api.patch_status(&obj.name_any(), &pp, &Patch::Apply(&body)).await {
+            Ok(_) => Ok(true),
+            Err(kube::Error::Api(s)) if s.code == 409 => Err(Error::Stale),
+            Err(source) => Err(Error::Status { source }),
+        }
     }
 
     /// Records an invalid spec as a condition on the live status (every other status field

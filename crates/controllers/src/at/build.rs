@@ -55,8 +55,13 @@ pub enum Next {
     Invalid(String),
     /// Not due yet; look again after `after` (at most `MAX_WAIT`).
     Wait { due: Timestamp, after: Duration },
-    /// Due or overdue: start the Pod.
+    /// Due or overdue: record the intent to run (phase RUNNING, reason `Starting`) before
+    /// any Pod exists, so that whatever fails afterwards the command is started at most once.
     Start { due: Timestamp },
+    /// The intent is recorded and no Pod exists: create it, once.
+    Create { due: Timestamp },
+    /// The Pod exists but its start is not recorded yet: record it.
+    Started { due: Timestamp },
     /// The Pod runs; its watch brings the next change.
     Running,
     /// The Pod ended, or vanished while running.
@@ -68,8 +73,13 @@ pub enum Next {
 /// Decides the next step. `pod` is the `At`'s Pod as last seen (`None`: it does not exist).
 pub fn next(at: &At, pod: Option<&Pod>, now: Timestamp) -> Next {
     let phase = at.status.as_ref().and_then(|s| s.phase).unwrap_or_default();
+    let due = || parse_schedule(&at.spec.schedule).unwrap_or(now);
     match phase {
         Phase::Done => Next::Done,
+        Phase::Running if starting(at) => match pod {
+            None => Next::Create { due: due() },
+            Some(p) => finished(p, now).map_or_else(|| Next::Started { due: due() }, Next::Finish),
+        },
         Phase::Running => match pod {
             None => Next::Finish(Finished {
                 outcome: Outcome::Failed,
@@ -85,7 +95,11 @@ pub fn next(at: &At, pod: Option<&Pod>, now: Timestamp) -> Next {
         },
         Phase::Pending => match parse_schedule(&at.spec.schedule) {
             Err(msg) => Next::Invalid(msg),
-            Ok(due) if due <= now => Next::Start { due },
+            Ok(due) if due <= now => match pod {
+                // Started before its start was recorded (by an older opkit): record it.
+                Some(_) => Next::Started { due },
+                None => Next::Start { due },
+            },
             Ok(due) => {
                 let wait = now.duration_until(due);
                 // Round up to the millisecond so a timer never fires just before the schedule.
@@ -98,6 +112,14 @@ pub fn next(at: &At, pod: Option<&Pod>, now: Timestamp) -> Next {
             }
         },
     }
+}
+
+/// Whether the At recorded the intent to start its Pod but not yet that the Pod exists.
+pub fn starting(at: &At) -> bool {
+    at.status.as_ref().is_some_and(|s| {
+        opkit::conditions::find(&s.conditions, super::condition::SUCCEEDED)
+            .is_some_and(|c| c.reason == super::reason::STARTING)
+    })
 }
 
 /// The Pod status reason the kubelet sets when `activeDeadlineSeconds` ran out.

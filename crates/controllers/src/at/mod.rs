@@ -25,7 +25,7 @@ use opkit_api::at::{At, AtStatus, Outcome, Phase};
 
 pub use build::{
     CONTAINER, Finished, MAX_WAIT, Next, build_pod, controlled_by, finished, next, parse_schedule, pod_name,
-    selector,
+    selector, starting,
 };
 pub use webhook::{AT_HORIZON_YEARS, validate_at, webhooks};
 
@@ -44,6 +44,7 @@ pub mod reason {
     pub const INVALID_SCHEDULE: &str = "InvalidSchedule";
     pub const INVALID_SPEC: &str = "InvalidSpec";
     pub const WAITING: &str = "Waiting";
+    pub const STARTING: &str = "Starting";
     pub const RUNNING: &str = "Running";
     pub const STARTED: &str = "Started";
     pub const COMMAND_SUCCEEDED: &str = "CommandSucceeded";
@@ -207,7 +208,8 @@ pub fn plan(at: &At, pod: Option<&Pod>, now: Timestamp) -> Result<Plan<AtStatus>
         let message = opkit_api::name_too_long(opkit_api::at::MAX_NAME, opkit_api::at::NAME_LIMIT_REASON);
         return Err(invalid(reason::INVALID_SPEC, message));
     }
-    Ok(match next(at, pod, now) {
+    let step = next(at, pod, now);
+    Ok(match step {
         Next::Done => expire(at, now),
         Next::Invalid(msg) => return Err(invalid(reason::INVALID_SCHEDULE, msg)),
         Next::Wait { due, after } => Plan::status(
@@ -229,12 +231,32 @@ pub fn plan(at: &At, pod: Option<&Pod>, now: Timestamp) -> Result<Plan<AtStatus>
             },
             Requeue::After(after),
         ),
-        Next::Start { due } => {
-            let desired = build_pod(at).map_err(|m| invalid(reason::INVALID_SPEC, m))?;
-            let status = AtStatus {
+        Next::Start { due } => Plan::status(
+            AtStatus {
                 phase: Some(Phase::Running),
                 pod_name: Some(name.clone()),
                 start_time: Some(Time(now)),
+                conditions: cond(&[
+                    Desired::yes(
+                        condition::SCHEDULED,
+                        reason::VALID,
+                        format!("ran at {}", fmt_time(due)),
+                    ),
+                    Desired::unknown(
+                        condition::SUCCEEDED,
+                        reason::STARTING,
+                        format!("starting Pod {name}"),
+                    ),
+                ]),
+                ..base
+            },
+            Requeue::After(MAX_WAIT),
+        ),
+        Next::Create { due } | Next::Started { due } => {
+            let status = AtStatus {
+                phase: Some(Phase::Running),
+                pod_name: Some(name.clone()),
+                start_time: live.start_time.clone().or(Some(Time(now))),
                 conditions: cond(&[
                     Desired::yes(
                         condition::SCHEDULED,
@@ -259,9 +281,11 @@ pub fn plan(at: &At, pod: Option<&Pod>, now: Timestamp) -> Result<Plan<AtStatus>
                 "Start",
                 note,
             ));
-            // A Pod already there is the one this At started before a restart.
-            if pod.is_none() {
-                p = p.child(Child::apply(&desired, None));
+            if matches!(step, Next::Create { .. }) {
+                // Create, not apply: a Pod of that name that appeared meanwhile fails the
+                // write (a retry then finds it) instead of being written over.
+                let desired = build_pod(at).map_err(|m| invalid(reason::INVALID_SPEC, m))?;
+                p = p.child(Child::create(&desired, None));
             }
             p
         }
@@ -390,22 +414,73 @@ mod tests {
         assert_eq!(cond(&s, condition::SUCCEEDED).reason, reason::WAITING);
     }
 
+    /// The At after `p`'s status was written.
+    fn after(a: &At, p: &Plan<AtStatus>) -> At {
+        let mut next = a.clone();
+        next.status = p.status.clone().or(next.status);
+        next
+    }
+
     #[test]
-    fn due_starts_the_pod_records_running_and_says_so() {
-        let p = plan(&at(None), None, ts("2026-01-01T10:00:00.5Z")).unwrap();
-        assert_eq!(p.children.len(), 1);
-        assert_eq!(p.children[0].name(), "example-at-pod");
-        let s = p.status.unwrap();
+    fn due_records_the_intent_first_then_creates_the_pod_once_and_says_so() {
+        let a = at(None);
+        let now = ts("2026-01-01T10:00:00.5Z");
+        let intent = plan(&a, None, now).unwrap();
+        assert!(
+            intent.children.is_empty() && intent.events.is_empty(),
+            "no Pod before the intent is stored"
+        );
+        let s = intent.status.as_ref().unwrap();
         assert_eq!(
             (s.phase, s.pod_name.as_deref()),
             (Some(Phase::Running), Some("example-at-pod"))
         );
-        assert_eq!(p.events[0].reason, reason::STARTED);
-        assert!(
-            p.events[0].note.contains("0.5s after the schedule"),
-            "{:?}",
-            p.events
+        assert_eq!(cond(s, condition::SUCCEEDED).reason, reason::STARTING);
+
+        let a = after(&a, &intent);
+        let create = plan(&a, None, ts("2026-01-01T10:00:00.7Z")).unwrap();
+        assert_eq!(create.children.len(), 1);
+        assert_eq!(create.children[0].name(), "example-at-pod");
+        let s = create.status.as_ref().unwrap();
+        assert_eq!(cond(s, condition::SUCCEEDED).reason, reason::RUNNING);
+        assert_eq!(
+            s.start_time,
+            Some(Time(now)),
+            "startTime is when the intent was recorded"
         );
+        assert_eq!(create.events[0].reason, reason::STARTED);
+        assert!(
+            create.events[0].note.contains("0.7s after the schedule"),
+            "{:?}",
+            create.events
+        );
+
+        // Once the start is recorded, a missing Pod was deleted: never created again.
+        let a = after(&a, &create);
+        let gone = plan(&a, None, ts("2026-01-01T10:00:02Z")).unwrap();
+        assert!(gone.children.is_empty());
+        assert_eq!(gone.status.unwrap().reason.as_deref(), Some(reason::POD_DELETED));
+    }
+
+    #[test]
+    fn a_pod_found_after_the_intent_is_recorded_not_created_again() {
+        let a = at(None);
+        let a = after(&a, &plan(&a, None, ts("2026-01-01T10:00:01Z")).unwrap());
+        let running = plan(&a, Some(&pod(&a, "Running", None)), ts("2026-01-01T10:00:02Z")).unwrap();
+        assert!(running.children.is_empty());
+        assert_eq!(
+            cond(running.status.as_ref().unwrap(), condition::SUCCEEDED).reason,
+            reason::RUNNING
+        );
+        assert_eq!(running.events[0].reason, reason::STARTED);
+        let done = plan(
+            &a,
+            Some(&pod(&a, "Succeeded", Some(0))),
+            ts("2026-01-01T10:00:02Z"),
+        )
+        .unwrap();
+        assert!(done.children.is_empty());
+        assert_eq!(done.status.unwrap().phase, Some(Phase::Done));
     }
 
     #[test]
