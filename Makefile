@@ -41,6 +41,10 @@ testenv-build: ## Build (or find cached) the local control-plane binaries
 test: testenv-build ## Run every test: unit tests and controller tests on the real local control plane
 	cargo test --workspace
 
+.PHONY: chaos
+chaos: testenv-build ## Full chaos run: two replicas, 300 Memcacheds, 100 Ats, leader frozen/killed, apiserver/etcd restarted, etcd compacted, rolling restart
+	OPKIT_CHAOS=full cargo test -p opkit-operator --test chaos -- --nocapture
+
 .PHONY: bench
 bench: testenv-build ## Benchmark opkit vs the Go sample-controller vs a direct client (N=300; N=1000 make bench)
 	cargo build --release -p opkit-operator -p opkit-bench

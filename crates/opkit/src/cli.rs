@@ -252,17 +252,26 @@ fn init_logging(format: LogFormat) {
     }
 }
 
-/// Waits until the operator's CRDs are Established, so the controllers' first list does not fail.
+/// Waits until the operator's CRDs are Established, so the controllers' first list does not
+/// fail. An apiserver that cannot be reached yet (restarting, or the Pod network not up) is
+/// retried within the same minute instead of ending the process.
 async fn wait_for_crds(client: &Client, names: &[String]) -> anyhow::Result<()> {
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     for name in names {
-        let established = await_condition(crds.clone(), name, conditions::is_crd_established());
-        match tokio::time::timeout(Duration::from_secs(60), established).await {
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => bail!("waiting for CRD {name}: {e}"),
-            Err(_) => bail!(
-                "CRD {name} is not installed or not established (run `make install`, or `crd` piped to `kubectl apply -f -`)"
-            ),
+        loop {
+            let established = await_condition(crds.clone(), name, conditions::is_crd_established());
+            match tokio::time::timeout_at(deadline, established).await {
+                Ok(Ok(_)) => break,
+                Ok(Err(e)) if tokio::time::Instant::now() < deadline => {
+                    tracing::warn!(crd = %name, error = %e, "waiting for the CRD; retrying");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                Ok(Err(e)) => bail!("waiting for CRD {name}: {e}"),
+                Err(_) => bail!(
+                    "CRD {name} is not installed or not established (run `make install`, or `crd` piped to `kubectl apply -f -`)"
+                ),
+            }
         }
     }
     Ok(())

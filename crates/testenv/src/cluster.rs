@@ -47,6 +47,7 @@ pub struct ControlPlane {
     remove_dir: bool,
     binaries: Binaries,
     server: String,
+    etcd: String,
     components: Vec<Component>,
 }
 
@@ -120,6 +121,7 @@ impl ControlPlane {
             remove_dir,
             binaries,
             server: String::new(),
+            etcd: String::new(),
             components: Vec::new(),
         };
         let deadline = Instant::now() + opts.timeout;
@@ -153,6 +155,7 @@ impl ControlPlane {
 
         // etcd
         let (etcd_client, etcd_peer) = (free_port()?, free_port()?);
+        self.etcd = format!("127.0.0.1:{etcd_client}");
         self.launch(
             "etcd",
             vec![
@@ -401,6 +404,29 @@ impl ControlPlane {
     }
 }
 
+/// One JSON request to etcd's HTTP gateway.
+async fn etcd_post(
+    addr: std::net::SocketAddr,
+    path: &str,
+    body: &serde_json::Value,
+) -> Result<serde_json::Value> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let body = body.to_string();
+    let mut s = tokio::net::TcpStream::connect(addr).await?;
+    let req = format!(
+        "POST {path} HTTP/1.0\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).await?;
+    let (head, answer) = buf.split_once("\r\n\r\n").unwrap_or((&buf, ""));
+    if !head.starts_with("HTTP/1.0 200") && !head.starts_with("HTTP/1.1 200") {
+        return Err(Error::Setup(format!("etcd {path}: {head} {answer}")));
+    }
+    serde_json::from_str(answer).map_err(|e| Error::Setup(format!("etcd {path}: {e}: {answer}")))
+}
+
 /// Reads a kubeconfig file into a client config.
 pub async fn config_from_file(path: &Path) -> Result<Config> {
     let kc =
@@ -410,7 +436,69 @@ pub async fn config_from_file(path: &Path) -> Result<Config> {
         .map_err(|e| Error::Setup(format!("loading {}: {e}", path.display())))
 }
 
+/// Fault injection: what a test does to the control plane to prove an operator survives it.
 impl ControlPlane {
+    fn component(&mut self, name: &str) -> Result<&mut Component> {
+        self.components
+            .iter_mut()
+            .find(|c| c.name == name)
+            .ok_or_else(|| Error::Setup(format!("no component {name}")))
+    }
+
+    /// Stops a component (`etcd`, `kube-apiserver`, `kube-controller-manager`,
+    /// `kube-scheduler`, `kwok`) with SIGTERM and starts it again on the same ports and state;
+    /// after the apiserver or etcd, waits until the apiserver answers `/readyz` again.
+    pub async fn restart(&mut self, name: &str) -> Result<()> {
+        self.component(name)?.restart(Duration::from_secs(10))?;
+        if name == "kube-apiserver" || name == "etcd" {
+            self.wait_ready(Instant::now() + Duration::from_secs(60)).await?;
+        }
+        Ok(())
+    }
+
+    /// Freezes a component (SIGSTOP): its connections stay open but nothing is answered.
+    pub fn pause(&mut self, name: &str) -> Result<()> {
+        self.component(name)?.signal(nix::sys::signal::Signal::SIGSTOP)
+    }
+
+    /// Lets a paused component run again (SIGCONT).
+    pub fn resume(&mut self, name: &str) -> Result<()> {
+        self.component(name)?.signal(nix::sys::signal::Signal::SIGCONT)
+    }
+
+    /// Compacts etcd's history up to its current revision, so every watch that resumes from
+    /// an older resourceVersion gets `410 Gone` and must list again. Returns the revision.
+    pub async fn compact_etcd(&self) -> Result<u64> {
+        let addr: std::net::SocketAddr = self
+            .etcd
+            .parse()
+            .map_err(|e| Error::Setup(format!("etcd address {}: {e}", self.etcd)))?;
+        let revision =
+            |v: &serde_json::Value| -> Option<u64> { v.pointer("/header/revision")?.as_str()?.parse().ok() };
+        let head = etcd_post(addr, "/v3/kv/range", &serde_json::json!({"key": "AA=="})).await?;
+        let rev = revision(&head).ok_or_else(|| Error::Setup(format!("etcd range answered {head}")))?;
+        etcd_post(
+            addr,
+            "/v3/kv/compaction",
+            &serde_json::json!({"revision": rev.to_string(), "physical": true}),
+        )
+        .await?;
+        Ok(rev)
+    }
+
+    async fn wait_ready(&mut self, deadline: Instant) -> Result<()> {
+        let client = self.client().await?;
+        self.wait("kube-apiserver", deadline, "/readyz to answer ok", || {
+            let client = client.clone();
+            async move {
+                let req = http::Request::get("/readyz").body(Vec::new()).ok()?;
+                client.request_text(req).await.ok().filter(|t| t.trim() == "ok")
+            }
+        })
+        .await
+        .map(|_| ())
+    }
+
     /// Stops the components, the last started first.
     fn stop_components(&mut self) {
         while let Some(mut c) = self.components.pop() {

@@ -16,7 +16,8 @@ mod process;
 pub use binaries::{Binaries, Versions};
 pub use cluster::{ControlPlane, Options, config_from_file};
 pub use harness::{Shared, TestNamespace, http_get, shared, wait_for};
-pub use process::free_port;
+pub use nix::sys::signal::Signal;
+pub use process::{Component, free_port};
 
 /// Annotation that makes kwok finish a one-shot Pod with the given exit code (`Failed` unless
 /// 0). Without it the exit code comes from the script: `false` is 1, `exit N` is N, else 0.

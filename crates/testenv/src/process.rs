@@ -35,17 +35,36 @@ fn spawner() -> &'static Mutex<mpsc::Sender<SpawnRequest>> {
     })
 }
 
-/// One running control-plane process with its log file.
+/// One running process (a control-plane component or an operator under test) with its log
+/// file; it dies with the test process.
 #[derive(Debug)]
 pub struct Component {
+    /// The name it was started under (also its log file's name).
     pub name: String,
+    /// Where its stdout and stderr go.
     pub log: PathBuf,
     child: Child,
+    program: PathBuf,
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+    dir: PathBuf,
 }
 
 impl Component {
     /// Starts `program args...` with stdout and stderr appended to `<dir>/<name>.log`.
     pub fn start(name: &str, program: &Path, args: &[String], dir: &Path) -> Result<Component> {
+        Self::start_with_env(name, program, args, &[], dir)
+    }
+
+    /// [`Component::start`] with extra environment variables (an operator under test: its
+    /// `KUBECONFIG`, `POD_NAME`).
+    pub fn start_with_env(
+        name: &str,
+        program: &Path,
+        args: &[String],
+        env: &[(String, String)],
+        dir: &Path,
+    ) -> Result<Component> {
         let log = dir.join(format!("{name}.log"));
         let file = std::fs::OpenOptions::new().create(true).append(true).open(&log)?;
         let mut cmd = Command::new("setpriv");
@@ -55,6 +74,7 @@ impl Component {
             .arg(program)
             .args(args)
             .current_dir(dir)
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(file.try_clone()?)
             .stderr(file);
@@ -72,7 +92,32 @@ impl Component {
             name: name.to_string(),
             log,
             child,
+            program: program.to_path_buf(),
+            args: args.to_vec(),
+            env: env.to_vec(),
+            dir: dir.to_path_buf(),
         })
+    }
+
+    /// Stops the process (SIGTERM, SIGKILL after `grace`) and starts it again with the same
+    /// arguments, appending to the same log.
+    pub fn restart(&mut self, grace: Duration) -> Result<()> {
+        self.stop(grace);
+        let again = Component::start_with_env(&self.name, &self.program, &self.args, &self.env, &self.dir)?;
+        // The old value's Drop finds its child already reaped.
+        let _ = std::mem::replace(self, again);
+        Ok(())
+    }
+
+    /// Sends `signal` to the process (SIGSTOP to freeze it, SIGCONT to let it run again).
+    pub fn signal(&self, signal: Signal) -> Result<()> {
+        kill(Pid::from_raw(self.child.id() as i32), signal)
+            .map_err(|e| Error::Setup(format!("signalling {}: {e}", self.name)))
+    }
+
+    /// Whether the process has exited (and how), without waiting.
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
     }
 
     /// Returns an error naming the component with its log tail if it has exited.

@@ -1,0 +1,653 @@
+//! Two `opkit run --leader-elect` replicas on a control plane of their own, while objects are
+//! created and faults are injected: the leader frozen for longer than its lease, the leader
+//! killed, the apiserver and etcd restarted, etcd compacted (watches get `410 Gone`), the
+//! replicas rolled one by one. A supervisor restarts a replica that exits, as the kubelet
+//! would. Checked afterwards, from the apiserver's audit log and a Pod watch kept open all
+//! along: every At's Pod was created exactly once, every Memcached converged, and no replica
+//! wrote anything while another one held the Lease.
+//!
+//! `make test` runs the small version; `make chaos` (`OPKIT_CHAOS=full`) the full one.
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, anyhow, ensure};
+use futures::StreamExt;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Namespace, Pod, ServiceAccount};
+use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
+use kube::api::{Api, PostParams};
+use kube::runtime::{WatchStreamExt, watcher};
+use opkit_api::at::{At, Outcome, Phase};
+use opkit_api::memcached::Memcached;
+use opkit_testenv::{Component, ControlPlane, Options, Signal, wait_for};
+
+const NS: &str = "chaos";
+const LEASE: &str = "opkit-leader";
+const LEASE_SECONDS: u64 = 4;
+
+struct Scale {
+    memcacheds: usize,
+    ats: usize,
+    /// Seconds over which the Ats fall due.
+    spread: u64,
+}
+
+fn scale() -> Scale {
+    if std::env::var("OPKIT_CHAOS").as_deref() == Ok("full") {
+        Scale {
+            memcacheds: 300,
+            ats: 100,
+            spread: 150,
+        }
+    } else {
+        Scale {
+            memcacheds: 30,
+            ats: 12,
+            spread: 70,
+        }
+    }
+}
+
+/// The replicas, restarted by the supervisor when they exit (as a kubelet would).
+type Replicas = Arc<Mutex<Vec<Component>>>;
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn user(replica: &str) -> String {
+    format!("system:serviceaccount:{NS}:{replica}")
+}
+
+fn log(start: Instant, what: &str) {
+    println!("[{:6.1}s] {what}", start.elapsed().as_secs_f64());
+}
+
+async fn holder(leases: &Api<Lease>) -> String {
+    leases
+        .get_opt(LEASE)
+        .await
+        .ok()
+        .flatten()
+        .and_then(|l| l.spec?.holder_identity)
+        .unwrap_or_default()
+}
+
+/// Waits until the Lease is held by `replica` (identities are `<replica>_<pid>`), or by
+/// anyone when `replica` is empty; returns the holder's replica name.
+async fn wait_holder(leases: &Api<Lease>, replica: &str, timeout: Duration) -> anyhow::Result<String> {
+    wait_for(
+        &format!("the Lease to be held by {replica:?}"),
+        timeout,
+        || async {
+            let h = holder(leases).await;
+            let name = h.split('_').next().unwrap_or("").to_string();
+            if !name.is_empty() && (replica.is_empty() || name == replica) {
+                Ok(name)
+            } else {
+                Err(anyhow!("holder {h:?}"))
+            }
+        },
+    )
+    .await
+}
+
+fn replica_index(replicas: &Replicas, name: &str) -> usize {
+    let r = lock(replicas);
+    r.iter()
+        .position(|c| c.name == name)
+        .expect("a replica of that name")
+}
+
+/// A replica's kubeconfig: the admin one with the ServiceAccount's token, so the audit log
+/// tells the replicas apart.
+async fn kubeconfig_for(
+    cp: &ControlPlane,
+    client: &kube::Client,
+    sa: &str,
+) -> anyhow::Result<std::path::PathBuf> {
+    let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), NS);
+    sas.create(
+        &PostParams::default(),
+        &serde_json::from_value(serde_json::json!({"metadata": {"name": sa}}))?,
+    )
+    .await?;
+    let crbs: Api<ClusterRoleBinding> = Api::all(client.clone());
+    crbs.create(
+        &PostParams::default(),
+        &serde_json::from_value(serde_json::json!({
+            "metadata": {"name": format!("chaos-{sa}")},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "cluster-admin"},
+            "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": NS}],
+        }))?,
+    )
+    .await?;
+    let tr =
+        serde_json::from_value(serde_json::json!({"spec": {"audiences": [], "expirationSeconds": 7200}}))?;
+    let token = sas
+        .create_token_request(sa, &PostParams::default(), &tr)
+        .await?
+        .status
+        .context("no token")?
+        .token;
+    let admin = std::fs::read_to_string(cp.kubeconfig_path())?;
+    let cfg: String = admin
+        .lines()
+        .map(|l| {
+            if l.trim_start().starts_with("token:") {
+                format!("    token: {token}")
+            } else {
+                l.to_string()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    let path = cp.dir().join(format!("{sa}.kubeconfig"));
+    std::fs::write(&path, cfg + "\n")?;
+    Ok(path)
+}
+
+fn start_replica(cp: &ControlPlane, name: &str, kubeconfig: &Path) -> anyhow::Result<Component> {
+    let args: Vec<String> = [
+        "run",
+        "--controllers",
+        "memcached,at",
+        "--namespace",
+        NS,
+        "--leader-elect",
+        "--leader-election-namespace",
+        NS,
+        "--leader-elect-lease-duration",
+        &LEASE_SECONDS.to_string(),
+        "--leader-elect-renew-deadline",
+        "3",
+        "--leader-elect-retry-period",
+        "1",
+        "--shutdown-timeout",
+        "5",
+        "--metrics-bind-address",
+        "0",
+        "--health-probe-bind-address",
+        "0",
+        "--kubeconfig",
+        &kubeconfig.display().to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let env = vec![
+        ("POD_NAME".to_string(), name.to_string()),
+        (
+            "RUST_LOG".to_string(),
+            "info,opkit=debug,kube_runtime=warn".to_string(),
+        ),
+        ("RUST_BACKTRACE".to_string(), "0".to_string()),
+        ("NO_COLOR".to_string(), "1".to_string()),
+    ];
+    Ok(Component::start_with_env(
+        name,
+        Path::new(env!("CARGO_BIN_EXE_opkit")),
+        &args,
+        &env,
+        cp.dir(),
+    )?)
+}
+
+/// One request in the audit log.
+#[derive(Debug)]
+struct Audited {
+    user: String,
+    verb: String,
+    resource: String,
+    subresource: String,
+    name: String,
+    code: i64,
+    received: String,
+    done: String,
+}
+
+fn read_audit(path: &Path) -> anyhow::Result<Vec<Audited>> {
+    let text = std::fs::read_to_string(path)?;
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let v: serde_json::Value = serde_json::from_str(line)?;
+        if v["stage"] != "ResponseComplete" {
+            continue;
+        }
+        let s = |p: &str| v.pointer(p).and_then(|x| x.as_str()).unwrap_or("").to_string();
+        out.push(Audited {
+            user: s("/user/username"),
+            verb: s("/verb"),
+            resource: s("/objectRef/resource"),
+            subresource: s("/objectRef/subresource"),
+            name: s("/objectRef/name"),
+            code: v
+                .pointer("/responseStatus/code")
+                .and_then(|c| c.as_i64())
+                .unwrap_or(0),
+            received: s("/requestReceivedTimestamp"),
+            done: s("/stageTimestamp"),
+        });
+    }
+    Ok(out)
+}
+
+fn is_write(verb: &str) -> bool {
+    matches!(
+        verb,
+        "create" | "update" | "patch" | "delete" | "deletecollection"
+    )
+}
+
+/// Writes (other than to the Lease) by a replica received after another replica's successful
+/// Lease write and before its own next one: writes by a replica that was not the leader.
+/// RFC 3339 timestamps with the same precision and zone compare as strings.
+fn writes_while_not_leader(audit: &[Audited], replicas: &[&str]) -> Vec<String> {
+    let users: Vec<String> = replicas.iter().map(|r| user(r)).collect();
+    let mut lease_writes: Vec<(&str, &str)> = audit
+        .iter()
+        .filter(|a| a.resource == "leases" && a.name == LEASE && is_write(&a.verb) && a.code < 300)
+        .map(|a| (a.done.as_str(), a.user.as_str()))
+        .collect();
+    lease_writes.sort();
+    let mut bad = Vec::new();
+    for a in audit {
+        if !users.contains(&a.user) || !is_write(&a.verb) || a.resource == "leases" {
+            continue;
+        }
+        let leader = lease_writes
+            .iter()
+            .rev()
+            .find(|(t, _)| *t <= a.received.as_str())
+            .map(|(_, u)| *u);
+        if leader != Some(a.user.as_str()) {
+            bad.push(format!(
+                "{} {} {} {} at {} (last Lease write by {leader:?})",
+                a.user, a.verb, a.resource, a.name, a.received
+            ));
+        }
+    }
+    bad
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::Result<()> {
+    let scale = scale();
+    let start = Instant::now();
+    let mut cp = ControlPlane::start(Options {
+        audit_log: true,
+        ..Default::default()
+    })
+    .await?;
+    let client = cp.client().await?;
+    log(start, "control plane up");
+
+    let crds = std::process::Command::new(env!("CARGO_BIN_EXE_opkit"))
+        .arg("crd")
+        .output()?;
+    let mut apply = std::process::Command::new(cp.binaries().path("kubectl"))
+        .args(["apply", "--server-side", "-f", "-"])
+        .env("KUBECONFIG", cp.kubeconfig_path())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()?;
+    std::io::Write::write_all(apply.stdin.as_mut().context("stdin")?, &crds.stdout)?;
+    drop(apply.stdin.take());
+    ensure!(apply.wait()?.success(), "installing the CRDs failed");
+    let nss: Api<Namespace> = Api::all(client.clone());
+    nss.create(
+        &PostParams::default(),
+        &serde_json::from_value(serde_json::json!({"metadata": {"name": NS}}))?,
+    )
+    .await?;
+    wait_for("the default ServiceAccount", Duration::from_secs(30), || async {
+        Api::<ServiceAccount>::namespaced(client.clone(), NS)
+            .get("default")
+            .await
+            .map(|_| ())
+    })
+    .await?;
+
+    // Every Pod UID ever seen, by name, from one watch kept open all along.
+    let uids: Arc<Mutex<BTreeMap<String, BTreeSet<String>>>> = Arc::default();
+    let pods_watch = {
+        let uids = uids.clone();
+        let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+        tokio::spawn(async move {
+            let mut w = watcher(pods, watcher::Config::default())
+                .default_backoff()
+                .touched_objects()
+                .boxed();
+            while let Some(ev) = w.next().await {
+                if let Ok(p) = ev {
+                    let name = p.metadata.name.clone().unwrap_or_default();
+                    let uid = p.metadata.uid.clone().unwrap_or_default();
+                    lock(&uids).entry(name).or_default().insert(uid);
+                }
+            }
+        })
+    };
+
+    let names = ["opkit-a", "opkit-b"];
+    let mut kubeconfigs = Vec::new();
+    for n in names {
+        kubeconfigs.push(kubeconfig_for(&cp, &client, n).await?);
+    }
+    let replicas: Replicas = Arc::new(Mutex::new(Vec::new()));
+    lock(&replicas).push(start_replica(&cp, names[0], &kubeconfigs[0])?);
+    let leases: Api<Lease> = Api::namespaced(client.clone(), NS);
+    wait_holder(&leases, "opkit-a", Duration::from_secs(30)).await?;
+    lock(&replicas).push(start_replica(&cp, names[1], &kubeconfigs[1])?);
+    log(start, "opkit-a leads, opkit-b stands by");
+
+    // The supervisor: a replica that exits (leadership lost) is started again after 1 s.
+    let restarts = Arc::new(Mutex::new(Vec::<String>::new()));
+    let supervisor = {
+        let (replicas, restarts) = (replicas.clone(), restarts.clone());
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                let mut rs = lock(&replicas);
+                for r in rs.iter_mut() {
+                    if let Some(status) = r.exited() {
+                        let tail = opkit_testenv_tail(&r.log, 3);
+                        lock(&restarts).push(format!("{} exited with {status}: {tail}", r.name));
+                        let _ = r.restart(Duration::from_secs(1));
+                    }
+                }
+            }
+        })
+    };
+
+    // The workload: Ats falling due across the run, Memcacheds created all along.
+    let ats: Api<At> = Api::namespaced(client.clone(), NS);
+    let first_due = k8s_openapi::jiff::Timestamp::now() + k8s_openapi::jiff::SignedDuration::from_secs(10);
+    for i in 0..scale.ats {
+        let due = first_due
+            + k8s_openapi::jiff::SignedDuration::from_millis(
+                (scale.spread * 1000 * i as u64 / scale.ats as u64) as i64,
+            );
+        ats.create(
+            &PostParams::default(),
+            &serde_json::from_value(serde_json::json!({
+                "apiVersion": "cnat.programming-kubernetes.info/v1alpha1", "kind": "At",
+                "metadata": {"name": format!("at-{i}")},
+                "spec": {"schedule": due.strftime("%Y-%m-%dT%H:%M:%S%.3fZ").to_string(), "command": "echo YAY"},
+            }))?,
+        )
+        .await?;
+    }
+    let mcs: Api<Memcached> = Api::namespaced(client.clone(), NS);
+    let creator = {
+        let mcs = mcs.clone();
+        let n = scale.memcacheds;
+        let every = Duration::from_millis(scale.spread * 1000 / n as u64);
+        tokio::spawn(async move {
+            let mut i = 0;
+            while i < n {
+                let mc = serde_json::from_value(serde_json::json!({
+                    "apiVersion": "cache.example.com/v1", "kind": "Memcached",
+                    "metadata": {"name": format!("mc-{i}")}, "spec": {"size": 1},
+                }))
+                .expect("a Memcached");
+                match mcs.create(&PostParams::default(), &mc).await {
+                    Ok(_) => i += 1,
+                    Err(kube::Error::Api(s)) if s.code == 409 => i += 1,
+                    Err(_) => {} // the apiserver is restarting: try again
+                }
+                tokio::time::sleep(every).await;
+            }
+        })
+    };
+    log(start, "workload started");
+
+    // 1. The leader frozen for longer than its lease: the standby takes over, and the old
+    //    leader, once it runs again, writes nothing and leaves.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let a = replica_index(&replicas, "opkit-a");
+    lock(&replicas)[a].signal(Signal::SIGSTOP)?;
+    log(start, "SIGSTOP opkit-a (leader)");
+    wait_holder(&leases, "opkit-b", Duration::from_secs(LEASE_SECONDS + 10)).await?;
+    log(start, "opkit-b took over");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    lock(&replicas)[a].signal(Signal::SIGCONT)?;
+    log(start, "SIGCONT opkit-a");
+    wait_for(
+        "opkit-a to give up and be restarted",
+        Duration::from_secs(20),
+        || async {
+            if lock(&restarts).iter().any(|r| r.starts_with("opkit-a")) {
+                Ok(())
+            } else {
+                Err(anyhow!("opkit-a still running"))
+            }
+        },
+    )
+    .await?;
+
+    // 2. The leader killed: the standby takes over within the lease.
+    let b = replica_index(&replicas, "opkit-b");
+    lock(&replicas)[b].signal(Signal::SIGKILL)?;
+    log(start, "SIGKILL opkit-b (leader)");
+    wait_holder(&leases, "opkit-a", Duration::from_secs(LEASE_SECONDS + 10)).await?;
+    log(start, "opkit-a took over");
+
+    // 3-5. The apiserver restarted, etcd restarted, etcd compacted.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    cp.restart("kube-apiserver").await?;
+    log(start, "kube-apiserver restarted");
+    wait_holder(&leases, "", Duration::from_secs(30)).await?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    cp.restart("etcd").await?;
+    log(start, "etcd restarted");
+    wait_holder(&leases, "", Duration::from_secs(30)).await?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let rev = cp.compact_etcd().await?;
+    log(start, &format!("etcd compacted at revision {rev}"));
+
+    // 6. A rolling restart: each replica stopped gracefully and started again, one by one.
+    for name in names {
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let i = replica_index(&replicas, name);
+        lock(&replicas)[i].restart(Duration::from_secs(10))?;
+        log(start, &format!("{name} rolled"));
+        wait_holder(&leases, "", Duration::from_secs(30)).await?;
+    }
+
+    creator.await?;
+    log(start, "all objects created");
+
+    // Everything converges: each At ran, each Memcached has its Deployment and Pod.
+    let deadline = Duration::from_secs(scale.spread + 120);
+    wait_for("every At to be DONE", deadline, || async {
+        let list = ats.list(&Default::default()).await?;
+        let open: Vec<String> = list
+            .items
+            .iter()
+            .filter(|a| a.status.as_ref().and_then(|s| s.phase) != Some(Phase::Done))
+            .map(|a| a.metadata.name.clone().unwrap_or_default())
+            .collect();
+        if open.is_empty() {
+            Ok(())
+        } else {
+            Err(anyhow!("not DONE: {open:?}"))
+        }
+    })
+    .await?;
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), NS);
+    wait_for("every Memcached to converge", deadline, || async {
+        let list = mcs.list(&Default::default()).await?;
+        ensure!(
+            list.items.len() == scale.memcacheds,
+            "{} Memcacheds",
+            list.items.len()
+        );
+        let mut open = Vec::new();
+        for mc in &list.items {
+            let name = mc.metadata.name.clone().unwrap_or_default();
+            let nodes = mc.status.as_ref().map_or(0, |s| s.nodes.len());
+            let deployed = deployments.get_opt(&name).await?.is_some();
+            if !deployed || nodes != 1 {
+                open.push(name);
+            }
+        }
+        if open.is_empty() {
+            Ok(())
+        } else {
+            Err(anyhow!("{} not converged: {open:?}", open.len()))
+        }
+    })
+    .await?;
+    log(start, "converged");
+
+    // Let the audit log's last batch reach the file.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    supervisor.abort();
+    pods_watch.abort();
+    let audit = read_audit(&cp.dir().join("audit.log"))?;
+
+    let mut failures = Vec::new();
+    for a in ats.list(&Default::default()).await?.items {
+        let name = a.metadata.name.clone().unwrap_or_default();
+        let pod = format!("{name}-pod");
+        let outcome = a.status.as_ref().and_then(|s| s.outcome);
+        if outcome != Some(Outcome::Succeeded) {
+            failures.push(format!("At {name} ended {outcome:?}: {:?}", a.status));
+        }
+        let created = audit
+            .iter()
+            .filter(|e| {
+                e.resource == "pods"
+                    && e.subresource.is_empty()
+                    && e.verb == "create"
+                    && e.code == 201
+                    && e.name == pod
+            })
+            .count();
+        let seen = lock(&uids).get(&pod).map_or(0, |u| u.len());
+        if created != 1 || seen != 1 {
+            failures.push(format!(
+                "At {name}: its Pod created {created} times, {seen} UIDs seen"
+            ));
+        }
+    }
+    let bad = writes_while_not_leader(&audit, &names);
+    failures.extend(bad.iter().map(|b| format!("write while not the leader: {b}")));
+    let writes: BTreeMap<&str, usize> = names
+        .iter()
+        .map(|n| {
+            let u = user(n);
+            (
+                *n,
+                audit.iter().filter(|a| a.user == u && is_write(&a.verb)).count(),
+            )
+        })
+        .collect();
+    log(start, &format!("writes per replica (audit log): {writes:?}"));
+    log(start, &format!("replica exits: {:?}", lock(&restarts)));
+    ensure!(
+        writes.values().all(|w| *w > 0),
+        "both replicas should have led at some point: {writes:?}"
+    );
+    if !failures.is_empty() {
+        for r in lock(&replicas).iter() {
+            println!("--- {} ---\n{}", r.name, opkit_testenv_tail(&r.log, 40));
+        }
+    }
+    ensure!(failures.is_empty(), "{}", failures.join("\n"));
+    Ok(())
+}
+
+fn opkit_testenv_tail(path: &Path, n: usize) -> String {
+    let s = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = s.lines().filter(|l| !l.contains("DEBUG")).collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+#[test]
+fn the_audit_check_finds_a_write_by_a_replica_that_lost_the_lease() {
+    let e = |user: &str, verb: &str, resource: &str, received: &str, done: &str| Audited {
+        user: format!("system:serviceaccount:{NS}:{user}"),
+        verb: verb.into(),
+        resource: resource.into(),
+        subresource: String::new(),
+        name: if resource == "leases" {
+            LEASE.into()
+        } else {
+            "x".into()
+        },
+        code: 200,
+        received: received.into(),
+        done: done.into(),
+    };
+    let mut audit = vec![
+        e(
+            "opkit-a",
+            "create",
+            "leases",
+            "2026-01-01T00:00:00.000000Z",
+            "2026-01-01T00:00:00.100000Z",
+        ),
+        e(
+            "opkit-a",
+            "patch",
+            "deployments",
+            "2026-01-01T00:00:01.000000Z",
+            "2026-01-01T00:00:01.100000Z",
+        ),
+        e(
+            "opkit-b",
+            "update",
+            "leases",
+            "2026-01-01T00:00:05.000000Z",
+            "2026-01-01T00:00:05.100000Z",
+        ),
+        e(
+            "opkit-b",
+            "patch",
+            "memcacheds",
+            "2026-01-01T00:00:06.000000Z",
+            "2026-01-01T00:00:06.100000Z",
+        ),
+    ];
+    assert!(writes_while_not_leader(&audit, &["opkit-a", "opkit-b"]).is_empty());
+    // opkit-a wakes up after opkit-b took the Lease and writes: found.
+    audit.push(e(
+        "opkit-a",
+        "patch",
+        "memcacheds",
+        "2026-01-01T00:00:07.000000Z",
+        "2026-01-01T00:00:07.100000Z",
+    ));
+    let bad = writes_while_not_leader(&audit, &["opkit-a", "opkit-b"]);
+    assert_eq!(bad.len(), 1, "{bad:?}");
+    assert!(bad[0].contains("opkit-a patch memcacheds"), "{bad:?}");
+    // Reads and failed Lease writes do not count as leadership or as writes.
+    audit.push(e(
+        "opkit-a",
+        "get",
+        "memcacheds",
+        "2026-01-01T00:00:08.000000Z",
+        "2026-01-01T00:00:08.100000Z",
+    ));
+    let mut failed = e(
+        "opkit-a",
+        "update",
+        "leases",
+        "2026-01-01T00:00:09.000000Z",
+        "2026-01-01T00:00:09.100000Z",
+    );
+    failed.code = 409;
+    audit.push(failed);
+    audit.push(e(
+        "opkit-a",
+        "delete",
+        "pods",
+        "2026-01-01T00:00:10.000000Z",
+        "2026-01-01T00:00:10.100000Z",
+    ));
+    assert_eq!(writes_while_not_leader(&audit, &["opkit-a", "opkit-b"]).len(), 2);
+}
