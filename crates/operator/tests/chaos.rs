@@ -25,6 +25,9 @@ use opkit_api::memcached::Memcached;
 use opkit_testenv::{Component, ControlPlane, Options, Signal, wait_for};
 
 const NS: &str = "chaos";
+/// The operator's own namespace (its Lease, the shared webhook certificate), which its
+/// webhooks leave out.
+const OWN_NS: &str = "chaos-system";
 const LEASE: &str = "opkit-leader";
 const LEASE_SECONDS: u64 = 4;
 
@@ -150,7 +153,13 @@ async fn kubeconfig_for(
     Ok(path)
 }
 
-fn start_replica(cp: &ControlPlane, name: &str, kubeconfig: &Path) -> anyhow::Result<Component> {
+fn start_replica(
+    cp: &ControlPlane,
+    name: &str,
+    kubeconfig: &Path,
+    webhook: u16,
+    proxy: u16,
+) -> anyhow::Result<Component> {
     let args: Vec<String> = [
         "run",
         "--controllers",
@@ -159,7 +168,7 @@ fn start_replica(cp: &ControlPlane, name: &str, kubeconfig: &Path) -> anyhow::Re
         NS,
         "--leader-elect",
         "--leader-election-namespace",
-        NS,
+        OWN_NS,
         "--leader-elect-lease-duration",
         &LEASE_SECONDS.to_string(),
         "--leader-elect-renew-deadline",
@@ -174,12 +183,18 @@ fn start_replica(cp: &ControlPlane, name: &str, kubeconfig: &Path) -> anyhow::Re
         "0",
         "--kubeconfig",
         &kubeconfig.display().to_string(),
+        "--webhook-bind-address",
+        &format!("127.0.0.1:{webhook}"),
+        "--webhook-url",
+        &format!("https://127.0.0.1:{proxy}"),
     ]
     .iter()
     .map(|s| s.to_string())
     .collect();
     let env = vec![
         ("POD_NAME".to_string(), name.to_string()),
+        // The shared webhook certificate's Secret goes here.
+        ("POD_NAMESPACE".to_string(), OWN_NS.to_string()),
         (
             "RUST_LOG".to_string(),
             "info,opkit=debug,kube_runtime=warn".to_string(),
@@ -255,7 +270,12 @@ fn writes_while_not_leader(audit: &[Audited], replicas: &[&str]) -> Vec<String> 
     lease_writes.sort();
     let mut bad = Vec::new();
     for a in audit {
-        if !users.contains(&a.user) || !is_write(&a.verb) || a.resource == "leases" {
+        // Every replica keeps the shared webhook certificate and configurations current.
+        let shared = matches!(
+            a.resource.as_str(),
+            "leases" | "secrets" | "mutatingwebhookconfigurations" | "validatingwebhookconfigurations"
+        );
+        if !users.contains(&a.user) || !is_write(&a.verb) || shared {
             continue;
         }
         let leader = lease_writes
@@ -279,11 +299,12 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
     let start = Instant::now();
     let mut cp = ControlPlane::start(Options {
         audit_log: true,
+        state_dir: std::env::var("CHAOS_STATE").ok().map(Into::into),
         ..Default::default()
     })
     .await?;
     let client = cp.client().await?;
-    log(start, "control plane up");
+    log(start, &format!("control plane up at {}", cp.server()));
 
     let crds = std::process::Command::new(env!("CARGO_BIN_EXE_opkit"))
         .arg("crd")
@@ -298,11 +319,13 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
     drop(apply.stdin.take());
     ensure!(apply.wait()?.success(), "installing the CRDs failed");
     let nss: Api<Namespace> = Api::all(client.clone());
-    nss.create(
-        &PostParams::default(),
-        &serde_json::from_value(serde_json::json!({"metadata": {"name": NS}}))?,
-    )
-    .await?;
+    for ns in [NS, OWN_NS] {
+        nss.create(
+            &PostParams::default(),
+            &serde_json::from_value(serde_json::json!({"metadata": {"name": ns}}))?,
+        )
+        .await?;
+    }
     wait_for("the default ServiceAccount", Duration::from_secs(30), || async {
         Api::<ServiceAccount>::namespaced(client.clone(), NS)
             .get("default")
@@ -336,11 +359,17 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
     for n in names {
         kubeconfigs.push(kubeconfig_for(&cp, &client, n).await?);
     }
+    // In front of both webhook servers, as a Service would be: round robin over the replicas
+    // that accept connections.
+    let ports = [opkit_testenv::free_port()?, opkit_testenv::free_port()?];
+    let proxy_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let proxy = proxy_listener.local_addr()?.port();
+    let proxy_task = tokio::spawn(balance(proxy_listener, ports.to_vec()));
     let replicas: Replicas = Arc::new(Mutex::new(Vec::new()));
-    lock(&replicas).push(start_replica(&cp, names[0], &kubeconfigs[0])?);
-    let leases: Api<Lease> = Api::namespaced(client.clone(), NS);
+    lock(&replicas).push(start_replica(&cp, names[0], &kubeconfigs[0], ports[0], proxy)?);
+    let leases: Api<Lease> = Api::namespaced(client.clone(), OWN_NS);
     wait_holder(&leases, "opkit-a", Duration::from_secs(30)).await?;
-    lock(&replicas).push(start_replica(&cp, names[1], &kubeconfigs[1])?);
+    lock(&replicas).push(start_replica(&cp, names[1], &kubeconfigs[1], ports[1], proxy)?);
     log(start, "opkit-a leads, opkit-b stands by");
 
     // The supervisor: a replica that exits (leadership lost) is started again after 1 s.
@@ -380,23 +409,39 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
         )
         .await?;
     }
+    // Memcacheds created all along without `spec.size`: only the mutating webhook makes them
+    // valid, so an admission that failed open is a refused create, with its time.
     let mcs: Api<Memcached> = Api::namespaced(client.clone(), NS);
+    let refused: Arc<Mutex<Vec<(Instant, String)>>> = Arc::default();
     let creator = {
-        let mcs = mcs.clone();
+        // Untyped: the typed Memcached cannot leave `size` out.
+        let resource = kube::core::ApiResource::erase::<Memcached>(&());
+        let mcs: Api<kube::core::DynamicObject> = Api::namespaced_with(client.clone(), NS, &resource);
+        let refused = refused.clone();
         let n = scale.memcacheds;
         let every = Duration::from_millis(scale.spread * 1000 / n as u64);
         tokio::spawn(async move {
             let mut i = 0;
+            let mut last_error = Instant::now() - Duration::from_secs(60);
             while i < n {
                 let mc = serde_json::from_value(serde_json::json!({
                     "apiVersion": "cache.example.com/v1", "kind": "Memcached",
-                    "metadata": {"name": format!("mc-{i}")}, "spec": {"size": 1},
+                    "metadata": {"name": format!("mc-{i}")}, "spec": {},
                 }))
                 .expect("a Memcached");
                 match mcs.create(&PostParams::default(), &mc).await {
                     Ok(_) => i += 1,
                     Err(kube::Error::Api(s)) if s.code == 409 => i += 1,
-                    Err(_) => {} // the apiserver is restarting: try again
+                    Err(kube::Error::Api(s)) if s.code == 422 => {
+                        lock(&refused).push((Instant::now(), s.message));
+                    }
+                    // The apiserver is restarting: try again.
+                    Err(e) => {
+                        if last_error.elapsed() > Duration::from_secs(5) {
+                            println!("creating mc-{i}: {e:?}");
+                            last_error = Instant::now();
+                        }
+                    }
                 }
                 tokio::time::sleep(every).await;
             }
@@ -408,12 +453,16 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
     //    leader, once it runs again, writes nothing and leaves.
     tokio::time::sleep(Duration::from_secs(5)).await;
     let a = replica_index(&replicas, "opkit-a");
+    let frozen_from = Instant::now();
     lock(&replicas)[a].signal(Signal::SIGSTOP)?;
     log(start, "SIGSTOP opkit-a (leader)");
     wait_holder(&leases, "opkit-b", Duration::from_secs(LEASE_SECONDS + 10)).await?;
     log(start, "opkit-b took over");
     tokio::time::sleep(Duration::from_secs(2)).await;
     lock(&replicas)[a].signal(Signal::SIGCONT)?;
+    // Admissions sent to the frozen replica time out (10 s) and fail open, as they would
+    // through a Service until its readiness probe fails; they are counted apart.
+    let frozen_until = Instant::now() + Duration::from_secs(10);
     log(start, "SIGCONT opkit-a");
     wait_for(
         "opkit-a to give up and be restarted",
@@ -457,7 +506,9 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
         wait_holder(&leases, "", Duration::from_secs(30)).await?;
     }
 
-    creator.await?;
+    tokio::time::timeout(Duration::from_secs(scale.spread + 60), creator)
+        .await
+        .context("creating the Memcacheds did not finish")??;
     log(start, "all objects created");
 
     // Everything converges: each At ran, each Memcached has its Deployment and Pod.
@@ -507,6 +558,7 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
     tokio::time::sleep(Duration::from_secs(3)).await;
     supervisor.abort();
     pods_watch.abort();
+    proxy_task.abort();
     let audit = read_audit(&cp.dir().join("audit.log"))?;
 
     let mut failures = Vec::new();
@@ -534,6 +586,24 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
             ));
         }
     }
+    let (in_freeze, outside): (Vec<_>, Vec<_>) = lock(&refused)
+        .iter()
+        .cloned()
+        .partition(|(t, _)| *t >= frozen_from && *t <= frozen_until);
+    log(
+        start,
+        &format!(
+            "admissions failed: {} while a replica was frozen, {} otherwise",
+            in_freeze.len(),
+            outside.len()
+        ),
+    );
+    failures.extend(outside.iter().map(|(t, m)| {
+        format!(
+            "admission failed at {:.1}s: {m}",
+            t.duration_since(start).as_secs_f64()
+        )
+    }));
     let bad = writes_while_not_leader(&audit, &names);
     failures.extend(bad.iter().map(|b| format!("write while not the leader: {b}")));
     let writes: BTreeMap<&str, usize> = names
@@ -559,6 +629,28 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
     }
     ensure!(failures.is_empty(), "{}", failures.join("\n"));
     Ok(())
+}
+
+/// A TCP load balancer: each connection goes to the next backend that accepts it.
+async fn balance(listener: tokio::net::TcpListener, backends: Vec<u16>) {
+    let mut next = 0usize;
+    loop {
+        let Ok((mut inbound, _)) = listener.accept().await else {
+            return;
+        };
+        let first = next;
+        next = next.wrapping_add(1);
+        let backends = backends.clone();
+        tokio::spawn(async move {
+            for k in 0..backends.len() {
+                let port = backends[(first + k) % backends.len()];
+                if let Ok(mut out) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut out).await;
+                    return;
+                }
+            }
+        });
+    }
 }
 
 fn opkit_testenv_tail(path: &Path, n: usize) -> String {

@@ -64,12 +64,12 @@ impl LeaderElectionConfig {
 }
 
 /// The client configuration for leader election: no retry layer (a retried renewal could
-/// outlive the deadline, the time limit is set per request instead) and socket timeouts, so a
-/// stalled connection fails instead of hanging.
+/// outlive the deadline) and connect and write timeouts. Reads are bounded per request by the
+/// time left to the deadline instead of a socket read timeout, which would also end the
+/// standby's quiet watch of the Lease.
 pub fn election_client_config(mut config: Config, cfg: &LeaderElectionConfig) -> Config {
     config.default_retry = false;
     config.connect_timeout = Some(cfg.retry_period);
-    config.read_timeout = Some(cfg.renew_deadline);
     config.write_timeout = Some(cfg.renew_deadline);
     config
 }

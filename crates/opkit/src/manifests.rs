@@ -389,9 +389,12 @@ pub fn all<S>(op: &Operator<S>, namespaces: &[String]) -> anyhow::Result<Vec<(St
             subjects: Some(service_account_subject(op)),
         })?);
     }
+    // The operator's own namespace: its Lease and the webhook certificate its replicas share.
+    let mut own_rules = leader_rules();
+    own_rules.extend(crate::webhook::secret_rules(op.name));
     let leader_role = Role {
         metadata: meta(op, &leader_role_name, Some(&namespace)),
-        rules: Some(leader_rules()),
+        rules: Some(own_rules),
     };
     let leader_binding = RoleBinding {
         metadata: meta(op, &leader_binding_name, Some(&namespace)),

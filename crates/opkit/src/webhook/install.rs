@@ -11,13 +11,14 @@ use k8s_openapi::api::admissionregistration::v1::{
     MutatingWebhook, MutatingWebhookConfiguration, RuleWithOperations, ServiceReference, ValidatingWebhook,
     ValidatingWebhookConfiguration, WebhookClientConfig,
 };
+use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::api::rbac::v1::PolicyRule;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement, ObjectMeta};
 use kube::api::{Api, Patch, PatchParams};
 use kube::{Client, ResourceExt};
 use tokio_util::sync::CancellationToken;
 
-use super::{CertSource, Rule, WebhookError, Webhooks, self_signed, serve};
+use super::{CertSource, Rule, WebhookError, Webhooks, self_signed, serve, shared};
 use crate::rbac::rule;
 
 /// Where the apiserver reaches the webhook server.
@@ -165,6 +166,19 @@ pub fn rbac_rules(project: &str) -> Vec<PolicyRule> {
     .to_vec()
 }
 
+/// What the operator needs, in its own namespace, to share one webhook certificate among its
+/// replicas through the Secret `<project>-webhook-server-cert` (create cannot be limited to a
+/// name; reading and rotating it are).
+pub fn secret_rules(project: &str) -> Vec<PolicyRule> {
+    vec![
+        PolicyRule {
+            resource_names: Some(vec![shared::secret_name(project)]),
+            ..rule(&[""], &["secrets"], &["get", "update"])
+        },
+        rule(&[""], &["secrets"], &["create"]),
+    ]
+}
+
 /// How the operator serves its webhooks.
 #[derive(Clone, Debug)]
 pub struct WebhookOptions {
@@ -199,40 +213,165 @@ pub async fn start(
             namespace: opts.namespace.clone(),
         },
     };
-    let (certs, ca) = match &opts.cert_dir {
-        Some(dir) => (
-            CertSource::Dir(dir.clone()),
-            std::fs::read_to_string(dir.join("ca.crt")).ok(),
-        ),
-        None => {
-            let hosts = match &endpoint {
-                Endpoint::Url(u) => vec![
-                    u.trim_start_matches("https://")
-                        .split(['/', ':'])
-                        .next()
-                        .unwrap_or_default()
-                        .to_string(),
-                ],
-                Endpoint::Service { namespace } => {
-                    let svc = service_name(opts.project);
-                    vec![
-                        format!("{svc}.{namespace}.svc"),
-                        format!("{svc}.{namespace}.svc.cluster.local"),
-                    ]
-                }
-            };
-            let cert = self_signed(&hosts).map_err(|e| WebhookError::Certificate(e.to_string()))?;
-            let ca = cert.ca_pem.clone();
-            (CertSource::Generated(cert), Some(ca))
+    let hosts = match &endpoint {
+        Endpoint::Url(u) => vec![
+            u.trim_start_matches("https://")
+                .split(['/', ':'])
+                .next()
+                .unwrap_or_default()
+                .to_string(),
+        ],
+        Endpoint::Service { namespace } => {
+            let svc = service_name(opts.project);
+            vec![
+                format!("{svc}.{namespace}.svc"),
+                format!("{svc}.{namespace}.svc.cluster.local"),
+            ]
         }
     };
-    serve(webhooks, opts.bind, certs, shutdown).await?;
-    if !opts.configure {
+    let (certs, source) = match &opts.cert_dir {
+        Some(dir) => (CertSource::Dir(dir.clone()), Source::File(dir.join("ca.crt"))),
+        None => {
+            let secrets: Api<Secret> = Api::namespaced(client.clone(), &opts.namespace);
+            let name = shared::secret_name(opts.project);
+            match shared::ensure(&secrets, &name, &opts.namespace, &hosts).await {
+                Ok(sh) => {
+                    let (tx, rx) = tokio::sync::watch::channel(sh.serving.clone());
+                    let source = Source::Secret {
+                        secrets: Box::new(secrets),
+                        name,
+                        hosts: hosts.clone(),
+                        tx,
+                    };
+                    (CertSource::Watch(rx), source)
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot share the webhook certificate through a Secret; this process makes its own, which only works with one replica");
+                    let cert = self_signed(&hosts).map_err(|e| WebhookError::Certificate(e.to_string()))?;
+                    let ca = cert.ca_pem.clone();
+                    (CertSource::Generated(cert), Source::Fixed(ca))
+                }
+            }
+        }
+    };
+    serve(webhooks, opts.bind, certs, shutdown.clone()).await?;
+    let configure = opts.configure;
+    if !configure {
         tracing::info!("serving webhooks; their configurations are managed elsewhere");
+    }
+    let mut bundle = source.bundle(&opts.namespace).await;
+    if configure {
+        apply(
+            client,
+            opts.project,
+            webhooks,
+            &endpoint,
+            &opts.namespace,
+            bundle.as_deref(),
+        )
+        .await?;
+        tracing::info!(?endpoint, "webhook configurations point at this server");
+    }
+    if matches!(source, Source::Fixed(_)) {
         return Ok(());
     }
-    let (m, v) = configurations(opts.project, webhooks, &endpoint, &opts.namespace, ca.as_deref());
-    let pp = PatchParams::apply(&format!("{}-webhooks", opts.project)).force();
+    // Keep serving the current certificate and the configurations trusting its CA: a renewed
+    // cert-manager Secret, or a rotation of the shared one by any replica.
+    let (client, webhooks, opts) = (client.clone(), webhooks.clone(), opts.clone());
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(source.every()) => {}
+            }
+            let now = source.bundle(&opts.namespace).await;
+            if now.is_some() && now != bundle && configure {
+                match apply(
+                    &client,
+                    opts.project,
+                    &webhooks,
+                    &endpoint,
+                    &opts.namespace,
+                    now.as_deref(),
+                )
+                .await
+                {
+                    Ok(()) => tracing::info!("webhook configurations trust the renewed CA"),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "updating the webhook CA bundle failed; retrying");
+                        continue;
+                    }
+                }
+            }
+            bundle = now;
+        }
+    });
+    Ok(())
+}
+
+/// Where the CA bundle (and, for the shared Secret, the serving certificate) comes from.
+enum Source {
+    /// Made by this process at start.
+    Fixed(String),
+    /// `ca.crt` next to the mounted certificate.
+    File(PathBuf),
+    /// The shared Secret.
+    Secret {
+        secrets: Box<Api<Secret>>,
+        name: String,
+        hosts: Vec<String>,
+        tx: tokio::sync::watch::Sender<(String, String)>,
+    },
+}
+
+impl Source {
+    fn every(&self) -> std::time::Duration {
+        match self {
+            Source::Secret { .. } => shared::RELOAD_EVERY,
+            _ => std::time::Duration::from_secs(10),
+        }
+    }
+
+    /// The current CA bundle (`None`: cannot be read now); for the Secret, also hands the
+    /// certificate to serve to the server.
+    async fn bundle(&self, namespace: &str) -> Option<String> {
+        match self {
+            Source::Fixed(ca) => Some(ca.clone()),
+            Source::File(path) => std::fs::read_to_string(path).ok(),
+            Source::Secret {
+                secrets,
+                name,
+                hosts,
+                tx,
+            } => match shared::ensure(secrets, name, namespace, hosts).await {
+                Ok(sh) => {
+                    tx.send_if_modified(|s| {
+                        let changed = *s != sh.serving;
+                        *s = sh.serving.clone();
+                        changed
+                    });
+                    Some(sh.ca_bundle)
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "reading the shared webhook certificate failed");
+                    None
+                }
+            },
+        }
+    }
+}
+
+/// Applies both configurations, pointing at `endpoint` and trusting `ca`.
+async fn apply(
+    client: &Client,
+    project: &'static str,
+    webhooks: &Webhooks,
+    endpoint: &Endpoint,
+    namespace: &str,
+    ca: Option<&str>,
+) -> Result<(), WebhookError> {
+    let (m, v) = configurations(project, webhooks, endpoint, namespace, ca);
+    let pp = PatchParams::apply(&format!("{project}-webhooks")).force();
     let configure = |what: &'static str| move |source| WebhookError::Configure { what, source };
     let mutating: Api<MutatingWebhookConfiguration> = Api::all(client.clone());
     mutating
@@ -244,7 +383,6 @@ pub async fn start(
         .patch(&v.name_any(), &pp, &Patch::Apply(&v))
         .await
         .map_err(configure("validating"))?;
-    tracing::info!(?endpoint, "webhook configurations point at this server");
     Ok(())
 }
 

@@ -5,8 +5,9 @@
 //! kube-rs ships the `AdmissionReview` types; this adds the serving, the certificates and the
 //! plumbing, as Kubebuilder's `create webhook` does for Go.
 mod install;
+pub mod shared;
 
-pub use install::{Endpoint, WebhookOptions, configurations, rbac_rules, service_name, start};
+pub use install::{Endpoint, WebhookOptions, configurations, rbac_rules, secret_rules, service_name, start};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -261,17 +262,41 @@ pub struct Certificate {
 
 /// Makes a CA and a serving certificate for `hosts` (DNS names or IP addresses), valid a year.
 pub fn self_signed(hosts: &[String]) -> Result<Certificate, rcgen::Error> {
+    let not_after = k8s_openapi::jiff::Timestamp::now()
+        .checked_add(shared::VALIDITY)
+        .map_err(|_| rcgen::Error::Time)?;
+    self_signed_until(hosts, not_after)
+}
+
+/// Makes a CA and a serving certificate for `hosts`, both valid from yesterday until the day
+/// of `not_after`.
+pub fn self_signed_until(
+    hosts: &[String],
+    not_after: k8s_openapi::jiff::Timestamp,
+) -> Result<Certificate, rcgen::Error> {
+    use k8s_openapi::jiff::tz::TimeZone;
     use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
+    let day = |t: k8s_openapi::jiff::Timestamp| {
+        let d = t.to_zoned(TimeZone::UTC).date();
+        rcgen::date_time_ymd(i32::from(d.year()), d.month() as u8, d.day() as u8)
+    };
+    let yesterday = k8s_openapi::jiff::Timestamp::now()
+        .checked_sub(k8s_openapi::jiff::SignedDuration::from_hours(24))
+        .map_err(|_| rcgen::Error::Time)?;
     let ca_key = KeyPair::generate()?;
     let mut ca = CertificateParams::new(Vec::<String>::new())?;
     ca.distinguished_name.push(DnType::CommonName, "opkit-webhook-ca");
     ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
     ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    ca.not_before = day(yesterday);
+    ca.not_after = day(not_after);
     let ca_cert = ca.self_signed(&ca_key)?;
     let issuer = rcgen::Issuer::new(ca, ca_key);
     let key = KeyPair::generate()?;
     let mut leaf = CertificateParams::new(hosts.to_vec())?;
     leaf.distinguished_name.push(DnType::CommonName, "opkit-webhook");
+    leaf.not_before = day(yesterday);
+    leaf.not_after = day(not_after);
     let cert = leaf.signed_by(&key, &issuer)?;
     Ok(Certificate {
         cert_pem: cert.pem(),
@@ -288,6 +313,8 @@ pub enum CertSource {
     /// `tls.crt` and `tls.key` in a directory (a cert-manager Secret mount), reloaded when they
     /// change, so a renewed certificate is served without a restart.
     Dir(PathBuf),
+    /// The latest certificate and key (PEM) sent on the channel, e.g. from the shared Secret.
+    Watch(tokio::sync::watch::Receiver<(String, String)>),
 }
 
 fn certified_key(cert_pem: &[u8], key_pem: &[u8]) -> Result<CertifiedKey, String> {
@@ -300,7 +327,14 @@ fn certified_key(cert_pem: &[u8], key_pem: &[u8]) -> Result<CertifiedKey, String
     let key = PrivateKeyDer::from_pem_slice(key_pem).map_err(|e| format!("reading the key: {e}"))?;
     let key =
         rustls::crypto::ring::sign::any_supported_type(&key).map_err(|e| format!("unsupported key: {e}"))?;
-    Ok(CertifiedKey::new(chain, key))
+    let ck = CertifiedKey::new(chain, key);
+    // Half-written files (a certificate renewed, its key not yet) must not be served.
+    match ck.keys_match() {
+        Err(rustls::Error::InconsistentKeys(rustls::InconsistentKeys::KeyMismatch)) => {
+            Err("the key does not match the certificate".into())
+        }
+        _ => Ok(ck),
+    }
 }
 
 #[derive(Debug)]
@@ -374,8 +408,34 @@ pub async fn serve(
             let (k, t) = read_dir_cert(d).map_err(WebhookError::Certificate)?;
             (k, Some((d.clone(), t)))
         }
+        CertSource::Watch(rx) => {
+            let (c, k) = rx.borrow().clone();
+            (
+                certified_key(c.as_bytes(), k.as_bytes()).map_err(WebhookError::Certificate)?,
+                None,
+            )
+        }
     };
     let resolver = Arc::new(Resolver(RwLock::new(Arc::new(initial))));
+    if let CertSource::Watch(mut rx) = certs.clone() {
+        let (resolver, shutdown) = (resolver.clone(), shutdown.clone());
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    changed = rx.changed() => if changed.is_err() { return },
+                }
+                let (c, k) = rx.borrow_and_update().clone();
+                match certified_key(c.as_bytes(), k.as_bytes()) {
+                    Ok(ck) => {
+                        *resolver.0.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(ck);
+                        tracing::info!("serving the renewed webhook certificate");
+                    }
+                    Err(e) => tracing::warn!(error = %e, "webhook certificate not reloaded"),
+                }
+            }
+        });
+    }
     if let Some((dir, mut seen)) = dir {
         let (resolver, shutdown) = (resolver.clone(), shutdown.clone());
         tokio::spawn(async move {
