@@ -14,13 +14,14 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, anyhow, ensure};
 use futures::StreamExt;
-use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, Pod, ServiceAccount};
 use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
 use kube::api::{Api, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use opkit_api::at::{At, Outcome, Phase};
+use opkit_api::eru::Eru;
 use opkit_api::memcached::Memcached;
 use opkit_testenv::{Component, ControlPlane, Options, Signal, wait_for};
 
@@ -34,6 +35,9 @@ const LEASE_SECONDS: u64 = 4;
 struct Scale {
     memcacheds: usize,
     ats: usize,
+    erus: usize,
+    /// How many times the sequence of faults runs.
+    rounds: usize,
     /// Seconds over which the Ats fall due.
     spread: u64,
 }
@@ -43,12 +47,16 @@ fn scale() -> Scale {
         Scale {
             memcacheds: 300,
             ats: 100,
+            erus: 50,
+            rounds: 3,
             spread: 150,
         }
     } else {
         Scale {
             memcacheds: 30,
             ats: 12,
+            erus: 4,
+            rounds: 1,
             spread: 70,
         }
     }
@@ -163,7 +171,7 @@ fn start_replica(
     let args: Vec<String> = [
         "run",
         "--controllers",
-        "memcached,at",
+        "memcached,at,eru",
         "--namespace",
         NS,
         "--leader-elect",
@@ -391,6 +399,39 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
         })
     };
 
+    // Erus restarting their Deployments every 10 s, all along.
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), NS);
+    let erus: Api<Eru> = Api::namespaced(client.clone(), NS);
+    for i in 0..scale.erus {
+        deployments
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(serde_json::json!({
+                    "metadata": {"name": format!("eru-target-{i}")},
+                    "spec": {
+                        "replicas": 1,
+                        // Every restart's ReplicaSet is kept, to count the restarts.
+                        "revisionHistoryLimit": 1000,
+                        "selector": {"matchLabels": {"app": format!("eru-target-{i}")}},
+                        "template": {
+                            "metadata": {"labels": {"app": format!("eru-target-{i}")}},
+                            "spec": {"containers": [{"name": "c", "image": "busybox"}]},
+                        },
+                    },
+                }))?,
+            )
+            .await?;
+        erus.create(
+            &PostParams::default(),
+            &serde_json::from_value(serde_json::json!({
+                "apiVersion": "mtsre.meitu.com/v1", "kind": "Eru",
+                "metadata": {"name": format!("eru-{i}")},
+                "spec": {"deploymentName": format!("eru-target-{i}"), "schedule": "*/10 * * * * *"},
+            }))?,
+        )
+        .await?;
+    }
+
     // The workload: Ats falling due across the run, Memcacheds created all along.
     let ats: Api<At> = Api::namespaced(client.clone(), NS);
     let first_due = k8s_openapi::jiff::Timestamp::now() + k8s_openapi::jiff::SignedDuration::from_secs(10);
@@ -449,61 +490,68 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
     };
     log(start, "workload started");
 
-    // 1. The leader frozen for longer than its lease: the standby takes over, and the old
-    //    leader, once it runs again, writes nothing and leaves.
-    tokio::time::sleep(Duration::from_secs(5)).await;
-    let a = replica_index(&replicas, "opkit-a");
-    let frozen_from = Instant::now();
-    lock(&replicas)[a].signal(Signal::SIGSTOP)?;
-    log(start, "SIGSTOP opkit-a (leader)");
-    wait_holder(&leases, "opkit-b", Duration::from_secs(LEASE_SECONDS + 10)).await?;
-    log(start, "opkit-b took over");
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    lock(&replicas)[a].signal(Signal::SIGCONT)?;
-    // Admissions sent to the frozen replica time out (10 s) and fail open, as they would
-    // through a Service until its readiness probe fails; they are counted apart.
-    let frozen_until = Instant::now() + Duration::from_secs(10);
-    log(start, "SIGCONT opkit-a");
-    wait_for(
-        "opkit-a to give up and be restarted",
-        Duration::from_secs(20),
-        || async {
-            if lock(&restarts).iter().any(|r| r.starts_with("opkit-a")) {
-                Ok(())
-            } else {
-                Err(anyhow!("opkit-a still running"))
-            }
-        },
-    )
-    .await?;
+    let mut frozen = Vec::new();
+    for round in 1..=scale.rounds {
+        log(start, &format!("fault round {round}"));
+        // 1. The leader frozen for longer than its lease: the standby takes over, and the old
+        //    leader, once it runs again, writes nothing and leaves.
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        let leader = wait_holder(&leases, "", Duration::from_secs(30)).await?;
+        let standby = if leader == names[0] { names[1] } else { names[0] };
+        let exits_before = lock(&restarts).iter().filter(|r| r.starts_with(&leader)).count();
+        let l = replica_index(&replicas, &leader);
+        let frozen_from = Instant::now();
+        lock(&replicas)[l].signal(Signal::SIGSTOP)?;
+        log(start, &format!("SIGSTOP {leader} (leader)"));
+        wait_holder(&leases, standby, Duration::from_secs(LEASE_SECONDS + 10)).await?;
+        log(start, &format!("{standby} took over"));
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        lock(&replicas)[l].signal(Signal::SIGCONT)?;
+        // Admissions sent to the frozen replica time out (10 s) and fail open, as they would
+        // through a Service until its readiness probe fails; they are counted apart.
+        frozen.push((frozen_from, Instant::now() + Duration::from_secs(10)));
+        log(start, &format!("SIGCONT {leader}"));
+        wait_for(
+            &format!("{leader} to give up and be restarted"),
+            Duration::from_secs(20),
+            || async {
+                if lock(&restarts).iter().filter(|r| r.starts_with(&leader)).count() > exits_before {
+                    Ok(())
+                } else {
+                    Err(anyhow!("{leader} still running"))
+                }
+            },
+        )
+        .await?;
 
-    // 2. The leader killed: the standby takes over within the lease.
-    let b = replica_index(&replicas, "opkit-b");
-    lock(&replicas)[b].signal(Signal::SIGKILL)?;
-    log(start, "SIGKILL opkit-b (leader)");
-    wait_holder(&leases, "opkit-a", Duration::from_secs(LEASE_SECONDS + 10)).await?;
-    log(start, "opkit-a took over");
+        // 2. The leader killed: the restarted one takes over within the lease.
+        let s = replica_index(&replicas, standby);
+        lock(&replicas)[s].signal(Signal::SIGKILL)?;
+        log(start, &format!("SIGKILL {standby} (leader)"));
+        wait_holder(&leases, &leader, Duration::from_secs(LEASE_SECONDS + 10)).await?;
+        log(start, &format!("{leader} took over"));
 
-    // 3-5. The apiserver restarted, etcd restarted, etcd compacted.
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    cp.restart("kube-apiserver").await?;
-    log(start, "kube-apiserver restarted");
-    wait_holder(&leases, "", Duration::from_secs(30)).await?;
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    cp.restart("etcd").await?;
-    log(start, "etcd restarted");
-    wait_holder(&leases, "", Duration::from_secs(30)).await?;
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    let rev = cp.compact_etcd().await?;
-    log(start, &format!("etcd compacted at revision {rev}"));
-
-    // 6. A rolling restart: each replica stopped gracefully and started again, one by one.
-    for name in names {
+        // 3-5. The apiserver restarted, etcd restarted, etcd compacted.
         tokio::time::sleep(Duration::from_secs(3)).await;
-        let i = replica_index(&replicas, name);
-        lock(&replicas)[i].restart(Duration::from_secs(10))?;
-        log(start, &format!("{name} rolled"));
+        cp.restart("kube-apiserver").await?;
+        log(start, "kube-apiserver restarted");
         wait_holder(&leases, "", Duration::from_secs(30)).await?;
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        cp.restart("etcd").await?;
+        log(start, "etcd restarted");
+        wait_holder(&leases, "", Duration::from_secs(30)).await?;
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let rev = cp.compact_etcd().await?;
+        log(start, &format!("etcd compacted at revision {rev}"));
+
+        // 6. A rolling restart: each replica stopped gracefully and started again, one by one.
+        for name in names {
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            let i = replica_index(&replicas, name);
+            lock(&replicas)[i].restart(Duration::from_secs(10))?;
+            log(start, &format!("{name} rolled"));
+            wait_holder(&leases, "", Duration::from_secs(30)).await?;
+        }
     }
 
     tokio::time::timeout(Duration::from_secs(scale.spread + 60), creator)
@@ -528,7 +576,6 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
         }
     })
     .await?;
-    let deployments: Api<Deployment> = Api::namespaced(client.clone(), NS);
     wait_for("every Memcached to converge", deadline, || async {
         let list = mcs.list(&Default::default()).await?;
         ensure!(
@@ -586,10 +633,76 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
             ));
         }
     }
+    // Erus: each restart is one rollout (one ReplicaSet per slot's stamp), counted once, and
+    // the schedule is still kept at the end.
+    let replicasets: Api<ReplicaSet> = Api::namespaced(client.clone(), NS);
+    let all_rs = replicasets.list(&Default::default()).await?.items;
+    let mut eru_restarts = 0;
+    let mut redundant = 0;
+    for e in erus.list(&Default::default()).await?.items {
+        let name = e.metadata.name.clone().unwrap_or_default();
+        let target = e.spec.deployment_name.clone();
+        let status = e.status.clone().unwrap_or_default();
+        let stamps: BTreeSet<String> = all_rs
+            .iter()
+            .filter(|rs| {
+                rs.metadata
+                    .owner_references
+                    .iter()
+                    .flatten()
+                    .any(|o| o.name == target)
+            })
+            .filter_map(|rs| {
+                rs.spec
+                    .as_ref()?
+                    .template
+                    .as_ref()?
+                    .metadata
+                    .as_ref()?
+                    .annotations
+                    .as_ref()?
+                    .get("kubectl.kubernetes.io/restartedAt")
+                    .cloned()
+            })
+            .collect();
+        let patches = audit
+            .iter()
+            .filter(|a| {
+                a.resource == "deployments"
+                    && a.name == target
+                    && a.verb == "patch"
+                    && a.code == 200
+                    && names.iter().any(|n| a.user == user(n))
+            })
+            .count();
+        eru_restarts += status.restart_count;
+        redundant += patches.saturating_sub(stamps.len());
+        if stamps.len() as i64 != status.restart_count {
+            failures.push(format!(
+                "Eru {name}: restartCount {} but {} rollouts",
+                status.restart_count,
+                stamps.len()
+            ));
+        }
+        let last = status.last_schedule_time.map(|t| t.0);
+        let recent = k8s_openapi::jiff::Timestamp::now() - k8s_openapi::jiff::SignedDuration::from_secs(40);
+        if last.is_none_or(|t| t < recent) {
+            failures.push(format!(
+                "Eru {name}: last slot acted on {last:?}, schedule not kept"
+            ));
+        }
+    }
+    log(
+        start,
+        &format!(
+            "Eru restarts: {eru_restarts} over {} Erus, {redundant} redundant same-slot patches",
+            scale.erus
+        ),
+    );
     let (in_freeze, outside): (Vec<_>, Vec<_>) = lock(&refused)
         .iter()
         .cloned()
-        .partition(|(t, _)| *t >= frozen_from && *t <= frozen_until);
+        .partition(|(t, _)| frozen.iter().any(|(from, until)| t >= from && t <= until));
     log(
         start,
         &format!(
