@@ -540,6 +540,17 @@ mod tests {
     use rustls::pki_types::pem::PemObject;
 
     #[test]
+    fn a_key_that_does_not_match_its_certificate_is_refused() {
+        let a = self_signed(&["a.example".into()]).unwrap();
+        let b = self_signed(&["a.example".into()]).unwrap();
+        assert!(certified_key(a.cert_pem.as_bytes(), a.key_pem.as_bytes()).is_ok());
+        let err = certified_key(a.cert_pem.as_bytes(), b.key_pem.as_bytes())
+            .err()
+            .expect("a mismatched key is refused");
+        assert!(err.contains("does not match"), "{err}");
+    }
+
+    #[test]
     fn a_generated_certificate_loads() {
         let c = self_signed(&["localhost".into(), "127.0.0.1".into()]).unwrap();
         assert!(certified_key(c.cert_pem.as_bytes(), c.key_pem.as_bytes()).is_ok());
