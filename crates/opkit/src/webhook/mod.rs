@@ -545,8 +545,7 @@ mod tests {
         let b = self_signed(&["a.example".into()]).unwrap();
         assert!(certified_key(a.cert_pem.as_bytes(), a.key_pem.as_bytes()).is_ok());
         let err = certified_key(a.cert_pem.as_bytes(), b.key_pem.as_bytes())
-            .err()
-            .expect("a mismatched key is refused");
+            .expect_err("a mismatched key is refused");
         assert!(err.contains("does not match"), "{err}");
     }
 
