@@ -216,14 +216,7 @@ impl ControlPlane {
         );
         std::fs::write(dir.join(KUBECONFIG), kubeconfig)?;
         let client = self.client().await?;
-        self.wait("kube-apiserver", deadline, "/readyz to answer ok", || {
-            let client = client.clone();
-            async move {
-                let req = http::Request::get("/readyz").body(Vec::new()).ok()?;
-                client.request_text(req).await.ok().filter(|t| t.trim() == "ok")
-            }
-        })
-        .await?;
+        self.wait_ready(deadline).await?;
 
         let kc = p(KUBECONFIG);
         let common = |port: u16| {

@@ -208,6 +208,21 @@ pub fn plan(at: &At, pod: Option<&Pod>, now: Timestamp) -> Result<Plan<AtStatus>
         let message = opkit_api::name_too_long(opkit_api::at::MAX_NAME, opkit_api::at::NAME_LIMIT_REASON);
         return Err(invalid(reason::INVALID_SPEC, message));
     }
+    // RUNNING, as the intent to start (`Starting`) and once the Pod exists (`Running`).
+    let running = |due: Timestamp, start_time: Time, why: &'static str, message: String| AtStatus {
+        phase: Some(Phase::Running),
+        pod_name: Some(name.clone()),
+        start_time: Some(start_time),
+        conditions: cond(&[
+            Desired::yes(
+                condition::SCHEDULED,
+                reason::VALID,
+                format!("ran at {}", fmt_time(due)),
+            ),
+            Desired::unknown(condition::SUCCEEDED, why, message),
+        ]),
+        ..base.clone()
+    };
     let step = next(at, pod, now);
     Ok(match step {
         Next::Done => expire(at, now),
@@ -232,45 +247,17 @@ pub fn plan(at: &At, pod: Option<&Pod>, now: Timestamp) -> Result<Plan<AtStatus>
             Requeue::After(after),
         ),
         Next::Start { due } => Plan::status(
-            AtStatus {
-                phase: Some(Phase::Running),
-                pod_name: Some(name.clone()),
-                start_time: Some(Time(now)),
-                conditions: cond(&[
-                    Desired::yes(
-                        condition::SCHEDULED,
-                        reason::VALID,
-                        format!("ran at {}", fmt_time(due)),
-                    ),
-                    Desired::unknown(
-                        condition::SUCCEEDED,
-                        reason::STARTING,
-                        format!("starting Pod {name}"),
-                    ),
-                ]),
-                ..base
-            },
+            running(due, Time(now), reason::STARTING, format!("starting Pod {name}")),
             Requeue::After(MAX_WAIT),
         ),
         Next::Create { due } | Next::Started { due } => {
-            let status = AtStatus {
-                phase: Some(Phase::Running),
-                pod_name: Some(name.clone()),
-                start_time: live.start_time.clone().or(Some(Time(now))),
-                conditions: cond(&[
-                    Desired::yes(
-                        condition::SCHEDULED,
-                        reason::VALID,
-                        format!("ran at {}", fmt_time(due)),
-                    ),
-                    Desired::unknown(
-                        condition::SUCCEEDED,
-                        reason::RUNNING,
-                        format!("Pod {name} is running the command"),
-                    ),
-                ]),
-                ..base
-            };
+            let started = live.start_time.clone().unwrap_or(Time(now));
+            let status = running(
+                due,
+                started,
+                reason::RUNNING,
+                format!("Pod {name} is running the command"),
+            );
             let late = now.duration_since(due).as_secs_f64();
             let note = format!(
                 "Started Pod {name} for {} ({late:.1}s after the schedule)",
