@@ -25,6 +25,8 @@ use opkit_api::eru::Eru;
 use opkit_api::memcached::Memcached;
 use opkit_testenv::{Component, ControlPlane, Options, Signal, wait_for};
 
+mod common;
+
 const NS: &str = "chaos";
 /// The operator's own namespace (its Lease, the shared webhook certificate), which its
 /// webhooks leave out.
@@ -136,28 +138,10 @@ async fn kubeconfig_for(
         }))?,
     )
     .await?;
-    let tr =
-        serde_json::from_value(serde_json::json!({"spec": {"audiences": [], "expirationSeconds": 7200}}))?;
-    let token = sas
-        .create_token_request(sa, &PostParams::default(), &tr)
-        .await?
-        .status
-        .context("no token")?
-        .token;
-    let admin = std::fs::read_to_string(cp.kubeconfig_path())?;
-    let cfg: String = admin
-        .lines()
-        .map(|l| {
-            if l.trim_start().starts_with("token:") {
-                format!("    token: {token}")
-            } else {
-                l.to_string()
-            }
-        })
-        .collect::<Vec<_>>()
-        .join("\n");
+    let token = common::service_account_token(client, NS, sa).await?;
+    let cfg = opkit_testenv::kubeconfig_with_token(&cp.kubeconfig_path(), &token)?;
     let path = cp.dir().join(format!("{sa}.kubeconfig"));
-    std::fs::write(&path, cfg + "\n")?;
+    std::fs::write(&path, cfg)?;
     Ok(path)
 }
 

@@ -181,11 +181,6 @@ fn now() -> MicroTime {
     MicroTime(Timestamp::now())
 }
 
-/// The Lease's record: what changes when its holder renews or another replica takes it.
-fn record(lease: &Lease) -> Option<&LeaseSpec> {
-    lease.spec.as_ref()
-}
-
 /// Whether `lease` may be taken by `identity`: free, ours, or unchanged for its duration since
 /// `seen_change` (on this process's monotonic clock) at `now`.
 pub fn claimable(lease: &Lease, identity: &str, seen_change: Instant, now: Instant) -> bool {
@@ -293,7 +288,8 @@ impl LeaderElector {
         let mut seen_change = Instant::now();
         let mut synced = false;
         fn observe(l: Option<Lease>, live: &mut Option<Lease>, seen_change: &mut Instant) {
-            if l.as_ref().and_then(record) != live.as_ref().and_then(record) {
+            // The record (the spec) changes when its holder renews or another replica takes it.
+            if l.as_ref().and_then(|l| l.spec.as_ref()) != live.as_ref().and_then(|l| l.spec.as_ref()) {
                 *seen_change = Instant::now();
             }
             *live = l;

@@ -403,21 +403,11 @@ async fn etcd_post(
     path: &str,
     body: &serde_json::Value,
 ) -> Result<serde_json::Value> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let body = body.to_string();
-    let mut s = tokio::net::TcpStream::connect(addr).await?;
-    let req = format!(
-        "POST {path} HTTP/1.0\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(req.as_bytes()).await?;
-    let mut buf = String::new();
-    s.read_to_string(&mut buf).await?;
-    let (head, answer) = buf.split_once("\r\n\r\n").unwrap_or((&buf, ""));
-    if !head.starts_with("HTTP/1.0 200") && !head.starts_with("HTTP/1.1 200") {
-        return Err(Error::Setup(format!("etcd {path}: {head} {answer}")));
+    let (code, answer) = crate::harness::http_request(addr, "POST", path, Some(&body.to_string())).await?;
+    if code != 200 {
+        return Err(Error::Setup(format!("etcd {path}: {code} {answer}")));
     }
-    serde_json::from_str(answer).map_err(|e| Error::Setup(format!("etcd {path}: {e}: {answer}")))
+    serde_json::from_str(&answer).map_err(|e| Error::Setup(format!("etcd {path}: {e}: {answer}")))
 }
 
 /// Reads a kubeconfig file into a client config.

@@ -95,13 +95,7 @@ impl Shared {
     /// A kubeconfig (YAML) for this cluster that authenticates with `token` instead of the admin
     /// identity, e.g. a ServiceAccount token, so only that account's RBAC applies.
     pub fn kubeconfig_with_token(&self, token: &str) -> anyhow::Result<String> {
-        let mut kc: serde_yaml::Value = serde_yaml::from_str(&std::fs::read_to_string(&self.kubeconfig)?)?;
-        kc["users"][0]["user"] = serde_yaml::Value::Mapping(
-            [(serde_yaml::Value::from("token"), serde_yaml::Value::from(token))]
-                .into_iter()
-                .collect(),
-        );
-        Ok(serde_yaml::to_string(&kc)?)
+        kubeconfig_with_token(&self.kubeconfig, token)
     }
 
     /// A client config that authenticates with `token` (see [`Shared::kubeconfig_with_token`]).
@@ -273,9 +267,27 @@ where
 
 /// A bare HTTP/1.0 GET on a local endpoint (metrics, probes): returns status code and body.
 pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    http_request(addr, "GET", path, None).await
+}
+
+/// A bare HTTP/1.0 request on a local endpoint, with an optional JSON body: returns status code
+/// and body.
+pub async fn http_request(
+    addr: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+    json: Option<&str>,
+) -> std::io::Result<(u16, String)> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(addr).await?;
-    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").as_bytes())
+    let body = match json {
+        Some(b) => format!(
+            "Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{b}",
+            b.len()
+        ),
+        None => "\r\n".to_string(),
+    };
+    s.write_all(format!("{method} {path} HTTP/1.0\r\nHost: localhost\r\n{body}").as_bytes())
         .await?;
     let mut buf = String::new();
     s.read_to_string(&mut buf).await?;
@@ -289,4 +301,16 @@ pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> std::io::Result
         .map(|(_, b)| b.to_string())
         .unwrap_or_default();
     Ok((code, body))
+}
+
+/// The kubeconfig at `path` (YAML) with its user authenticating with `token` instead, e.g. a
+/// ServiceAccount token, so only that account's RBAC applies.
+pub fn kubeconfig_with_token(path: &std::path::Path, token: &str) -> anyhow::Result<String> {
+    let mut kc: serde_yaml::Value = serde_yaml::from_str(&std::fs::read_to_string(path)?)?;
+    kc["users"][0]["user"] = serde_yaml::Value::Mapping(
+        [(serde_yaml::Value::from("token"), serde_yaml::Value::from(token))]
+            .into_iter()
+            .collect(),
+    );
+    Ok(serde_yaml::to_string(&kc)?)
 }

@@ -103,6 +103,23 @@ pub async fn jsonpath_is(kind_name: &[&str], ns: &str, path: &str, want: &str) -
     .await
 }
 
+/// A one-hour token of ServiceAccount `namespace/name`.
+pub async fn service_account_token(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+) -> anyhow::Result<String> {
+    let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), namespace);
+    let tr: TokenRequest =
+        serde_json::from_value(serde_json::json!({"spec": {"audiences": [], "expirationSeconds": 3600}}))?;
+    Ok(sas
+        .create_token_request(name, &PostParams::default(), &tr)
+        .await?
+        .status
+        .context("no token")?
+        .token)
+}
+
 /// A kubeconfig that authenticates as ServiceAccount `namespace/name` (a one-hour token), so
 /// that only the RBAC granted to it applies.
 pub async fn service_account_kubeconfig(
@@ -110,15 +127,7 @@ pub async fn service_account_kubeconfig(
     namespace: &str,
     name: &str,
 ) -> anyhow::Result<PathBuf> {
-    let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), namespace);
-    let tr: TokenRequest =
-        serde_json::from_value(serde_json::json!({"spec": {"audiences": [], "expirationSeconds": 3600}}))?;
-    let token = sas
-        .create_token_request(name, &PostParams::default(), &tr)
-        .await?
-        .status
-        .context("no token")?
-        .token;
+    let token = service_account_token(client, namespace, name).await?;
     let path = std::env::temp_dir().join(format!(
         "opkit-{namespace}-{name}-{}.kubeconfig",
         std::process::id()

@@ -234,7 +234,7 @@ pub async fn start(
         None => {
             let secrets: Api<Secret> = Api::namespaced(client.clone(), &opts.namespace);
             let name = shared::secret_name(opts.project);
-            match shared::ensure(&secrets, &name, &opts.namespace, &hosts).await {
+            match shared::ensure(&secrets, &name, &hosts).await {
                 Ok(sh) => {
                     let (tx, rx) = tokio::sync::watch::channel(sh.serving.clone());
                     let source = Source::Secret {
@@ -256,10 +256,7 @@ pub async fn start(
     };
     serve(webhooks, opts.bind, certs, shutdown.clone()).await?;
     let configure = opts.configure;
-    if !configure {
-        tracing::info!("serving webhooks; their configurations are managed elsewhere");
-    }
-    let mut bundle = source.bundle(&opts.namespace).await;
+    let mut bundle = source.bundle().await;
     if configure {
         apply(
             client,
@@ -271,6 +268,8 @@ pub async fn start(
         )
         .await?;
         tracing::info!(?endpoint, "webhook configurations point at this server");
+    } else {
+        tracing::info!("serving webhooks; their configurations are managed elsewhere");
     }
     if matches!(source, Source::Fixed(_)) {
         return Ok(());
@@ -284,7 +283,7 @@ pub async fn start(
                 _ = shutdown.cancelled() => return,
                 _ = tokio::time::sleep(source.every()) => {}
             }
-            let now = source.bundle(&opts.namespace).await;
+            let now = source.bundle().await;
             if now.is_some() && now != bundle && configure {
                 match apply(
                     &client,
@@ -334,7 +333,7 @@ impl Source {
 
     /// The current CA bundle (`None`: cannot be read now); for the Secret, also hands the
     /// certificate to serve to the server.
-    async fn bundle(&self, namespace: &str) -> Option<String> {
+    async fn bundle(&self) -> Option<String> {
         match self {
             Source::Fixed(ca) => Some(ca.clone()),
             Source::File(path) => std::fs::read_to_string(path).ok(),
@@ -343,7 +342,7 @@ impl Source {
                 name,
                 hosts,
                 tx,
-            } => match shared::ensure(secrets, name, namespace, hosts).await {
+            } => match shared::ensure(secrets, name, hosts).await {
                 Ok(sh) => {
                     tx.send_if_modified(|s| {
                         let changed = *s != sh.serving;

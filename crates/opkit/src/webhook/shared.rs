@@ -86,13 +86,7 @@ pub fn read(secret: &Secret, hosts: &str, now: Timestamp) -> Option<Shared> {
 
 /// A Secret holding a fresh pair for `hosts`, keeping `old`'s pair (if it is still usable)
 /// as the previous one until [`SWITCH_AFTER`].
-fn make(
-    name: &str,
-    namespace: &str,
-    hosts: &[String],
-    old: Option<&Secret>,
-    now: Timestamp,
-) -> Result<Secret, String> {
+fn make(name: &str, hosts: &[String], old: Option<&Secret>, now: Timestamp) -> Result<Secret, String> {
     let not_after = now.checked_add(VALIDITY).map_err(|e| e.to_string())?;
     let Certificate {
         cert_pem,
@@ -129,7 +123,6 @@ fn make(
     Ok(Secret {
         metadata: ObjectMeta {
             name: Some(name.to_string()),
-            namespace: Some(namespace.to_string()),
             annotations: Some(annotations),
             resource_version: old.and_then(|o| o.metadata.resource_version.clone()),
             ..Default::default()
@@ -143,12 +136,7 @@ fn make(
 /// Reads the shared certificate, creating the Secret if it is missing and rotating it if it is
 /// due. Concurrent replicas settle on one Secret: a create or update that loses the race (409)
 /// reads again.
-pub async fn ensure(
-    secrets: &Api<Secret>,
-    name: &str,
-    namespace: &str,
-    hosts: &[String],
-) -> Result<Shared, String> {
+pub async fn ensure(secrets: &Api<Secret>, name: &str, hosts: &[String]) -> Result<Shared, String> {
     let joined = hosts.join(",");
     for _ in 0..5 {
         let now = Timestamp::now();
@@ -159,7 +147,7 @@ pub async fn ensure(
         if let Some(s) = live.as_ref().and_then(|s| read(s, &joined, now)) {
             return Ok(s);
         }
-        let fresh = make(name, namespace, hosts, live.as_ref(), now)?;
+        let fresh = make(name, hosts, live.as_ref(), now)?;
         let pp = PostParams::default();
         let written = match &live {
             None => secrets.create(&pp, &fresh).await,
@@ -194,7 +182,7 @@ mod tests {
     fn a_fresh_secret_serves_its_pair_and_trusts_its_ca() {
         let hosts = vec!["svc.ns.svc".to_string()];
         let now = ts("2026-01-01T00:00:00Z");
-        let s = make("x", "ns", &hosts, None, now).unwrap();
+        let s = make("x", &hosts, None, now).unwrap();
         let shared = read(&s, "svc.ns.svc", now).unwrap();
         assert_eq!(shared.serving.0, get(&s, "tls.crt").unwrap());
         assert_eq!(shared.ca_bundle, get(&s, "ca.crt").unwrap());
@@ -208,10 +196,10 @@ mod tests {
     fn a_rotation_trusts_both_cas_and_switches_only_after_the_delay() {
         let hosts = vec!["svc.ns.svc".to_string()];
         let t0 = ts("2026-01-01T00:00:00Z");
-        let old = make("x", "ns", &hosts, None, t0).unwrap();
+        let old = make("x", &hosts, None, t0).unwrap();
         let due = ts("2026-12-10T00:00:00Z");
         assert!(read(&old, "svc.ns.svc", due).is_none(), "due for rotation");
-        let new = make("x", "ns", &hosts, Some(&old), due).unwrap();
+        let new = make("x", &hosts, Some(&old), due).unwrap();
         let during = read(&new, "svc.ns.svc", due).unwrap();
         assert_eq!(
             during.serving.0,
@@ -231,11 +219,11 @@ mod tests {
     #[test]
     fn an_expired_or_foreign_old_pair_is_not_kept() {
         let t0 = ts("2026-01-01T00:00:00Z");
-        let old = make("x", "ns", &["a.ns.svc".to_string()], None, t0).unwrap();
-        let new = make("x", "ns", &["b.ns.svc".to_string()], Some(&old), t0).unwrap();
+        let old = make("x", &["a.ns.svc".to_string()], None, t0).unwrap();
+        let new = make("x", &["b.ns.svc".to_string()], Some(&old), t0).unwrap();
         assert!(get(&new, "previous-tls.crt").is_none());
         let later = ts("2028-01-01T00:00:00Z");
-        let new = make("x", "ns", &["a.ns.svc".to_string()], Some(&old), later).unwrap();
+        let new = make("x", &["a.ns.svc".to_string()], Some(&old), later).unwrap();
         assert!(get(&new, "previous-tls.crt").is_none());
     }
 }
