@@ -46,7 +46,8 @@ chaos: testenv-build ## Full chaos run: two replicas, 300 Memcacheds, 100 Ats, l
 	OPKIT_CHAOS=full cargo test -p opkit-operator --test chaos -- --nocapture
 
 .PHONY: bench
-bench: testenv-build ## Benchmark opkit vs the Go sample-controller vs a direct client (N=300; N=1000 make bench)
+bench: ## Benchmark opkit vs a Go peer vs a direct client: BENCH=foo (sample-controller, N=300) or BENCH=memcached (controller-runtime), e.g. make bench BENCH=memcached N=10000
+	bash crates/testenv/scripts/build-binaries.sh --with-bench >/dev/null
 	cargo build --release -p opkit-operator -p opkit-bench
 	./target/release/opkit-bench
 

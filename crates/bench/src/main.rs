@@ -1,20 +1,28 @@
-//! `make bench`: the same job — N `Foo`s, each needing a Deployment and a status — done by three
-//! contenders on one local control plane, one after the other, each in a fresh namespace and
-//! under its own ServiceAccount:
-//! - `floor`: a small client making exactly the Deployment creates/updates and status writes
-//!   directly, as fast as the apiserver takes them (no controller at all);
-//! - `go`: the upstream `k8s.io/sample-controller` binary with its defaults;
-//! - `opkit`: `opkit run --controllers foo` with its defaults.
+//! `make bench`: the same job done by three contenders on one local control plane, one after
+//! the other, each in a fresh namespace and under its own ServiceAccount.
 //!
-//! Per contender: time until (a) every Deployment exists with the right replicas and (b) every
-//! Foo shows `status.availableReplicas == replicas`, after creating N Foos and after changing
-//! all their replica counts; API requests by verb (from the apiserver audit log); writes per
-//! Foo; peak and steady RSS; CPU seconds; writes and CPU during an idle minute.
-//! Writes `target/bench/results.md` and `target/bench/convergence.svg`. It prints numbers and
-//! never fails on a threshold.
-use std::collections::{BTreeMap, HashSet};
+//! Two scenarios (`BENCH=foo`, the default, or `BENCH=memcached`):
+//! - `foo`: N `Foo`s of client-go's sample-controller, each needing a Deployment and
+//!   `status.availableReplicas`; contenders `floor`, `go` (the upstream sample-controller with
+//!   its defaults) and `opkit` (`opkit run --controllers foo`).
+//! - `memcached`: N `Memcached`s of the Operator SDK tutorial, each needing a Deployment of
+//!   `spec.size` Pods, `status.nodes` and `Available=True`; contenders `floor`,
+//!   `controller-runtime` (the tutorial's operator in Go, `crates/bench/peer-memcached`) and
+//!   `opkit` (`opkit run --controllers memcached`).
+//!
+//! `floor` is no controller: a small client making exactly the writes the job needs, as fast as
+//! the apiserver takes them. Per contender: create N objects → idle → change every size →
+//! restart the contender with N converged objects. Measured: time until (a) every Deployment
+//! has the right replicas and (b) every object shows a converged status; API requests by verb
+//! (apiserver audit log); writes per object; peak and steady RSS; CPU seconds; writes during
+//! the idle window; time to ready, time to react and writes after the restart. Writes
+//! `target/bench/<scenario>-n<N>.{md,json,svg}`. It prints numbers and never fails on a
+//! threshold.
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicI32, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -22,27 +30,205 @@ use anyhow::{Context, anyhow, bail};
 use futures::{StreamExt, TryStreamExt, stream};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::authentication::v1::TokenRequest;
-use k8s_openapi::api::core::v1::{ConfigMap, Namespace, ServiceAccount};
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Pod, ServiceAccount};
 use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::core::{ApiResource, DynamicObject, GroupVersionKind};
 use kube::runtime::wait::{await_condition, conditions};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
-use opkit_api::foo::Foo;
 use opkit_testenv::{ControlPlane, Options};
-use serde_json::json;
+use serde_json::{Value, json};
 
-/// Requests in flight while the benchmark itself creates or patches Foos.
+/// Requests in flight while the benchmark itself creates or patches objects.
 const PARALLEL: usize = 50;
-const LANES: [&str; 3] = ["floor", "go", "opkit"];
+
+/// Which job the contenders race.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Scenario {
+    Foo,
+    Memcached,
+}
+
+impl Scenario {
+    fn name(self) -> &'static str {
+        match self {
+            Scenario::Foo => "foo",
+            Scenario::Memcached => "memcached",
+        }
+    }
+
+    fn lanes(self) -> [&'static str; 3] {
+        match self {
+            Scenario::Foo => ["floor", "go", "opkit"],
+            Scenario::Memcached => ["floor", "controller-runtime", "opkit"],
+        }
+    }
+
+    fn resource(self) -> ApiResource {
+        match self {
+            Scenario::Foo => ApiResource::from_gvk_with_plural(
+                &GroupVersionKind::gvk("samplecontroller.k8s.io", "v1alpha1", "Foo"),
+                "foos",
+            ),
+            Scenario::Memcached => ApiResource::from_gvk_with_plural(
+                &GroupVersionKind::gvk("cache.example.com", "v1", "Memcached"),
+                "memcacheds",
+            ),
+        }
+    }
+
+    fn crd(self) -> CustomResourceDefinition {
+        match self {
+            Scenario::Foo => opkit_api::foo::crd(),
+            Scenario::Memcached => opkit_api::memcached::crd(),
+        }
+    }
+
+    fn crd_name(self) -> String {
+        let r = self.resource();
+        format!("{}.{}", r.plural, r.group)
+    }
+
+    fn object(self, name: &str, size: i32) -> anyhow::Result<DynamicObject> {
+        let r = self.resource();
+        let spec = match self {
+            Scenario::Foo => json!({"deploymentName": name, "replicas": size}),
+            Scenario::Memcached => json!({"size": size}),
+        };
+        Ok(serde_json::from_value(json!({
+            "apiVersion": r.api_version, "kind": r.kind,
+            "metadata": {"name": name}, "spec": spec,
+        }))?)
+    }
+
+    fn size_patch(self, size: i32) -> Value {
+        match self {
+            Scenario::Foo => json!({"spec": {"replicas": size}}),
+            Scenario::Memcached => json!({"spec": {"size": size}}),
+        }
+    }
+
+    /// The size an object's status reports as converged to, or -1 while it reports none.
+    fn converged_size(self, obj: &DynamicObject) -> i32 {
+        let status = &obj.data["status"];
+        match self {
+            Scenario::Foo => status["availableReplicas"].as_i64().map_or(0, |v| v as i32),
+            Scenario::Memcached => {
+                let generation = obj.metadata.generation;
+                let available = status["conditions"].as_array().is_some_and(|cs| {
+                    cs.iter().any(|c| {
+                        c["type"] == "Available"
+                            && c["status"] == "True"
+                            && c["observedGeneration"].as_i64() == generation
+                    })
+                });
+                if available {
+                    status["nodes"].as_array().map_or(0, |n| n.len() as i32)
+                } else {
+                    -1
+                }
+            }
+        }
+    }
+
+    /// The Deployment the tutorial's controller makes, as the floor client writes it.
+    fn deployment_for(self, obj: &DynamicObject) -> anyhow::Result<Deployment> {
+        let name = obj.name_any();
+        let r = self.resource();
+        let owner = json!([{"apiVersion": r.api_version, "kind": r.kind, "name": name,
+            "uid": obj.uid(), "controller": true, "blockOwnerDeletion": true}]);
+        let (labels, replicas, container) = match self {
+            Scenario::Foo => (
+                json!({"app": "nginx", "controller": name}),
+                obj.data["spec"]["replicas"].clone(),
+                json!({"name": "nginx", "image": "nginx:latest"}),
+            ),
+            Scenario::Memcached => (
+                json!({"app": "memcached", "memcached_cr": name}),
+                obj.data["spec"]["size"].clone(),
+                json!({"name": "memcached", "image": "memcached:1.4.36-alpine",
+                    "command": ["memcached", "-m=64", "-o", "modern", "-v"],
+                    "ports": [{"containerPort": 11211, "name": "memcached"}]}),
+            ),
+        };
+        Ok(serde_json::from_value(json!({
+            "metadata": {"name": name, "labels": labels, "ownerReferences": owner},
+            "spec": {"replicas": replicas, "selector": {"matchLabels": labels},
+                "template": {"metadata": {"labels": labels}, "spec": {"containers": [container]}}},
+        }))?)
+    }
+
+    /// The status the floor writes once `nodes` (Memcached) or `available` (Foo) are there.
+    fn floor_status(self, available: i32, nodes: &[String], generation: i64) -> Value {
+        let r = self.resource();
+        let status = match self {
+            Scenario::Foo => json!({"availableReplicas": available}),
+            Scenario::Memcached => json!({"nodes": nodes, "conditions": [{
+                "type": "Available", "status": "True", "reason": "AllReplicasReady",
+                "message": format!("{available}/{available} replicas ready"),
+                "observedGeneration": generation,
+                "lastTransitionTime": Timestamp::now().to_string(),
+            }]}),
+        };
+        json!({"apiVersion": r.api_version, "kind": r.kind, "status": status})
+    }
+
+    /// Starts the contender process for `lane` (none for the floor).
+    fn start(self, cp: &ControlPlane, lane: &str, kubeconfig: &Path, ports: Ports) -> anyhow::Result<Option<Child>> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(cp.dir().join(format!("bench-{}-{lane}.log", self.name())))?;
+        let mut cmd = match lane {
+            "go" => {
+                let mut c = Command::new(cp.binaries().path("sample-controller"));
+                c.arg(format!("-kubeconfig={}", kubeconfig.display()));
+                c
+            }
+            "controller-runtime" => {
+                let mut c = Command::new(cp.binaries().path("memcached-peer"));
+                c.arg(format!("--kubeconfig={}", kubeconfig.display()));
+                c.arg(format!("--health-probe-bind-address={}", ports.health));
+                c
+            }
+            "opkit" => {
+                let mut c = Command::new(root().join("target/release/opkit"));
+                c.args(["run", "--controllers", self.name()])
+                    .arg("--metrics-bind-address")
+                    .arg(ports.metrics.to_string())
+                    .arg("--health-probe-bind-address")
+                    .arg(ports.health.to_string())
+                    .arg("--kubeconfig")
+                    .arg(kubeconfig)
+                    // For experiments only (e.g. `--concurrency 1`); the published numbers use none.
+                    .args(
+                        std::env::var("BENCH_OPKIT_ARGS")
+                            .unwrap_or_default()
+                            .split_whitespace(),
+                    );
+                c
+            }
+            _ => return Ok(None),
+        };
+        Ok(Some(cmd.stdout(Stdio::null()).stderr(log).spawn()?))
+    }
+}
+
+/// Where a contender serves its probes and metrics (if it does).
+#[derive(Clone, Copy)]
+struct Ports {
+    health: SocketAddr,
+    metrics: SocketAddr,
+}
 
 #[derive(Default, Clone)]
 struct Phase {
     deployments: Duration,
     statuses: Duration,
-    /// (seconds since the phase started, Foos converged) at every change.
+    /// (seconds since the phase started, objects converged) at every change.
     timeline: Vec<(f64, usize)>,
 }
 
@@ -58,6 +244,14 @@ struct Outcome {
     steady_rss_kb: Option<u64>,
     cpu_s: Option<f64>,
     idle_cpu_s: Option<f64>,
+    /// From the restart until the readiness probe answers 200 (contenders that have one).
+    restart_ready: Option<Duration>,
+    /// From the restart until an object created at that moment has converged.
+    restart_reacts: Option<Duration>,
+    restart_writes: Option<u64>,
+    restart_requests: BTreeMap<String, u64>,
+    /// opkit's own view of its caches (`opkit_cache_*` at the end of the idle window).
+    cache_metrics: Vec<String>,
 }
 
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
@@ -69,6 +263,10 @@ fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// CPU seconds (user + system) and current/peak RSS (KiB) of a process, from /proc.
@@ -92,12 +290,7 @@ fn proc_stats(pid: u32) -> Option<(f64, u64, u64)> {
 }
 
 /// A kubeconfig file authenticating as `bench-<lane>` (cluster-admin, so RBAC is no factor).
-async fn identity(
-    cp: &ControlPlane,
-    admin: &Client,
-    lane: &str,
-    ns: &str,
-) -> anyhow::Result<(PathBuf, String)> {
+async fn identity(cp: &ControlPlane, admin: &Client, lane: &str, ns: &str) -> anyhow::Result<(PathBuf, String)> {
     let sas: Api<ServiceAccount> = Api::namespaced(admin.clone(), ns);
     let sa = format!("bench-{lane}");
     sas.create(
@@ -125,54 +318,35 @@ async fn identity(
         .status
         .context("no token")?
         .token;
-    let mut kc: serde_yaml::Value = serde_yaml::from_str(&std::fs::read_to_string(cp.kubeconfig_path())?)?;
-    kc["users"][0]["user"] = serde_yaml::from_str(&format!("token: {token}"))?;
     let path = cp.dir().join(format!("bench-{lane}.kubeconfig"));
-    std::fs::write(&path, serde_yaml::to_string(&kc)?)?;
+    std::fs::write(
+        &path,
+        opkit_testenv::kubeconfig_with_token(&cp.kubeconfig_path(), &token)?,
+    )?;
     Ok((path, format!("system:serviceaccount:{ns}:{sa}")))
 }
 
-fn foo(i: usize, replicas: i32) -> anyhow::Result<Foo> {
-    Ok(serde_json::from_value(json!({
-        "apiVersion": "samplecontroller.k8s.io/v1alpha1", "kind": "Foo",
-        "metadata": {"name": format!("foo-{i}")},
-        "spec": {"deploymentName": format!("foo-{i}"), "replicas": replicas},
-    }))?)
-}
+type Counts = Arc<Mutex<BTreeMap<String, i32>>>;
 
-/// Upstream's `newDeployment`, as the floor client writes it.
-fn deployment_for(f: &Foo) -> anyhow::Result<Deployment> {
-    let name = f.name_any();
-    Ok(serde_json::from_value(json!({
-        "metadata": {"name": f.spec.deployment_name, "labels": {"app": "nginx", "controller": name},
-            "ownerReferences": [{"apiVersion": "samplecontroller.k8s.io/v1alpha1", "kind": "Foo",
-                "name": name, "uid": f.uid(), "controller": true, "blockOwnerDeletion": true}]},
-        "spec": {"replicas": f.spec.replicas,
-            "selector": {"matchLabels": {"app": "nginx", "controller": name}},
-            "template": {"metadata": {"labels": {"app": "nginx", "controller": name}},
-                "spec": {"containers": [{"name": "nginx", "image": "nginx:latest"}]}}},
-    }))?)
-}
-
-/// Watches Deployments and Foos in `ns` and reports when all N reach `replicas`.
+/// Watches Deployments and primaries in `ns` and reports when all N reach a size.
 struct Tracker {
     start: Instant,
-    deployments: Arc<Mutex<BTreeMap<String, i32>>>,
-    foos: Arc<Mutex<BTreeMap<String, i32>>>,
+    deployments: Counts,
+    objects: Counts,
     timeline: Arc<Mutex<Vec<(f64, usize)>>>,
-    target: Arc<Mutex<i32>>,
+    target: Arc<AtomicI32>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl Tracker {
-    fn new(admin: &Client, ns: &str) -> Tracker {
-        let deployments = Arc::new(Mutex::new(BTreeMap::new()));
-        let foos = Arc::new(Mutex::new(BTreeMap::new()));
+    fn new(admin: &Client, scenario: Scenario, ns: &str) -> Tracker {
+        let deployments = Counts::default();
+        let objects = Counts::default();
         let timeline = Arc::new(Mutex::new(Vec::new()));
-        let target = Arc::new(Mutex::new(1));
+        let target = Arc::new(AtomicI32::new(1));
         let start = Instant::now();
         let d_api: Api<Deployment> = Api::namespaced(admin.clone(), ns);
-        let f_api: Api<Foo> = Api::namespaced(admin.clone(), ns);
+        let o_api: Api<DynamicObject> = Api::namespaced_with(admin.clone(), ns, &scenario.resource());
         let d = deployments.clone();
         let t1 = tokio::spawn(async move {
             let mut s = watcher(d_api, watcher::Config::default())
@@ -180,55 +354,38 @@ impl Tracker {
                 .boxed();
             while let Some(Ok(dep)) = s.next().await {
                 let r = dep.spec.as_ref().and_then(|s| s.replicas).unwrap_or(0);
-                d.lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert(dep.name_any(), r);
+                lock(&d).insert(dep.name_any(), r);
             }
         });
-        let (f, tl, tg) = (foos.clone(), timeline.clone(), target.clone());
+        let (o, tl, tg) = (objects.clone(), timeline.clone(), target.clone());
         let t2 = tokio::spawn(async move {
-            let mut s = watcher(f_api, watcher::Config::default())
+            let mut s = watcher(o_api, watcher::Config::default())
                 .applied_objects()
                 .boxed();
-            while let Some(Ok(foo)) = s.next().await {
-                let a = foo.status.as_ref().map(|s| s.available_replicas).unwrap_or(0);
-                let mut m = f.lock().unwrap_or_else(|e| e.into_inner());
-                m.insert(foo.name_any(), a);
-                let want = *tg.lock().unwrap_or_else(|e| e.into_inner());
+            while let Some(Ok(obj)) = s.next().await {
+                let mut m = lock(&o);
+                m.insert(obj.name_any(), scenario.converged_size(&obj));
+                let want = tg.load(Ordering::SeqCst);
                 let done = m.values().filter(|v| **v == want).count();
-                tl.lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push((start.elapsed().as_secs_f64(), done));
+                lock(&tl).push((start.elapsed().as_secs_f64(), done));
             }
         });
         Tracker {
             start,
             deployments,
-            foos,
+            objects,
             timeline,
             target,
             tasks: vec![t1, t2],
         }
     }
 
-    /// Waits for (a) and (b) at `replicas`; times are from `since`.
-    async fn converge(
-        &self,
-        n: usize,
-        replicas: i32,
-        since: Instant,
-        limit: Duration,
-    ) -> anyhow::Result<Phase> {
-        *self.target.lock().unwrap_or_else(|e| e.into_inner()) = replicas;
+    /// Waits for (a) and (b) at `size`; times are from `since`.
+    async fn converge(&self, n: usize, size: i32, since: Instant, limit: Duration) -> anyhow::Result<Phase> {
+        self.target.store(size, Ordering::SeqCst);
         let offset = since.duration_since(self.start).as_secs_f64();
-        self.timeline.lock().unwrap_or_else(|e| e.into_inner()).clear();
-        let count = |m: &Arc<Mutex<BTreeMap<String, i32>>>| {
-            m.lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .values()
-                .filter(|v| **v == replicas)
-                .count()
-        };
+        lock(&self.timeline).clear();
+        let count = |m: &Counts| lock(m).values().filter(|v| **v == size).count();
         let mut phase = Phase::default();
         let mut deployments_done = None;
         loop {
@@ -236,7 +393,7 @@ impl Tracker {
                 deployments_done = Some(since.elapsed());
             }
             if let Some(d) = deployments_done
-                && count(&self.foos) >= n
+                && count(&self.objects) >= n
             {
                 phase.deployments = d;
                 phase.statuses = since.elapsed();
@@ -244,17 +401,14 @@ impl Tracker {
             }
             if since.elapsed() > limit {
                 bail!(
-                    "not converged after {limit:?}: {} Deployments, {} Foos at {replicas}",
+                    "not converged after {limit:?}: {} Deployments, {} objects at {size}",
                     count(&self.deployments),
-                    count(&self.foos)
+                    count(&self.objects)
                 );
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        phase.timeline = self
-            .timeline
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        phase.timeline = lock(&self.timeline)
             .iter()
             .map(|(t, c)| (t - offset, *c))
             .filter(|(t, _)| *t >= 0.0)
@@ -275,6 +429,7 @@ impl Drop for Tracker {
 struct Request {
     user: String,
     verb: String,
+    namespace: String,
     at: Timestamp,
 }
 
@@ -283,7 +438,7 @@ fn audit(path: &Path) -> anyhow::Result<Vec<Request>> {
     let mut seen = HashSet::new();
     let mut out = Vec::new();
     for line in std::fs::read_to_string(path)?.lines() {
-        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+        let Ok(v) = serde_json::from_str::<Value>(line) else {
             continue;
         };
         let id = v["auditID"].as_str().unwrap_or_default().to_string();
@@ -299,6 +454,10 @@ fn audit(path: &Path) -> anyhow::Result<Vec<Request>> {
         out.push(Request {
             user: v["user"]["username"].as_str().unwrap_or_default().to_string(),
             verb: v["verb"].as_str().unwrap_or_default().to_string(),
+            namespace: v["objectRef"]["namespace"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string(),
             at,
         });
     }
@@ -327,33 +486,6 @@ fn is_write(verb: &str) -> bool {
     )
 }
 
-/// Starts the contender process for `lane` (none for the floor).
-fn start_contender(cp: &ControlPlane, lane: &str, kubeconfig: &Path) -> anyhow::Result<Option<Child>> {
-    let log = std::fs::File::create(cp.dir().join(format!("bench-{lane}.log")))?;
-    let child = match lane {
-        "go" => Command::new(cp.binaries().path("sample-controller"))
-            .arg(format!("-kubeconfig={}", kubeconfig.display()))
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()?,
-        "opkit" => Command::new(root().join("target/release/opkit"))
-            .args(["run", "--controllers", "foo", "--metrics-bind-address", "0"])
-            .args(["--health-probe-bind-address", "0", "--kubeconfig"])
-            .arg(kubeconfig)
-            // For experiments only (e.g. `--concurrency 1`); the published numbers use none.
-            .args(
-                std::env::var("BENCH_OPKIT_ARGS")
-                    .unwrap_or_default()
-                    .split_whitespace(),
-            )
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()?,
-        _ => return Ok(None),
-    };
-    Ok(Some(child))
-}
-
 async fn create_namespace(admin: &Client, ns: &str) -> anyhow::Result<()> {
     let nss: Api<Namespace> = Api::all(admin.clone());
     nss.create(
@@ -368,270 +500,610 @@ async fn delete_namespace(admin: &Client, ns: &str) -> anyhow::Result<()> {
     let nss: Api<Namespace> = Api::all(admin.clone());
     let uid = nss.get(ns).await?.uid().unwrap_or_default();
     nss.delete(ns, &DeleteParams::background()).await?;
-    // Gone for good: a terminating namespace still holds Foos a cluster-wide contender would see.
+    // Gone for good: a terminating namespace still holds objects a cluster-wide contender sees.
     let gone = await_condition(nss, ns, conditions::is_deleted(&uid));
-    tokio::time::timeout(Duration::from_secs(600), gone).await??;
+    tokio::time::timeout(Duration::from_secs(1800), gone).await??;
     Ok(())
 }
 
-/// Waits until the contender reconciles: a warm-up Foo in its own namespace gets a Deployment
+/// Polls until `check` holds for the object `name` in `ns` (its status converged to `size`).
+async fn wait_converged(
+    admin: &Client,
+    scenario: Scenario,
+    ns: &str,
+    name: &str,
+    size: i32,
+    limit: Duration,
+) -> anyhow::Result<Duration> {
+    let start = Instant::now();
+    let objects: Api<DynamicObject> = Api::namespaced_with(admin.clone(), ns, &scenario.resource());
+    let deploys: Api<Deployment> = Api::namespaced(admin.clone(), ns);
+    loop {
+        let obj = objects.get_opt(name).await?;
+        let dep = deploys.get_opt(name).await?;
+        let replicas = dep.and_then(|d| d.spec?.replicas);
+        if obj.is_some_and(|o| scenario.converged_size(&o) == size) && replicas == Some(size) {
+            return Ok(start.elapsed());
+        }
+        if start.elapsed() > limit {
+            bail!("{ns}/{name} did not converge to {size} within {limit:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Waits until the contender reconciles: a warm-up object in its own namespace converges
 /// (made by the floor client itself in the floor lane, which also warms up its connections).
-async fn warm_up(admin: &Client, floor: &Client, lane: &str) -> anyhow::Result<()> {
+async fn warm_up(admin: &Client, floor: &Client, scenario: Scenario, lane: &str) -> anyhow::Result<()> {
     let ns = format!("bench-warmup-{lane}");
     create_namespace(admin, &ns).await?;
-    let foos: Api<Foo> = Api::namespaced(admin.clone(), &ns);
-    let f = foos.create(&PostParams::default(), &foo(0, 1)?).await?;
+    let objects: Api<DynamicObject> = Api::namespaced_with(admin.clone(), &ns, &scenario.resource());
+    let o = objects
+        .create(&PostParams::default(), &scenario.object("warm-up", 1)?)
+        .await?;
     if lane == "floor" {
         let d: Api<Deployment> = Api::namespaced(floor.clone(), &ns);
-        d.create(&PostParams::default(), &deployment_for(&f)?).await?;
-    }
-    let deploys: Api<Deployment> = Api::namespaced(admin.clone(), &ns);
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while deploys.get_opt("foo-0").await?.is_none() {
-        if Instant::now() > deadline {
-            bail!("{lane} did not create the warm-up Deployment within 120 s");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        d.create(&PostParams::default(), &scenario.deployment_for(&o)?)
+            .await?;
+    } else {
+        wait_converged(admin, scenario, &ns, "warm-up", 1, Duration::from_secs(120))
+            .await
+            .with_context(|| format!("{lane} did not reconcile the warm-up object"))?;
     }
     delete_namespace(admin, &ns).await
 }
 
-async fn run_lane(
-    cp: &ControlPlane,
-    admin: &Client,
-    lane: &'static str,
-    n: usize,
-    idle: Duration,
-) -> anyhow::Result<Outcome> {
-    let ns = format!("bench-{lane}");
-    create_namespace(admin, &ns).await?;
-    let (kubeconfig, user) = identity(cp, admin, lane, &ns).await?;
-    let mut child = start_contender(cp, lane, &kubeconfig)?;
-    let pid = child.as_ref().map(|c| c.id());
-    let floor = Client::try_from(opkit_testenv::config_from_file(&kubeconfig).await?)?;
-    warm_up(admin, &floor, lane).await?;
-    let tracker = Tracker::new(admin, &ns);
-    let foos: Api<Foo> = Api::namespaced(admin.clone(), &ns);
-    let floor_deploys: Api<Deployment> = Api::namespaced(floor.clone(), &ns);
-    let floor_foos: Api<Foo> = Api::namespaced(floor.clone(), &ns);
-    let mut out = Outcome {
-        lane,
-        ..Default::default()
+/// The floor's status writer: writes each object's status as soon as what it reports is there,
+/// with as many writes in flight as the benchmark's own requests. Foo: `availableReplicas` from
+/// its Deployment; Memcached: the names of its Running Pods once there are `size` of them.
+fn floor_status_writer(
+    scenario: Scenario,
+    floor: &Client,
+    ns: &str,
+    target: Arc<AtomicI32>,
+    generation: Arc<AtomicI64>,
+) -> tokio::task::JoinHandle<()> {
+    let objects: Api<DynamicObject> = Api::namespaced_with(floor.clone(), ns, &scenario.resource());
+    let slots = Arc::new(tokio::sync::Semaphore::new(PARALLEL));
+    let write = move |name: String, available: i32, nodes: Vec<String>| {
+        let (slots, objects) = (slots.clone(), objects.clone());
+        let body = scenario.floor_status(available, &nodes, generation.load(Ordering::SeqCst));
+        async move {
+            let Ok(slot) = slots.acquire_owned().await else { return };
+            tokio::spawn(async move {
+                let _slot = slot;
+                let _ = objects
+                    .patch_status(&name, &PatchParams::apply("floor").force(), &Patch::Apply(&body))
+                    .await;
+            });
+        }
     };
-    let limit = Duration::from_secs(env_or("BENCH_LIMIT_SECONDS", 1800));
-    let window_start = Timestamp::now();
-
-    // The floor's status writer: mirrors availableReplicas as soon as a Deployment reports it,
-    // with as many writes in flight as the benchmark's own requests.
-    let status_writer = (lane == "floor").then(|| {
-        let (d_api, f_api) = (floor_deploys.clone(), floor_foos.clone());
-        tokio::spawn(async move {
-            let slots = Arc::new(tokio::sync::Semaphore::new(PARALLEL));
-            let mut written: BTreeMap<String, i32> = BTreeMap::new();
-            let mut s = watcher(d_api, watcher::Config::default()).applied_objects().boxed();
-            while let Some(Ok(d)) = s.next().await {
-                let a = d.status.as_ref().and_then(|s| s.available_replicas).unwrap_or(0);
-                let Some(owner) = d.owner_references().first().map(|o| o.name.clone()) else { continue };
-                if a == 0 || written.get(&owner) == Some(&a) {
-                    continue;
+    let mut written: BTreeMap<String, i32> = BTreeMap::new();
+    match scenario {
+        Scenario::Foo => {
+            let d_api: Api<Deployment> = Api::namespaced(floor.clone(), ns);
+            tokio::spawn(async move {
+                let mut s = watcher(d_api, watcher::Config::default()).applied_objects().boxed();
+                while let Some(Ok(d)) = s.next().await {
+                    let a = d.status.as_ref().and_then(|s| s.available_replicas).unwrap_or(0);
+                    let Some(owner) = d.owner_references().first().map(|o| o.name.clone()) else { continue };
+                    if a == 0 || written.get(&owner) == Some(&a) {
+                        continue;
+                    }
+                    written.insert(owner.clone(), a);
+                    write(owner, a, Vec::new()).await;
                 }
-                written.insert(owner.clone(), a);
-                let Ok(slot) = slots.clone().acquire_owned().await else { return };
-                let f_api = f_api.clone();
-                tokio::spawn(async move {
-                    let _slot = slot;
-                    let body = json!({"apiVersion": "samplecontroller.k8s.io/v1alpha1", "kind": "Foo", "status": {"availableReplicas": a}});
-                    let _ = f_api
-                        .patch_status(&owner, &PatchParams::apply("floor").force(), &Patch::Apply(&body))
-                        .await;
-                });
-            }
-        })
-    });
-
-    // Create N Foos (the floor also creates each Deployment right away).
-    let cpu0 = pid.and_then(proc_stats);
-    let t0 = Instant::now();
-    stream::iter(0..n)
-        .map(|i| {
-            let (foos, fd) = (foos.clone(), floor_deploys.clone());
-            async move {
-                let f = foos.create(&PostParams::default(), &foo(i, 1)?).await?;
-                if lane == "floor" {
-                    fd.create(&PostParams::default(), &deployment_for(&f)?).await?;
+            })
+        }
+        Scenario::Memcached => {
+            let p_api: Api<Pod> = Api::namespaced(floor.clone(), ns);
+            tokio::spawn(async move {
+                let mut running: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+                let cfg = watcher::Config::default().labels("app=memcached");
+                let mut s = watcher(p_api, cfg).applied_objects().boxed();
+                while let Some(Ok(p)) = s.next().await {
+                    let Some(owner) = p.labels().get("memcached_cr").cloned() else { continue };
+                    let up = p.metadata.deletion_timestamp.is_none()
+                        && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
+                    let set = running.entry(owner.clone()).or_default();
+                    if up {
+                        set.insert(p.name_any());
+                    } else {
+                        set.remove(&p.name_any());
+                    }
+                    let count = set.len() as i32;
+                    if count != target.load(Ordering::SeqCst) || written.get(&owner) == Some(&count) {
+                        continue;
+                    }
+                    written.insert(owner.clone(), count);
+                    let nodes = set.iter().cloned().collect();
+                    write(owner, count, nodes).await;
                 }
-                anyhow::Ok(())
-            }
-        })
-        .buffer_unordered(PARALLEL)
-        .try_collect::<Vec<_>>()
-        .await?;
-    out.create = tracker.converge(n, 1, t0, limit).await?;
-    println!(
-        "{lane}: created {n}: Deployments {:.2}s, statuses {:.2}s",
-        out.create.deployments.as_secs_f64(),
-        out.create.statuses.as_secs_f64()
-    );
+            })
+        }
+    }
+}
 
-    // Idle.
-    flush_audit(
-        admin,
-        &cp.dir().join("audit.log"),
-        &format!("bench-idle-start-{lane}"),
-    )
-    .await?;
-    let idle_start = Timestamp::now();
-    let idle_cpu0 = pid.and_then(proc_stats);
-    tokio::time::sleep(idle).await;
-    let idle_cpu1 = pid.and_then(proc_stats);
-    let idle_end = Timestamp::now();
-    out.steady_rss_kb = idle_cpu1.map(|s| s.1);
-    if let (Some(a), Some(b)) = (idle_cpu0, idle_cpu1) {
-        out.idle_cpu_s = Some(b.0 - a.0);
-    }
-
-    // Update every Foo's replicas to 2 (the floor also scales each Deployment itself).
-    let t1 = Instant::now();
-    stream::iter(0..n)
-        .map(|i| {
-            let (foos, fd) = (foos.clone(), floor_deploys.clone());
-            async move {
-                let name = format!("foo-{i}");
-                foos.patch(
-                    &name,
-                    &PatchParams::default(),
-                    &Patch::Merge(json!({"spec": {"replicas": 2}})),
-                )
-                .await?;
-                if lane == "floor" {
-                    fd.patch(
-                        &name,
-                        &PatchParams::default(),
-                        &Patch::Merge(json!({"spec": {"replicas": 2}})),
-                    )
-                    .await?;
-                }
-                anyhow::Ok(())
-            }
-        })
-        .buffer_unordered(PARALLEL)
-        .try_collect::<Vec<_>>()
-        .await?;
-    out.update = tracker.converge(n, 2, t1, limit).await?;
-    println!(
-        "{lane}: updated {n}: Deployments {:.2}s, statuses {:.2}s",
-        out.update.deployments.as_secs_f64(),
-        out.update.statuses.as_secs_f64()
-    );
-
-    let end = pid.and_then(proc_stats);
-    if let (Some(a), Some(b)) = (cpu0, end) {
-        out.cpu_s = Some(b.0 - a.0);
-        out.peak_rss_kb = Some(b.2);
-    }
-    if let Some(w) = status_writer {
-        w.abort();
-    }
-    if let Some(c) = child.as_mut() {
-        let _ = Command::new("kill").args(["-TERM", &c.id().to_string()]).status();
-        let _ = c.wait();
-    }
-    flush_audit(admin, &cp.dir().join("audit.log"), &format!("bench-end-{lane}")).await?;
-    for r in audit(&cp.dir().join("audit.log"))? {
-        if r.user != user || r.at < window_start {
+/// Sums the requests (by verb) and writes of `user` between `from` and `to`, leaving out the
+/// namespaces in `skip`.
+fn count_requests(
+    requests: &[Request],
+    user: &str,
+    from: Timestamp,
+    to: Timestamp,
+    skip: &[&str],
+) -> (BTreeMap<String, u64>, u64) {
+    let mut by_verb = BTreeMap::new();
+    let mut writes = 0;
+    for r in requests {
+        if r.user != user || r.at < from || r.at > to || skip.contains(&r.namespace.as_str()) {
             continue;
         }
-        *out.requests.entry(r.verb.clone()).or_default() += 1;
+        *by_verb.entry(r.verb.clone()).or_default() += 1;
         if is_write(&r.verb) {
-            out.writes += 1;
-            if r.at >= idle_start && r.at <= idle_end {
-                out.idle_writes += 1;
-            }
+            writes += 1;
         }
     }
-    drop(tracker);
-    delete_namespace(admin, &ns).await?;
-    Ok(out)
+    (by_verb, writes)
+}
+
+/// Stops a contender the way Kubernetes does (SIGTERM) and waits for it.
+fn stop(child: &mut Child) {
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let _ = child.wait();
+}
+
+/// Polls a readiness endpoint until it answers 200.
+async fn wait_ready(addr: SocketAddr, limit: Duration) -> anyhow::Result<Duration> {
+    let start = Instant::now();
+    loop {
+        if let Ok((200, _)) = opkit_testenv::http_get(addr, "/readyz").await {
+            return Ok(start.elapsed());
+        }
+        if start.elapsed() > limit {
+            bail!("{addr}/readyz did not answer 200 within {limit:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The cache lines of opkit's metrics (`opkit_cache_objects`, `opkit_cache_bytes_estimate`).
+async fn cache_metrics(addr: SocketAddr) -> Vec<String> {
+    match opkit_testenv::http_get(addr, "/metrics").await {
+        Ok((200, body)) => body
+            .lines()
+            .filter(|l| l.starts_with("opkit_cache_"))
+            .map(String::from)
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+struct Run<'a> {
+    cp: &'a ControlPlane,
+    admin: &'a Client,
+    scenario: Scenario,
+    n: usize,
+    size: i32,
+    idle: Duration,
+    limit: Duration,
+}
+
+impl Run<'_> {
+    async fn lane(&self, lane: &'static str) -> anyhow::Result<Outcome> {
+        let (cp, admin, scenario, n, size) = (self.cp, self.admin, self.scenario, self.n, self.size);
+        let ns = format!("bench-{lane}");
+        create_namespace(admin, &ns).await?;
+        let (kubeconfig, user) = identity(cp, admin, lane, &ns).await?;
+        let ports = Ports {
+            health: SocketAddr::from(([127, 0, 0, 1], opkit_testenv::free_port()?)),
+            metrics: SocketAddr::from(([127, 0, 0, 1], opkit_testenv::free_port()?)),
+        };
+        let mut child = scenario.start(cp, lane, &kubeconfig, ports)?;
+        let pid = child.as_ref().map(|c| c.id());
+        let floor = Client::try_from(opkit_testenv::config_from_file(&kubeconfig).await?)?;
+        warm_up(admin, &floor, scenario, lane).await?;
+        let tracker = Tracker::new(admin, scenario, &ns);
+        let objects: Api<DynamicObject> = Api::namespaced_with(admin.clone(), &ns, &scenario.resource());
+        let floor_deploys: Api<Deployment> = Api::namespaced(floor.clone(), &ns);
+        let floor_objects: Api<DynamicObject> = Api::namespaced_with(floor.clone(), &ns, &scenario.resource());
+        let mut out = Outcome {
+            lane,
+            ..Default::default()
+        };
+        let window_start = Timestamp::now();
+        let audit_log = cp.dir().join("audit.log");
+        let name = |i: usize| format!("{}-{i}", scenario.name());
+
+        let target = Arc::new(AtomicI32::new(size));
+        let generation = Arc::new(AtomicI64::new(1));
+        let status_writer = (lane == "floor")
+            .then(|| floor_status_writer(scenario, &floor, &ns, target.clone(), generation.clone()));
+
+        // Create N objects (the floor also creates each Deployment right away, and writes the
+        // status of a Memcached of size 0 at once: there is no Pod to wait for).
+        let cpu0 = pid.and_then(proc_stats);
+        let t0 = Instant::now();
+        stream::iter(0..n)
+            .map(|i| {
+                let (objects, fd, fo) = (objects.clone(), floor_deploys.clone(), floor_objects.clone());
+                let name = name(i);
+                async move {
+                    let o = objects
+                        .create(&PostParams::default(), &scenario.object(&name, size)?)
+                        .await?;
+                    if lane == "floor" {
+                        fd.create(&PostParams::default(), &scenario.deployment_for(&o)?)
+                            .await?;
+                        if scenario == Scenario::Memcached && size == 0 {
+                            let body = scenario.floor_status(0, &[], 1);
+                            fo.patch_status(&name, &PatchParams::apply("floor").force(), &Patch::Apply(&body))
+                                .await?;
+                        }
+                    }
+                    anyhow::Ok(())
+                }
+            })
+            .buffer_unordered(PARALLEL)
+            .try_collect::<Vec<_>>()
+            .await?;
+        out.create = tracker.converge(n, size, t0, self.limit).await?;
+        println!(
+            "{lane}: created {n}: Deployments {:.2}s, statuses {:.2}s",
+            out.create.deployments.as_secs_f64(),
+            out.create.statuses.as_secs_f64()
+        );
+
+        // Idle.
+        flush_audit(admin, &audit_log, &format!("bench-idle-start-{lane}")).await?;
+        let idle_start = Timestamp::now();
+        let idle_cpu0 = pid.and_then(proc_stats);
+        tokio::time::sleep(self.idle).await;
+        let idle_cpu1 = pid.and_then(proc_stats);
+        let idle_end = Timestamp::now();
+        out.steady_rss_kb = idle_cpu1.map(|s| s.1);
+        if let (Some(a), Some(b)) = (idle_cpu0, idle_cpu1) {
+            out.idle_cpu_s = Some(b.0 - a.0);
+        }
+        if lane == "opkit" {
+            out.cache_metrics = cache_metrics(ports.metrics).await;
+        }
+
+        // Update every object's size by one (the floor also scales each Deployment itself).
+        let bigger = size + 1;
+        target.store(bigger, Ordering::SeqCst);
+        generation.store(2, Ordering::SeqCst);
+        let t1 = Instant::now();
+        stream::iter(0..n)
+            .map(|i| {
+                let (objects, fd) = (objects.clone(), floor_deploys.clone());
+                let name = name(i);
+                async move {
+                    let p = PatchParams::default();
+                    objects
+                        .patch(&name, &p, &Patch::Merge(scenario.size_patch(bigger)))
+                        .await?;
+                    if lane == "floor" {
+                        fd.patch(&name, &p, &Patch::Merge(json!({"spec": {"replicas": bigger}})))
+                            .await?;
+                    }
+                    anyhow::Ok(())
+                }
+            })
+            .buffer_unordered(PARALLEL)
+            .try_collect::<Vec<_>>()
+            .await?;
+        out.update = tracker.converge(n, bigger, t1, self.limit).await?;
+        println!(
+            "{lane}: updated {n}: Deployments {:.2}s, statuses {:.2}s",
+            out.update.deployments.as_secs_f64(),
+            out.update.statuses.as_secs_f64()
+        );
+        let end = pid.and_then(proc_stats);
+        if let (Some(a), Some(b)) = (cpu0, end) {
+            out.cpu_s = Some(b.0 - a.0);
+            out.peak_rss_kb = Some(b.2);
+        }
+        if let Some(w) = status_writer {
+            w.abort();
+        }
+        let Some(mut process) = child.take() else {
+            flush_audit(admin, &audit_log, &format!("bench-end-{lane}")).await?;
+            let requests = audit(&audit_log)?;
+            (out.requests, out.writes) = count_requests(&requests, &user, window_start, Timestamp::now(), &[]);
+            drop(tracker);
+            delete_namespace(admin, &ns).await?;
+            return Ok(out);
+        };
+        stop(&mut process);
+        let stopped = Timestamp::now();
+
+        // Restart with N converged objects: time to ready, time until a new object (created
+        // the moment it starts, in a namespace of its own) converges, and what the resync
+        // writes. The restarted process is measured until SETTLE seconds after that.
+        let probe_ns = format!("bench-restart-{lane}");
+        create_namespace(admin, &probe_ns).await?;
+        flush_audit(admin, &audit_log, &format!("bench-restart-{lane}")).await?;
+        let restart_start = Timestamp::now();
+        let t2 = Instant::now();
+        let mut process = scenario
+            .start(cp, lane, &kubeconfig, ports)?
+            .context("the contender did not start again")?;
+        let probes: Api<DynamicObject> = Api::namespaced_with(admin.clone(), &probe_ns, &scenario.resource());
+        probes
+            .create(&PostParams::default(), &scenario.object("probe", bigger)?)
+            .await?;
+        if lane != "go" {
+            out.restart_ready = Some(wait_ready(ports.health, self.limit).await?);
+        }
+        wait_converged(admin, scenario, &probe_ns, "probe", bigger, self.limit).await?;
+        out.restart_reacts = Some(t2.elapsed());
+        tokio::time::sleep(Duration::from_secs(env_or("BENCH_RESTART_SETTLE_SECONDS", 30))).await;
+        let restart_end = Timestamp::now();
+        stop(&mut process);
+        println!(
+            "{lane}: restarted with {n}: ready {}, reacted {}",
+            fmt_opt(out.restart_ready.map(|d| format!("{:.2}s", d.as_secs_f64()))),
+            fmt_opt(out.restart_reacts.map(|d| format!("{:.2}s", d.as_secs_f64())))
+        );
+
+        flush_audit(admin, &audit_log, &format!("bench-end-{lane}")).await?;
+        let requests = audit(&audit_log)?;
+        (out.requests, out.writes) = count_requests(&requests, &user, window_start, stopped, &[]);
+        let (_, idle_writes) = count_requests(&requests, &user, idle_start, idle_end, &[]);
+        out.idle_writes = idle_writes;
+        let (restart_requests, restart_writes) =
+            count_requests(&requests, &user, restart_start, restart_end, &[&probe_ns]);
+        out.restart_requests = restart_requests;
+        out.restart_writes = Some(restart_writes);
+        drop(tracker);
+        delete_namespace(admin, &probe_ns).await?;
+        delete_namespace(admin, &ns).await?;
+        Ok(out)
+    }
 }
 
 fn fmt_opt<T: std::fmt::Display>(v: Option<T>) -> String {
     v.map(|v| v.to_string()).unwrap_or_else(|| "–".into())
 }
 
-fn table(results: &[Outcome], n: usize, idle: Duration) -> String {
+fn mib(kb: Option<u64>) -> Option<f64> {
+    kb.map(|k| k as f64 / 1024.0)
+}
+
+
+fn num(v: &Value, fmt: impl Fn(f64) -> String) -> String {
+    v.as_f64().map(fmt).unwrap_or_else(|| "–".into())
+}
+
+fn verbs_of(v: &Value) -> String {
+    v.as_object()
+        .map(|m| {
+            m.iter()
+                .map(|(k, n)| format!("{k} {n}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        })
+        .unwrap_or_default()
+}
+
+/// The lanes of a results document, in the scenario's order.
+fn lanes_of(doc: &Value, scenario: Scenario) -> Vec<(&'static str, &Value)> {
+    scenario
+        .lanes()
+        .into_iter()
+        .filter_map(|l| Some((l, doc["lanes"].get(l)?)))
+        .collect()
+}
+
+fn table(doc: &Value, scenario: Scenario, idle: Duration) -> String {
+    let (n, size) = (doc["n"].as_u64().unwrap_or(0), doc["size"].as_i64().unwrap_or(0));
     let mut s = format!(
-        "| N={n} | create: Deployments (a) | create: statuses (b) | update: Deployments (a) | update: statuses (b) | requests by verb | writes/Foo | peak RSS | steady RSS | CPU s | idle {}s: writes / CPU s |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| {} N={n} size {size}→{} | create (a) | create (b) | update (a) | update (b) | requests by verb | writes/object | peak RSS | steady RSS | CPU s | idle {}s: writes / CPU s | restart: ready / reacts | restart: requests by verb |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        scenario.name(),
+        size + 1,
         idle.as_secs()
     );
-    for r in results {
-        let verbs = r
-            .requests
-            .iter()
-            .map(|(k, v)| format!("{k} {v}"))
-            .collect::<Vec<_>>()
-            .join(", ");
+    let secs = |v: &Value| num(v, |x| format!("{x:.2}s"));
+    let mb = |v: &Value| num(v, |x| format!("{x:.1} MiB"));
+    for (lane, r) in lanes_of(doc, scenario) {
         s.push_str(&format!(
-            "| {} | {:.2}s | {:.2}s | {:.2}s | {:.2}s | {} | {:.2} | {} | {} | {} | {} / {} |\n",
-            r.lane,
-            r.create.deployments.as_secs_f64(),
-            r.create.statuses.as_secs_f64(),
-            r.update.deployments.as_secs_f64(),
-            r.update.statuses.as_secs_f64(),
-            verbs,
-            r.writes as f64 / n as f64,
-            fmt_opt(r.peak_rss_kb.map(|k| format!("{:.1} MiB", k as f64 / 1024.0))),
-            fmt_opt(r.steady_rss_kb.map(|k| format!("{:.1} MiB", k as f64 / 1024.0))),
-            fmt_opt(r.cpu_s.map(|c| format!("{c:.2}"))),
-            r.idle_writes,
-            fmt_opt(r.idle_cpu_s.map(|c| format!("{c:.2}"))),
+            "| {lane} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} | {} / {} | {} |\n",
+            secs(&r["create_a_s"]),
+            secs(&r["create_b_s"]),
+            secs(&r["update_a_s"]),
+            secs(&r["update_b_s"]),
+            verbs_of(&r["requests"]),
+            num(&r["writes_per_object"], |x| format!("{x:.2}")),
+            mb(&r["peak_rss_mib"]),
+            mb(&r["steady_rss_mib"]),
+            num(&r["cpu_s"], |x| format!("{x:.2}")),
+            r["idle_writes"],
+            num(&r["idle_cpu_s"], |x| format!("{x:.2}")),
+            secs(&r["restart_ready_s"]),
+            secs(&r["restart_reacts_s"]),
+            if r["restart_writes"].is_null() {
+                "–".to_string()
+            } else {
+                verbs_of(&r["restart_requests"])
+            },
         ));
     }
     s
 }
 
-/// Converged Foos over time in the create phase, one line per contender.
-fn plot(results: &[Outcome], n: usize) -> String {
-    let (w, h, pad) = (720.0, 400.0, 50.0);
-    let tmax = results
+/// One JSON object per lane, keyed by lane.
+fn json_results(results: &[Outcome], scenario: Scenario, n: usize, size: i32) -> Value {
+    let secs = |d: Duration| (d.as_secs_f64() * 1000.0).round() / 1000.0;
+    let lanes: serde_json::Map<String, Value> = results
         .iter()
-        .map(|r| r.create.statuses.as_secs_f64())
-        .fold(1.0_f64, f64::max);
-    let colors = ["#888888", "#00add8", "#dea584"];
+        .map(|r| {
+            (
+                r.lane.to_string(),
+                json!({
+                    "create_a_s": secs(r.create.deployments),
+                    "create_b_s": secs(r.create.statuses),
+                    "update_a_s": secs(r.update.deployments),
+                    "update_b_s": secs(r.update.statuses),
+                    "writes_per_object": r.writes as f64 / n as f64,
+                    "peak_rss_mib": mib(r.peak_rss_kb),
+                    "steady_rss_mib": mib(r.steady_rss_kb),
+                    "cpu_s": r.cpu_s,
+                    "idle_writes": r.idle_writes,
+                    "idle_cpu_s": r.idle_cpu_s,
+                    "restart_ready_s": r.restart_ready.map(secs),
+                    "restart_reacts_s": r.restart_reacts.map(secs),
+                    "restart_writes": r.restart_writes,
+                    "requests": r.requests,
+                    "restart_requests": r.restart_requests,
+                    "cache_metrics": r.cache_metrics,
+                    "create_timeline": r.create.timeline,
+                    "update_timeline": r.update.timeline,
+                }),
+            )
+        })
+        .collect();
+    json!({
+        "scenario": scenario.name(),
+        "n": n,
+        "size": size,
+        // What every contender must cache at least: the objects, their Deployments and Pods.
+        "cached_objects": n * (2 + size as usize),
+        "lanes": lanes,
+    })
+}
+
+/// Axis ticks: about `count` round steps (1, 2 or 5 × 10^k) from 0 to at least `max`.
+fn ticks(max: f64, count: usize) -> Vec<f64> {
+    let raw = (max / count as f64).max(1e-9);
+    let mag = 10f64.powf(raw.log10().floor());
+    let step = [1.0, 2.0, 5.0, 10.0]
+        .iter()
+        .map(|m| m * mag)
+        .find(|s| *s >= raw)
+        .unwrap_or(10.0 * mag);
+    (0..)
+        .map(|i| i as f64 * step)
+        .take_while(|t| *t <= max * 1.0001)
+        .collect()
+}
+
+fn tick_label(v: f64) -> String {
+    // Steps are 1, 2 or 5 × 10^k: three decimals cover every step down to 0.001.
+    let s = format!("{v:.3}");
+    s.trim_end_matches('0').trim_end_matches('.').to_string()
+}
+
+/// Objects converged over time in one phase, one line per contender: axes with ticks and
+/// labels, the legend to the right of the plot area.
+fn plot(doc: &Value, scenario: Scenario, phase: &str, title: &str) -> String {
+    let n = doc["n"].as_u64().unwrap_or(1) as usize;
+    let lanes = lanes_of(doc, scenario);
+    let done = |r: &Value| r[format!("{phase}_b_s")].as_f64().unwrap_or(0.0);
+    let timeline = |r: &Value| -> Vec<(f64, usize)> {
+        serde_json::from_value(r[format!("{phase}_timeline")].clone()).unwrap_or_default()
+    };
+    let (w, h) = (860.0, 420.0);
+    let (left, right, top, bottom) = (70.0, 200.0, 40.0, 50.0);
+    let (pw, ph) = (w - left - right, h - top - bottom);
+    let tmax = lanes.iter().map(|(_, r)| done(r)).fold(1.0_f64, f64::max) * 1.02;
+    let xt = ticks(tmax, 8);
+    let yt = ticks(n as f64, 5);
+    let xmax = *xt.last().unwrap_or(&tmax);
+    let xmax = if xmax < tmax { tmax } else { xmax };
+    let ymax = (*yt.last().unwrap_or(&(n as f64))).max(n as f64);
+    let x = |t: f64| left + t / xmax * pw;
+    let y = |c: f64| top + ph - c / ymax * ph;
+    let colors = ["#555555", "#00add8", "#dea584", "#9b59b6"];
     let mut s = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n<text x=\"{left}\" y=\"22\" font-size=\"14\">{title}</text>\n"
     );
+    for t in &xt {
+        s.push_str(&format!(
+            "<line x1=\"{0:.1}\" y1=\"{1:.1}\" x2=\"{0:.1}\" y2=\"{2:.1}\" stroke=\"#e5e5e5\"/><line x1=\"{0:.1}\" y1=\"{2:.1}\" x2=\"{0:.1}\" y2=\"{3:.1}\" stroke=\"black\"/><text x=\"{0:.1}\" y=\"{4:.1}\" text-anchor=\"middle\">{5}</text>\n",
+            x(*t),
+            top,
+            top + ph,
+            top + ph + 5.0,
+            top + ph + 18.0,
+            tick_label(*t)
+        ));
+    }
+    for c in &yt {
+        s.push_str(&format!(
+            "<line x1=\"{0:.1}\" y1=\"{1:.1}\" x2=\"{2:.1}\" y2=\"{1:.1}\" stroke=\"#e5e5e5\"/><line x1=\"{3:.1}\" y1=\"{1:.1}\" x2=\"{0:.1}\" y2=\"{1:.1}\" stroke=\"black\"/><text x=\"{4:.1}\" y=\"{5:.1}\" text-anchor=\"end\">{6}</text>\n",
+            left,
+            y(*c),
+            left + pw,
+            left - 5.0,
+            left - 8.0,
+            y(*c) + 4.0,
+            tick_label(*c)
+        ));
+    }
     s.push_str(&format!(
-        "<text x=\"{pad}\" y=\"20\">Foos with status.availableReplicas = replicas after creating {n} (x: seconds, 0–{tmax:.1})</text>\n<line x1=\"{pad}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"black\"/>\n<line x1=\"{pad}\" y1=\"{pad}\" x2=\"{pad}\" y2=\"{}\" stroke=\"black\"/>\n",
-        h - pad,
-        w - pad,
-        h - pad,
-        h - pad
+        "<line x1=\"{left}\" y1=\"{0}\" x2=\"{1}\" y2=\"{0}\" stroke=\"black\"/><line x1=\"{left}\" y1=\"{top}\" x2=\"{left}\" y2=\"{0}\" stroke=\"black\"/>\n<text x=\"{2:.1}\" y=\"{3:.1}\" text-anchor=\"middle\">seconds since the first request of the phase</text>\n<text transform=\"translate(16 {4:.1}) rotate(-90)\" text-anchor=\"middle\">objects converged (of {n})</text>\n",
+        top + ph,
+        left + pw,
+        left + pw / 2.0,
+        h - 12.0,
+        top + ph / 2.0
     ));
-    for (i, r) in results.iter().enumerate() {
+    for (i, (lane, r)) in lanes.iter().enumerate() {
         let pts: Vec<String> = std::iter::once((0.0, 0))
-            .chain(r.create.timeline.iter().copied())
-            .map(|(t, c)| {
-                let x = pad + (t / tmax) * (w - 2.0 * pad);
-                let y = (h - pad) - (c as f64 / n as f64) * (h - 2.0 * pad);
-                format!("{x:.1},{y:.1}")
-            })
+            .chain(timeline(r))
+            .map(|(t, c)| format!("{:.1},{:.1}", x(t), y(c as f64)))
             .collect();
         let color = colors[i % colors.len()];
+        let ly = top + 10.0 + 20.0 * i as f64;
         s.push_str(&format!(
-            "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"2\" points=\"{}\"/>\n<text x=\"{}\" y=\"{}\" fill=\"{color}\">{}</text>\n",
+            "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"2\" points=\"{}\"/>\n<line x1=\"{2:.1}\" y1=\"{3:.1}\" x2=\"{4:.1}\" y2=\"{3:.1}\" stroke=\"{color}\" stroke-width=\"3\"/><text x=\"{5:.1}\" y=\"{6:.1}\">{1} ({7:.1} s)</text>\n",
             pts.join(" "),
-            w - pad - 80.0,
-            pad + 20.0 + 16.0 * i as f64,
-            r.lane
+            lane,
+            left + pw + 15.0,
+            ly,
+            left + pw + 40.0,
+            left + pw + 46.0,
+            ly + 4.0,
+            done(r)
         ));
     }
     s.push_str("</svg>\n");
     s
 }
 
+/// RSS per additional cached object, per lane, from this run and another size's JSON.
+fn rss_slopes(this: &Value, other: &Value) -> Vec<String> {
+    let (Some(a), Some(b)) = (this["cached_objects"].as_f64(), other["cached_objects"].as_f64()) else {
+        return Vec::new();
+    };
+    let Some(lanes) = this["lanes"].as_object() else { return Vec::new() };
+    lanes
+        .iter()
+        .filter_map(|(lane, v)| {
+            let ra = v["steady_rss_mib"].as_f64()?;
+            let rb = other["lanes"][lane]["steady_rss_mib"].as_f64()?;
+            let per = (ra - rb) * 1024.0 / (a - b);
+            Some(format!(
+                "{lane}: {per:.2} KiB of steady RSS per cached object ({rb:.1} MiB at {b} objects, {ra:.1} MiB at {a})"
+            ))
+        })
+        .collect()
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    let scenario = match std::env::var("BENCH").as_deref() {
+        Ok("memcached") => Scenario::Memcached,
+        Ok("foo") | Err(_) => Scenario::Foo,
+        Ok(other) => bail!("BENCH={other}: expected foo or memcached"),
+    };
     let n: usize = env_or("N", 300);
+    // The Memcached scenario: size 1 (a Pod each) up to 1000 objects, size 0 beyond.
+    let default_size = if scenario == Scenario::Memcached && n > 1000 { 0 } else { 1 };
+    let size: i32 = env_or("SIZE", default_size);
     let idle = Duration::from_secs(env_or("BENCH_IDLE_SECONDS", 60));
     let opkit = root().join("target/release/opkit");
     if !opkit.exists() {
@@ -641,7 +1113,8 @@ async fn main() -> anyhow::Result<()> {
         );
     }
     println!(
-        "starting a local control plane with an audit log (N={n}, idle {}s)",
+        "starting a local control plane with an audit log ({} N={n} size {size}, idle {}s)",
+        scenario.name(),
         idle.as_secs()
     );
     let cp = ControlPlane::start(Options {
@@ -652,69 +1125,126 @@ async fn main() -> anyhow::Result<()> {
         ..Default::default()
     })
     .await?;
+    if scenario == Scenario::Memcached && !cp.binaries().path("memcached-peer").exists() {
+        bail!("memcached-peer is missing: run `bash crates/testenv/scripts/build-binaries.sh --with-bench` (make bench does)");
+    }
     let admin = cp.client().await?;
     let crds: Api<CustomResourceDefinition> = Api::all(admin.clone());
     crds.patch(
-        "foos.samplecontroller.k8s.io",
+        &scenario.crd_name(),
         &PatchParams::apply("opkit-bench").force(),
-        &Patch::Apply(opkit_api::foo::crd()),
+        &Patch::Apply(scenario.crd()),
     )
     .await?;
     tokio::time::timeout(
         Duration::from_secs(60),
-        await_condition(
-            crds,
-            "foos.samplecontroller.k8s.io",
-            conditions::is_crd_established(),
-        ),
+        await_condition(crds, &scenario.crd_name(), conditions::is_crd_established()),
     )
     .await??;
 
+    let run = Run {
+        cp: &cp,
+        admin: &admin,
+        scenario,
+        n,
+        size,
+        idle,
+        limit: Duration::from_secs(env_or("BENCH_LIMIT_SECONDS", 1800)),
+    };
     let only: Option<String> = std::env::var("BENCH_LANES").ok();
     let mut results = Vec::new();
-    for lane in LANES {
+    for lane in scenario.lanes() {
         if only.as_deref().is_some_and(|o| !o.split(',').any(|l| l == lane)) {
             continue;
         }
         println!("== {lane}");
-        results.push(
-            run_lane(&cp, &admin, lane, n, idle)
-                .await
-                .with_context(|| format!("lane {lane}"))?,
-        );
+        results.push(run.lane(lane).await.with_context(|| format!("lane {lane}"))?);
     }
-
-    let md = table(&results, n, idle);
-    let out = root().join("target/bench");
-    std::fs::create_dir_all(&out)?;
-    std::fs::write(out.join(format!("results-n{n}.md")), &md)?;
-    std::fs::write(out.join(format!("convergence-n{n}.svg")), plot(&results, n))?;
-    println!("\n{md}");
-    let get = |l: &str| results.iter().find(|r| r.lane == l);
-    if let (Some(o), Some(g), Some(f)) = (get("opkit"), get("go"), get("floor")) {
-        let ratio = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64().max(1e-9);
-        println!(
-            "summary N={n}: opkit/go create (a) {:.2}x (b) {:.2}x, update (a) {:.2}x (b) {:.2}x; opkit/floor create (a) {:.2}x (b) {:.2}x; writes/Foo opkit {:.2} go {:.2}; peak RSS opkit/go {}",
-            ratio(o.create.deployments, g.create.deployments),
-            ratio(o.create.statuses, g.create.statuses),
-            ratio(o.update.deployments, g.update.deployments),
-            ratio(o.update.statuses, g.update.statuses),
-            ratio(o.create.deployments, f.create.deployments),
-            ratio(o.create.statuses, f.create.statuses),
-            o.writes as f64 / n as f64,
-            g.writes as f64 / n as f64,
-            match (o.peak_rss_kb, g.peak_rss_kb) {
-                (Some(a), Some(b)) => format!("{:.2}", a as f64 / b as f64),
-                _ => "–".into(),
-            }
-        );
-    }
-    println!(
-        "wrote {} and the plot next to it",
-        out.join(format!("results-n{n}.md")).display()
-    );
     if results.is_empty() {
         return Err(anyhow!("no lane ran (BENCH_LANES={only:?})"));
     }
+
+    let stem = format!("{}-n{n}", scenario.name());
+    let out = root().join("target/bench");
+    std::fs::create_dir_all(&out)?;
+    let json_path = out.join(format!("{stem}.json"));
+    let mut doc = json_results(&results, scenario, n, size);
+    // A run of some lanes (BENCH_LANES) replaces just those in an earlier run of the same job.
+    if only.is_some()
+        && let Ok(text) = std::fs::read_to_string(&json_path)
+        && let Ok(earlier) = serde_json::from_str::<Value>(&text)
+        && earlier["size"] == doc["size"]
+        && let Some(lanes) = earlier["lanes"].as_object()
+    {
+        for (lane, v) in lanes {
+            if doc["lanes"].get(lane).is_none() {
+                println!("keeping lane {lane} of the earlier run in {}", json_path.display());
+                doc["lanes"][lane] = v.clone();
+            }
+        }
+    }
+    std::fs::write(&json_path, serde_json::to_string_pretty(&doc)?)?;
+    let md = table(&doc, scenario, idle);
+    std::fs::write(out.join(format!("{stem}.md")), &md)?;
+    let what = match scenario {
+        Scenario::Foo => "Foos with status.availableReplicas = replicas",
+        Scenario::Memcached => "Memcacheds converged (size nodes, Available=True)",
+    };
+    std::fs::write(
+        out.join(format!("{stem}-create.svg")),
+        plot(
+            &doc,
+            scenario,
+            "create",
+            &format!("{what} after creating {n} of size {size}"),
+        ),
+    )?;
+    std::fs::write(
+        out.join(format!("{stem}-update.svg")),
+        plot(
+            &doc,
+            scenario,
+            "update",
+            &format!("{what} after changing every size to {}", size + 1),
+        ),
+    )?;
+    println!("\n{md}");
+    for r in &results {
+        for l in &r.cache_metrics {
+            println!("{}: {l}", r.lane);
+        }
+    }
+    let [_, peer, _] = scenario.lanes();
+    let lane = |l: &str| &doc["lanes"][l];
+    let ratio = |a: &Value, b: &Value| match (a.as_f64(), b.as_f64()) {
+        (Some(a), Some(b)) => format!("{:.2}x", a / b.max(1e-9)),
+        _ => "–".into(),
+    };
+    let ratios = |x: &Value, y: &Value| {
+        ["create_a_s", "create_b_s", "update_a_s", "update_b_s"]
+            .map(|k| ratio(&x[k], &y[k]))
+            .join(" ")
+    };
+    let (o, g, f) = (lane("opkit"), lane(peer), lane("floor"));
+    println!(
+        "summary {stem} (create a, b, update a, b): opkit/{peer} {}; opkit/floor {}; writes/object opkit {} {peer} {}; peak RSS opkit/{peer} {}",
+        ratios(o, g),
+        ratios(o, f),
+        o["writes_per_object"],
+        g["writes_per_object"],
+        ratio(&o["peak_rss_mib"], &g["peak_rss_mib"]),
+    );
+    // With the other scenario size on record, the cost of one more cached object.
+    for other_n in [1000, 10000] {
+        let other = out.join(format!("{}-n{other_n}.json", scenario.name()));
+        if other_n == n || !other.exists() {
+            continue;
+        }
+        let other: Value = serde_json::from_str(&std::fs::read_to_string(&other)?)?;
+        for l in rss_slopes(&doc, &other) {
+            println!("{l}");
+        }
+    }
+    println!("wrote {} (and .json, -create.svg, -update.svg)", out.join(format!("{stem}.md")).display());
     Ok(())
 }

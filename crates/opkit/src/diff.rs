@@ -45,10 +45,206 @@ pub fn needs_apply<K: serde::Serialize>(desired: &K, live: Option<&K>) -> bool {
     }
 }
 
+/// What `manager` applied to `obj`, from its `managedFields`: only the fields that manager
+/// owns (the `fieldsV1` of its `Apply` entries), plus what identifies the object (`apiVersion`,
+/// `kind`, name, namespace, uid, resourceVersion, generation, timestamps, owner references) and
+/// its whole `status`. `None` when the manager applied nothing to it.
+///
+/// Every field a plan applies is a field its manager owns, so [`is_subset`] of the desired
+/// object against this projection answers exactly as against the whole object — and a field
+/// another manager took over (`kubectl edit`, a forced apply) drops out of the projection and
+/// shows as drift. The server's defaults, other managers' fields and `managedFields` itself are
+/// not kept: for a Deployment that is most of the object.
+pub fn applied_by(obj: &Value, manager: &str) -> Option<Value> {
+    let entries = obj["metadata"]["managedFields"].as_array()?;
+    let mut owned: Option<Value> = None;
+    for e in entries {
+        let applied = e["manager"] == manager
+            && e["operation"] == "Apply"
+            && e["subresource"].as_str().unwrap_or_default().is_empty();
+        if applied && let Some(fields) = e.get("fieldsV1") {
+            let projected = project(obj, fields)?;
+            owned = Some(match owned {
+                Some(mut o) => {
+                    merge(&mut o, projected);
+                    o
+                }
+                None => projected,
+            });
+        }
+    }
+    let mut owned = owned?;
+    for key in ["apiVersion", "kind", "status"] {
+        if let Some(v) = obj.get(key) {
+            owned[key] = v.clone();
+        }
+    }
+    for key in [
+        "name",
+        "namespace",
+        "uid",
+        "resourceVersion",
+        "generation",
+        "creationTimestamp",
+        "deletionTimestamp",
+        "ownerReferences",
+    ] {
+        if let Some(v) = obj["metadata"].get(key) {
+            owned["metadata"][key] = v.clone();
+        }
+    }
+    Some(owned)
+}
+
+/// The part of `value` a `fieldsV1` set names (`f:` fields, `k:` keyed and `v:` set list
+/// items, `i:` indices; an empty set means the whole value).
+fn project(value: &Value, fields: &Value) -> Option<Value> {
+    let set = fields.as_object()?;
+    let children: Vec<(&String, &Value)> = set.iter().filter(|(k, _)| k.as_str() != ".").collect();
+    if children.is_empty() {
+        return Some(value.clone());
+    }
+    match value {
+        Value::Object(map) => {
+            let mut out = serde_json::Map::new();
+            for (k, sub) in children {
+                if let Some(name) = k.strip_prefix("f:")
+                    && let Some(v) = map.get(name)
+                {
+                    out.insert(name.to_string(), project(v, sub)?);
+                }
+            }
+            Some(Value::Object(out))
+        }
+        Value::Array(items) => {
+            let mut keep: Vec<(usize, Value)> = Vec::new();
+            for (k, sub) in children {
+                if let Some(key) = k.strip_prefix("k:") {
+                    let key: serde_json::Map<String, Value> = serde_json::from_str(key).ok()?;
+                    let Some(i) = items
+                        .iter()
+                        .position(|it| key.iter().all(|(kk, kv)| it.get(kk) == Some(kv)))
+                    else {
+                        continue;
+                    };
+                    let mut item = project(&items[i], sub)?;
+                    // The key identifies the item even where the manager left it to a default.
+                    if let Value::Object(m) = &mut item {
+                        for (kk, kv) in &key {
+                            m.entry(kk.clone()).or_insert_with(|| kv.clone());
+                        }
+                    }
+                    keep.push((i, item));
+                } else if let Some(v) = k.strip_prefix("v:") {
+                    let v: Value = serde_json::from_str(v).ok()?;
+                    if let Some(i) = items.iter().position(|it| *it == v) {
+                        keep.push((i, v));
+                    }
+                } else if let Some(i) = k.strip_prefix("i:").and_then(|i| i.parse::<usize>().ok())
+                    && let Some(it) = items.get(i)
+                {
+                    keep.push((i, project(it, sub)?));
+                }
+            }
+            // In the live order: lists are compared element by element.
+            keep.sort_by_key(|(i, _)| *i);
+            Some(Value::Array(keep.into_iter().map(|(_, v)| v).collect()))
+        }
+        _ => Some(value.clone()),
+    }
+}
+
+/// Adds `other`'s fields to `into` (objects merged key by key; anything else replaced).
+fn merge(into: &mut Value, other: Value) {
+    match (into, other) {
+        (Value::Object(a), Value::Object(b)) => {
+            for (k, v) in b {
+                match a.get_mut(&k) {
+                    Some(existing) => merge(existing, v),
+                    None => {
+                        a.insert(k, v);
+                    }
+                }
+            }
+        }
+        (into, other) => *into = other,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
+
+    fn deployment() -> Value {
+        json!({
+            "apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": "m", "namespace": "ns", "uid": "u", "resourceVersion": "9", "generation": 2,
+                "labels": {"app": "memcached", "other": "x"},
+                "annotations": {"deployment.kubernetes.io/revision": "1"},
+                "ownerReferences": [{"kind": "Memcached", "name": "m", "uid": "o", "controller": true}],
+                "managedFields": [
+                    {"manager": "opkit-memcached", "operation": "Apply", "apiVersion": "apps/v1", "fieldsType": "FieldsV1",
+                     "fieldsV1": {"f:metadata": {"f:labels": {"f:app": {}}, "f:ownerReferences": {"k:{\"uid\":\"o\"}": {}}},
+                        "f:spec": {"f:replicas": {}, "f:template": {"f:spec": {"f:containers": {
+                            "k:{\"name\":\"memcached\"}": {".": {}, "f:image": {}, "f:name": {},
+                                "f:ports": {"k:{\"containerPort\":11211,\"protocol\":\"TCP\"}": {".": {}, "f:containerPort": {}}}}}}}}}},
+                    {"manager": "kube-controller-manager", "operation": "Update", "subresource": "status",
+                     "fieldsV1": {"f:status": {"f:replicas": {}}}},
+                    {"manager": "kubectl-edit", "operation": "Update", "fieldsV1": {"f:metadata": {"f:labels": {"f:other": {}}}}}
+                ]},
+            "spec": {"replicas": 1, "progressDeadlineSeconds": 600, "template": {"spec": {"dnsPolicy": "ClusterFirst",
+                "containers": [
+                    {"name": "sidecar", "image": "s"},
+                    {"name": "memcached", "image": "memcached:1.6", "imagePullPolicy": "IfNotPresent",
+                     "ports": [{"containerPort": 11211, "protocol": "TCP"}]}]}}},
+            "status": {"replicas": 1, "readyReplicas": 1}
+        })
+    }
+
+    #[test]
+    fn applied_by_keeps_the_managers_fields_identity_and_status() {
+        let p = applied_by(&deployment(), "opkit-memcached").expect("applied");
+        assert_eq!(
+            p,
+            json!({
+                "apiVersion": "apps/v1", "kind": "Deployment",
+                "metadata": {"name": "m", "namespace": "ns", "uid": "u", "resourceVersion": "9", "generation": 2,
+                    "labels": {"app": "memcached"},
+                    "ownerReferences": [{"kind": "Memcached", "name": "m", "uid": "o", "controller": true}]},
+                "spec": {"replicas": 1, "template": {"spec": {"containers": [
+                    {"name": "memcached", "image": "memcached:1.6", "ports": [{"containerPort": 11211, "protocol": "TCP"}]}]}}},
+                "status": {"replicas": 1, "readyReplicas": 1}
+            })
+        );
+        let desired = json!({"metadata": {"labels": {"app": "memcached"}}, "spec": {"replicas": 1,
+            "template": {"spec": {"containers": [{"name": "memcached", "image": "memcached:1.6",
+            "ports": [{"containerPort": 11211}]}]}}}});
+        assert!(is_subset(&desired, &p), "what was applied is still there");
+        let mut bumped = desired.clone();
+        bumped["spec"]["replicas"] = json!(2);
+        assert!(!is_subset(&bumped, &p));
+    }
+
+    #[test]
+    fn a_field_taken_over_by_another_manager_drops_out_and_shows_as_drift() {
+        let mut d = deployment();
+        // `kubectl scale` took spec.replicas: it is no longer in the manager's set.
+        d["metadata"]["managedFields"][0]["fieldsV1"]["f:spec"]
+            .as_object_mut()
+            .expect("spec fields")
+            .remove("f:replicas");
+        d["spec"]["replicas"] = json!(5);
+        let p = applied_by(&d, "opkit-memcached").expect("applied");
+        assert!(p["spec"].get("replicas").is_none());
+        assert!(!is_subset(&json!({"spec": {"replicas": 1}}), &p));
+    }
+
+    #[test]
+    fn nothing_applied_by_the_manager_is_none() {
+        assert!(applied_by(&deployment(), "someone-else").is_none());
+        assert!(applied_by(&json!({"metadata": {}}), "opkit-memcached").is_none());
+    }
 
     #[test]
     fn defaults_and_foreign_fields_in_live_do_not_count_as_drift() {

@@ -29,6 +29,15 @@ struct ErrorLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CacheLabels {
+    controller: String,
+    kind: String,
+}
+
+/// Measures one cache when metrics are scraped: (objects, estimated bytes).
+type CacheProbe = Box<dyn Fn() -> (usize, usize) + Send + Sync>;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct WriteLabels {
     controller: String,
     verb: String,
@@ -48,6 +57,9 @@ pub struct Metrics {
     duration: Family<ControllerLabel, Histogram, fn() -> Histogram>,
     writes: Family<WriteLabels, Counter>,
     refused: Family<ControllerLabel, Counter>,
+    cache_objects: Family<CacheLabels, Gauge>,
+    cache_bytes: Family<CacheLabels, Gauge>,
+    caches: Arc<Mutex<Vec<(CacheLabels, CacheProbe)>>>,
     totals: Arc<Mutex<HashMap<String, Arc<Totals>>>>,
 }
 
@@ -75,6 +87,8 @@ impl Default for Metrics {
         );
         let writes = Family::<WriteLabels, Counter>::default();
         let refused = Family::<ControllerLabel, Counter>::default();
+        let cache_objects = Family::<CacheLabels, Gauge>::default();
+        let cache_bytes = Family::<CacheLabels, Gauge>::default();
         registry.register(
             "reconcile",
             "Reconciles finished, by result (success, invalid, error)",
@@ -101,6 +115,16 @@ impl Default for Metrics {
             "Writes not sent because this replica may no longer be the leader",
             refused.clone(),
         );
+        registry.register(
+            "cache_objects",
+            "Objects held in the controller's caches (all watched namespaces), by kind",
+            cache_objects.clone(),
+        );
+        registry.register(
+            "cache_bytes_estimate",
+            "Estimated size of the cached objects, by kind: their JSON size, from a sample",
+            cache_bytes.clone(),
+        );
         Metrics {
             registry: Arc::new(registry),
             reconciles,
@@ -109,6 +133,9 @@ impl Default for Metrics {
             duration,
             writes,
             refused,
+            cache_objects,
+            cache_bytes,
+            caches: Arc::default(),
             totals: Arc::default(),
         }
     }
@@ -117,10 +144,31 @@ impl Default for Metrics {
 impl Metrics {
     /// The Prometheus text exposition of every metric.
     pub fn encode(&self) -> String {
+        self.measure_caches();
         let mut out = String::new();
         // Encoding into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
+    }
+
+    /// Sets the cache gauges from the caches themselves (a controller watching several
+    /// namespaces has one cache per namespace and kind; they are summed).
+    fn measure_caches(&self) {
+        let mut sums: HashMap<CacheLabels, (usize, usize)> = HashMap::new();
+        for (labels, probe) in self.caches.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            let (objects, bytes) = probe();
+            let sum = sums.entry(labels.clone()).or_default();
+            sum.0 += objects;
+            sum.1 += bytes;
+        }
+        for (labels, (objects, bytes)) in sums {
+            self.cache_objects
+                .get_or_create(&labels)
+                .set(i64::try_from(objects).unwrap_or(i64::MAX));
+            self.cache_bytes
+                .get_or_create(&labels)
+                .set(i64::try_from(bytes).unwrap_or(i64::MAX));
+        }
     }
 
     /// The handle one controller records through.
@@ -167,6 +215,20 @@ impl ControllerMetrics {
             category: category.to_string(),
         };
         self.metrics.failures.get_or_create(&l).inc();
+    }
+
+    /// Reports a cache of `kind` in `opkit_cache_objects` and `opkit_cache_bytes_estimate`;
+    /// `probe` is called at every scrape and returns (objects, estimated bytes).
+    pub(crate) fn cache(&self, kind: &str, probe: impl Fn() -> (usize, usize) + Send + Sync + 'static) {
+        let labels = CacheLabels {
+            controller: self.controller.clone(),
+            kind: kind.to_string(),
+        };
+        self.metrics
+            .caches
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((labels, Box::new(probe)));
     }
 
     /// Counts a write the leader-election gate refused.
@@ -273,5 +335,34 @@ mod tests {
             "{text}"
         );
         assert_eq!((c.writes_total(), c.reconciles_total()), (2, 1));
+    }
+
+    #[test]
+    fn caches_are_measured_at_scrape_and_summed_over_namespaces() {
+        let m = Metrics::default();
+        let c = m.for_controller("memcached");
+        let n = Arc::new(AtomicU64::new(3));
+        let n2 = n.clone();
+        c.cache("Pod", move || (n2.load(Ordering::SeqCst) as usize, 300));
+        c.cache("Pod", || (2, 200));
+        c.cache("Deployment", || (1, 1000));
+        let text = m.encode();
+        assert!(
+            text.contains("opkit_cache_objects{controller=\"memcached\",kind=\"Pod\"} 5"),
+            "{text}"
+        );
+        assert!(
+            text.contains("opkit_cache_bytes_estimate{controller=\"memcached\",kind=\"Pod\"} 500"),
+            "{text}"
+        );
+        assert!(
+            text.contains("opkit_cache_objects{controller=\"memcached\",kind=\"Deployment\"} 1"),
+            "{text}"
+        );
+        n.store(10, Ordering::SeqCst);
+        assert!(
+            m.encode()
+                .contains("opkit_cache_objects{controller=\"memcached\",kind=\"Pod\"} 12")
+        );
     }
 }

@@ -45,7 +45,41 @@ impl<C: Resource<DynamicType = ()> + Clone + 'static> Clone for Cache<C> {
     }
 }
 
+/// Objects sampled to estimate a cache's size.
+const SIZE_SAMPLE: usize = 32;
+
 impl<C: Resource<DynamicType = ()> + Clone + 'static> Cache<C> {
+    /// (objects, estimated bytes): the JSON size of a sample of the cached objects, scaled to
+    /// all of them. JSON is not the in-memory layout, but it moves with what is cached, so a
+    /// trim or a label selector shows up in it.
+    fn measure(&self) -> (usize, usize)
+    where
+        C: Serialize,
+    {
+        let all = self.store.state();
+        let step = (all.len() / SIZE_SAMPLE).max(1);
+        let sample: Vec<usize> = all
+            .iter()
+            .step_by(step)
+            .take(SIZE_SAMPLE)
+            .map(|o| serde_json::to_vec(o.as_ref()).map_or(0, |v| v.len()))
+            .collect();
+        let bytes = match sample.len() {
+            0 => 0,
+            k => sample.iter().sum::<usize>() * all.len() / k,
+        };
+        (all.len(), bytes)
+    }
+
+    /// Reports this cache in the controller's cache metrics.
+    fn report(&self, metrics: &crate::metrics::ControllerMetrics)
+    where
+        C: Serialize + Send + Sync,
+    {
+        let cache = self.clone();
+        metrics.cache(&C::kind(&()), move || cache.measure());
+    }
+
     /// The object `name` in `namespace`, if cached.
     pub fn get(&self, namespace: &str, name: &str) -> Option<Arc<C>> {
         self.store.get(&ObjectRef::new(name).within(namespace))
@@ -77,6 +111,7 @@ pub struct Watch<C> {
     labels: Option<String>,
     trim: fn(&mut C),
     prune: bool,
+    applied: bool,
 }
 
 impl<C> Watch<C> {
@@ -86,6 +121,7 @@ impl<C> Watch<C> {
             labels: None,
             trim: |_| {},
             prune: false,
+            applied: false,
         }
     }
 
@@ -102,6 +138,16 @@ impl<C> Watch<C> {
     /// always dropped).
     pub fn trim(mut self, trim: fn(&mut C)) -> Self {
         self.trim = trim;
+        self
+    }
+
+    /// Caches only the fields this controller applied (its `managedFields`), plus identity,
+    /// owner references and status: enough for the no-op check of the children it applies,
+    /// with a field another manager took over showing as drift — and a fraction of the
+    /// memory of whole objects. For kinds the plan writes with [`crate::Child::apply`] and
+    /// reads nothing else of but status; objects it never applied are cached whole.
+    pub fn applied(mut self) -> Self {
+        self.applied = true;
         self
     }
 
@@ -168,6 +214,8 @@ where
     synced: Synced,
     pruners: Vec<Pruner>,
     background: Vec<BoxFuture<'static, ()>>,
+    metrics: crate::metrics::ControllerMetrics,
+    field_manager: String,
 }
 
 /// A namespaced kind opkit can watch and cache: what every watch, cache and primary needs.
@@ -176,6 +224,7 @@ pub trait Watchable:
     + Clone
     + Debug
     + DeserializeOwned
+    + Serialize
     + Send
     + Sync
     + 'static
@@ -187,6 +236,7 @@ impl<T> Watchable for T where
         + Clone
         + Debug
         + DeserializeOwned
+        + Serialize
         + Send
         + Sync
         + 'static
@@ -228,19 +278,25 @@ where
             cfg = cfg.labels(l);
         }
         let trim = w.trim;
+        let applied = w.applied.then(|| self.field_manager.clone());
         let (store, writer) = reflector::store();
         let stream = reflector::reflector(
             writer,
             watcher(api::<C>(&self.client, self.namespace.as_deref()), cfg)
                 .default_backoff()
                 .modify(move |o| {
+                    if let Some(manager) = &applied {
+                        keep_applied(o, manager);
+                    }
                     o.managed_fields_mut().clear();
                     trim(o);
                 }),
         )
         .inspect(self.synced.track())
         .touched_objects();
-        (Cache { store }, stream)
+        let cache = Cache { store };
+        cache.report(&self.metrics);
+        (cache, stream)
     }
 
     fn add_pruner<C>(&mut self, cache: &Cache<C>)
@@ -345,6 +401,85 @@ struct Runner<R: Reconciler> {
     synced: watch::Receiver<bool>,
     ctx: ControllerContext,
     limit: Option<Arc<Semaphore>>,
+    written: StatusWrites,
+}
+
+/// The status writes whose watch events the primary cache has not delivered yet.
+///
+/// Right after a status write, a reconcile triggered by a child still reads the primary as it
+/// was before it. Planned from that, the status looks out of date, and its write — with the
+/// stale resourceVersion as precondition — only earns a conflict and a second round. So each
+/// write is remembered (per uid: the resourceVersions the write came from and produced, and a
+/// hash of what it wrote) until the cache shows the last of them: a plan made from a version
+/// this replica has since replaced compares against what it wrote, and writes with the
+/// resourceVersion it got back. A version not in the chain means someone else wrote: the
+/// entry is dropped and the cache decides, as before.
+#[derive(Default)]
+struct StatusWrites {
+    chains: std::sync::Mutex<std::collections::HashMap<String, StatusChain>>,
+}
+
+struct StatusChain {
+    /// resourceVersions, oldest first; the last is what the latest write returned.
+    versions: Vec<String>,
+    /// Hash of the status the latest write applied.
+    status: u64,
+    at: std::time::Instant,
+}
+
+/// What a status write should compare against and send as its precondition.
+enum StatusBase {
+    /// The cached object is current (as far as this replica knows).
+    Cache,
+    /// The cached object is older than this replica's own last write.
+    Written { version: String, status: u64 },
+}
+
+/// Chains untouched for this long are dropped (their watch events were lost or the object is
+/// gone); the next plan then trusts the cache.
+const CHAIN_TTL: std::time::Duration = std::time::Duration::from_secs(120);
+
+fn status_hash(v: &serde_json::Value) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    v.to_string().hash(&mut h);
+    h.finish()
+}
+
+impl StatusWrites {
+    fn base(&self, uid: &str, cached: &str) -> StatusBase {
+        let mut chains = self.chains.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(chain) = chains.get(uid) else {
+            return StatusBase::Cache;
+        };
+        let stale = chain.at.elapsed() > CHAIN_TTL;
+        match chain.versions.iter().position(|v| v == cached) {
+            Some(i) if !stale && i + 1 < chain.versions.len() => StatusBase::Written {
+                version: chain.versions[chain.versions.len() - 1].clone(),
+                status: chain.status,
+            },
+            // Caught up with the last write, replaced by someone else's, or too old.
+            _ => {
+                chains.remove(uid);
+                StatusBase::Cache
+            }
+        }
+    }
+
+    fn record(&self, uid: &str, from: &str, to: String, status: u64) {
+        let mut chains = self.chains.lock().unwrap_or_else(|p| p.into_inner());
+        if chains.len() > 1024 {
+            chains.retain(|_, c| c.at.elapsed() <= CHAIN_TTL);
+        }
+        let chain = chains.entry(uid.to_string()).or_insert_with(|| StatusChain {
+            versions: vec![from.to_string()],
+            status,
+            at: std::time::Instant::now(),
+        });
+        chain.versions.push(to);
+        chain.status = status;
+        chain.at = std::time::Instant::now();
+    }
 }
 
 /// Builds and runs a controller over `namespaces` (`None`: all) until the context's shutdown
@@ -387,7 +522,10 @@ pub(crate) fn run<R: Reconciler>(
             synced: synced.clone(),
             pruners: Vec::new(),
             background: Vec::new(),
+            metrics: ctx.metrics().clone(),
+            field_manager: ctx.field_manager().to_string(),
         };
+        w.primary.report(ctx.metrics());
         let cache = reconciler.watch(&mut w);
         let Watches {
             controller,
@@ -403,6 +541,7 @@ pub(crate) fn run<R: Reconciler>(
             synced: synced.subscribe(),
             ctx: ctx.clone(),
             limit: limit.clone(),
+            written: StatusWrites::default(),
         });
         let shutdown = ctx.shutdown_signal();
         let background = async move {
@@ -579,18 +718,30 @@ impl<R: Reconciler> Runner<R> {
 
     /// Applies `desired` through the status subresource unless the live status has all of it.
     async fn write_status(&self, obj: &R::Object, desired: serde_json::Value) -> Result<bool, Error> {
-        let live: R::Status = serde_json::from_value(live_status(obj)?).unwrap_or_default();
-        let live = serde_json::to_value(live)?;
-        if is_subset(&desired, &live) {
-            return Ok(false);
-        }
+        let uid = obj.uid().unwrap_or_default();
+        let cached = obj.resource_version().unwrap_or_default();
+        let precondition = match self.written.base(&uid, &cached) {
+            StatusBase::Written { version, status } => {
+                if status_hash(&desired) == status {
+                    return Ok(false);
+                }
+                version
+            }
+            StatusBase::Cache => {
+                let live: R::Status = serde_json::from_value(live_status(obj)?).unwrap_or_default();
+                if is_subset(&desired, &serde_json::to_value(live)?) {
+                    return Ok(false);
+                }
+                cached.clone()
+            }
+        };
         // The resourceVersion the plan saw is a precondition: a plan made from a stale cache
         // (another replica or reconcile wrote since) gets a conflict and is made again from
         // the newer object, so a status never goes backwards and its Events are not repeated.
         let body = serde_json::json!({
             "apiVersion": R::Object::api_version(&()),
             "kind": R::Object::kind(&()),
-            "metadata": {"resourceVersion": obj.resource_version()},
+            "metadata": {"resourceVersion": precondition},
             "status": desired,
         });
         let api: Api<R::Object> =
@@ -598,7 +749,13 @@ impl<R: Reconciler> Runner<R> {
         let pp = PatchParams::apply(self.ctx.field_manager()).force();
         self.ctx.may_write("apply_status")?;
         match api.patch_status(&obj.name_any(), &pp, &Patch::Apply(&body)).await {
-            Ok(_) => Ok(true),
+            Ok(written) => {
+                if let Some(to) = written.resource_version() {
+                    self.written
+                        .record(&uid, &precondition, to, status_hash(&body["status"]));
+                }
+                Ok(true)
+            }
             Err(kube::Error::Api(s)) if s.code == 409 => Err(Error::Stale),
             Err(source) => Err(Error::Status { source }),
         }
@@ -636,6 +793,17 @@ impl<R: Reconciler> Runner<R> {
             self.ctx.event(obj, &e).await;
         }
         Ok(())
+    }
+}
+
+/// Replaces `obj` by what `manager` applied to it ([`crate::diff::applied_by`]); leaves it
+/// whole when the manager applied nothing or the projection does not make a valid object.
+fn keep_applied<C: Serialize + DeserializeOwned>(obj: &mut C, manager: &str) {
+    let Ok(value) = serde_json::to_value(&*obj) else { return };
+    if let Some(projected) = crate::diff::applied_by(&value, manager)
+        && let Ok(trimmed) = serde_json::from_value(projected)
+    {
+        *obj = trimmed;
     }
 }
 

@@ -4,8 +4,9 @@
 # and caches the binaries outside the repo, keyed by version. Idempotent: prints the bin
 # directory and exits at once when the cache is warm.
 #
-# Usage: build-binaries.sh            build what is missing, print the bin dir on stdout
-#        build-binaries.sh --print    print the bin dir without building
+# Usage: build-binaries.sh              build what is missing, print the bin dir on stdout
+#        build-binaries.sh --print      print the bin dir without building
+#        build-binaries.sh --with-bench also build the benchmark's Go peers (make bench)
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -118,6 +119,22 @@ if [[ ! -x "$bin/kube-score" || "$(cat "$bin/.kube-score.version" 2>/dev/null)" 
   go build -trimpath -ldflags "-s -w" -o "$bin/kube-score.tmp" github.com/zegl/kube-score/cmd/kube-score \
     && mv "$bin/kube-score.tmp" "$bin/kube-score"
   echo "$KUBE_SCORE_VERSION" > "$bin/.kube-score.version"
+fi
+
+# --- memcached-peer (source in crates/bench/peer-memcached): the Memcached operator written on
+# controller-runtime, raced by `make bench BENCH=memcached`. Only built for the benchmark.
+if [[ "${1:-}" == "--with-bench" ]]; then
+  peer_src="$here/../../bench/peer-memcached/main.go"
+  peer_stamp="${CONTROLLER_RUNTIME_VERSION} $(sha256sum "$peer_src" | cut -d' ' -f1)"
+  if [[ ! -x "$bin/memcached-peer" || "$(cat "$bin/.memcached-peer.stamp" 2>/dev/null)" != "$peer_stamp" ]]; then
+    log "building memcached-peer (sigs.k8s.io/controller-runtime ${CONTROLLER_RUNTIME_VERSION})"
+    d="$work/memcached-peer"; rm -rf "$d"; mkdir -p "$d"; cd "$d"
+    go mod init opkit.local/bench/memcached-peer >/dev/null 2>&1
+    cp "$peer_src" main.go
+    go get "sigs.k8s.io/controller-runtime@${CONTROLLER_RUNTIME_VERSION}" >&2
+    go build -trimpath -ldflags "-s -w" -o "$bin/memcached-peer.tmp" . && mv "$bin/memcached-peer.tmp" "$bin/memcached-peer"
+    echo "$peer_stamp" > "$bin/.memcached-peer.stamp"
+  fi
 fi
 
 rm -rf "$work"

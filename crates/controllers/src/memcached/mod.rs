@@ -109,11 +109,21 @@ pub struct World {
 /// Only names, labels and phase of the Pods matter here.
 fn trim_pod(p: &mut Pod) {
     p.spec = None;
+    p.metadata.annotations = None;
+    p.metadata.owner_references = None;
+    p.metadata.generate_name = None;
     if let Some(s) = p.status.as_mut() {
         *s = k8s_openapi::api::core::v1::PodStatus {
             phase: s.phase.take(),
             ..Default::default()
         };
+    }
+}
+
+/// The plan reads replica counts of a Deployment's status, not its conditions.
+fn trim_deployment(d: &mut Deployment) {
+    if let Some(s) = d.status.as_mut() {
+        s.conditions = None;
     }
 }
 
@@ -133,7 +143,12 @@ impl Reconciler for MemcachedController {
 
     fn watch(&self, w: &mut Watches<Memcached>) -> Caches {
         Caches {
-            deployments: w.owns(Watch::labels(&selector()).prune()),
+            deployments: w.owns(
+                Watch::labels(&selector())
+                    .applied()
+                    .trim(trim_deployment)
+                    .prune(),
+            ),
             pods: w.watches(Watch::labels(&selector()).trim(trim_pod), |pod: Pod| {
                 let name = pod.labels().get(CR_LABEL)?.clone();
                 Some(ObjectRef::<Memcached>::new(&name).within(&pod.namespace()?))
