@@ -177,7 +177,13 @@ impl Scenario {
     }
 
     /// Starts the contender process for `lane` (none for the floor).
-    fn start(self, cp: &ControlPlane, lane: &str, kubeconfig: &Path, ports: Ports) -> anyhow::Result<Option<Child>> {
+    fn start(
+        self,
+        cp: &ControlPlane,
+        lane: &str,
+        kubeconfig: &Path,
+        ports: Ports,
+    ) -> anyhow::Result<Option<Child>> {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -290,7 +296,12 @@ fn proc_stats(pid: u32) -> Option<(f64, u64, u64)> {
 }
 
 /// A kubeconfig file authenticating as `bench-<lane>` (cluster-admin, so RBAC is no factor).
-async fn identity(cp: &ControlPlane, admin: &Client, lane: &str, ns: &str) -> anyhow::Result<(PathBuf, String)> {
+async fn identity(
+    cp: &ControlPlane,
+    admin: &Client,
+    lane: &str,
+    ns: &str,
+) -> anyhow::Result<(PathBuf, String)> {
     let sas: Api<ServiceAccount> = Api::namespaced(admin.clone(), ns);
     let sa = format!("bench-{lane}");
     sas.create(
@@ -569,7 +580,9 @@ fn floor_status_writer(
         let (slots, objects) = (slots.clone(), objects.clone());
         let body = scenario.floor_status(available, &nodes, generation.load(Ordering::SeqCst));
         async move {
-            let Ok(slot) = slots.acquire_owned().await else { return };
+            let Ok(slot) = slots.acquire_owned().await else {
+                return;
+            };
             tokio::spawn(async move {
                 let _slot = slot;
                 let _ = objects
@@ -583,10 +596,14 @@ fn floor_status_writer(
         Scenario::Foo => {
             let d_api: Api<Deployment> = Api::namespaced(floor.clone(), ns);
             tokio::spawn(async move {
-                let mut s = watcher(d_api, watcher::Config::default()).applied_objects().boxed();
+                let mut s = watcher(d_api, watcher::Config::default())
+                    .applied_objects()
+                    .boxed();
                 while let Some(Ok(d)) = s.next().await {
                     let a = d.status.as_ref().and_then(|s| s.available_replicas).unwrap_or(0);
-                    let Some(owner) = d.owner_references().first().map(|o| o.name.clone()) else { continue };
+                    let Some(owner) = d.owner_references().first().map(|o| o.name.clone()) else {
+                        continue;
+                    };
                     if a == 0 || written.get(&owner) == Some(&a) {
                         continue;
                     }
@@ -602,7 +619,9 @@ fn floor_status_writer(
                 let cfg = watcher::Config::default().labels("app=memcached");
                 let mut s = watcher(p_api, cfg).applied_objects().boxed();
                 while let Some(Ok(p)) = s.next().await {
-                    let Some(owner) = p.labels().get("memcached_cr").cloned() else { continue };
+                    let Some(owner) = p.labels().get("memcached_cr").cloned() else {
+                        continue;
+                    };
                     let up = p.metadata.deletion_timestamp.is_none()
                         && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
                     let set = running.entry(owner.clone()).or_default();
@@ -708,7 +727,8 @@ impl Run<'_> {
         let tracker = Tracker::new(admin, scenario, &ns);
         let objects: Api<DynamicObject> = Api::namespaced_with(admin.clone(), &ns, &scenario.resource());
         let floor_deploys: Api<Deployment> = Api::namespaced(floor.clone(), &ns);
-        let floor_objects: Api<DynamicObject> = Api::namespaced_with(floor.clone(), &ns, &scenario.resource());
+        let floor_objects: Api<DynamicObject> =
+            Api::namespaced_with(floor.clone(), &ns, &scenario.resource());
         let mut out = Outcome {
             lane,
             ..Default::default()
@@ -739,8 +759,12 @@ impl Run<'_> {
                             .await?;
                         if scenario == Scenario::Memcached && size == 0 {
                             let body = scenario.floor_status(0, &[], 1);
-                            fo.patch_status(&name, &PatchParams::apply("floor").force(), &Patch::Apply(&body))
-                                .await?;
+                            fo.patch_status(
+                                &name,
+                                &PatchParams::apply("floor").force(),
+                                &Patch::Apply(&body),
+                            )
+                            .await?;
                         }
                     }
                     anyhow::Ok(())
@@ -812,7 +836,8 @@ impl Run<'_> {
         let Some(mut process) = child.take() else {
             flush_audit(admin, &audit_log, &format!("bench-end-{lane}")).await?;
             let requests = audit(&audit_log)?;
-            (out.requests, out.writes) = count_requests(&requests, &user, window_start, Timestamp::now(), &[]);
+            (out.requests, out.writes) =
+                count_requests(&requests, &user, window_start, Timestamp::now(), &[]);
             drop(tracker);
             delete_namespace(admin, &ns).await?;
             return Ok(out);
@@ -872,7 +897,6 @@ fn fmt_opt<T: std::fmt::Display>(v: Option<T>) -> String {
 fn mib(kb: Option<u64>) -> Option<f64> {
     kb.map(|k| k as f64 / 1024.0)
 }
-
 
 fn num(v: &Value, fmt: impl Fn(f64) -> String) -> String {
     v.as_f64().map(fmt).unwrap_or_else(|| "–".into())
@@ -1005,8 +1029,8 @@ fn plot(doc: &Value, scenario: Scenario, phase: &str, title: &str) -> String {
     let timeline = |r: &Value| -> Vec<(f64, usize)> {
         serde_json::from_value(r[format!("{phase}_timeline")].clone()).unwrap_or_default()
     };
-    let (w, h) = (860.0, 420.0);
-    let (left, right, top, bottom) = (70.0, 200.0, 40.0, 50.0);
+    let (w, h) = (900.0, 420.0);
+    let (left, right, top, bottom) = (70.0, 240.0, 40.0, 50.0);
     let (pw, ph) = (w - left - right, h - top - bottom);
     let tmax = lanes.iter().map(|(_, r)| done(r)).fold(1.0_f64, f64::max) * 1.02;
     let xt = ticks(tmax, 8);
@@ -1079,7 +1103,9 @@ fn rss_slopes(this: &Value, other: &Value) -> Vec<String> {
     let (Some(a), Some(b)) = (this["cached_objects"].as_f64(), other["cached_objects"].as_f64()) else {
         return Vec::new();
     };
-    let Some(lanes) = this["lanes"].as_object() else { return Vec::new() };
+    let Some(lanes) = this["lanes"].as_object() else {
+        return Vec::new();
+    };
     lanes
         .iter()
         .filter_map(|(lane, v)| {
@@ -1102,7 +1128,11 @@ async fn main() -> anyhow::Result<()> {
     };
     let n: usize = env_or("N", 300);
     // The Memcached scenario: size 1 (a Pod each) up to 1000 objects, size 0 beyond.
-    let default_size = if scenario == Scenario::Memcached && n > 1000 { 0 } else { 1 };
+    let default_size = if scenario == Scenario::Memcached && n > 1000 {
+        0
+    } else {
+        1
+    };
     let size: i32 = env_or("SIZE", default_size);
     let idle = Duration::from_secs(env_or("BENCH_IDLE_SECONDS", 60));
     let opkit = root().join("target/release/opkit");
@@ -1111,6 +1141,13 @@ async fn main() -> anyhow::Result<()> {
             "{} is missing: run `cargo build --release -p opkit-operator` (make bench does)",
             opkit.display()
         );
+    }
+    if std::env::var_os("BENCH_REPLOT").is_some() {
+        // Tables and plots again from the JSON of an earlier run (no control plane).
+        let stem = format!("{}-n{n}", scenario.name());
+        let out = root().join("target/bench");
+        let doc: Value = serde_json::from_str(&std::fs::read_to_string(out.join(format!("{stem}.json")))?)?;
+        return write_outputs(&doc, scenario, idle, &out, &stem);
     }
     println!(
         "starting a local control plane with an audit log ({} N={n} size {size}, idle {}s)",
@@ -1126,7 +1163,9 @@ async fn main() -> anyhow::Result<()> {
     })
     .await?;
     if scenario == Scenario::Memcached && !cp.binaries().path("memcached-peer").exists() {
-        bail!("memcached-peer is missing: run `bash crates/testenv/scripts/build-binaries.sh --with-bench` (make bench does)");
+        bail!(
+            "memcached-peer is missing: run `bash crates/testenv/scripts/build-binaries.sh --with-bench` (make bench does)"
+        );
     }
     let admin = cp.client().await?;
     let crds: Api<CustomResourceDefinition> = Api::all(admin.clone());
@@ -1178,13 +1217,33 @@ async fn main() -> anyhow::Result<()> {
     {
         for (lane, v) in lanes {
             if doc["lanes"].get(lane).is_none() {
-                println!("keeping lane {lane} of the earlier run in {}", json_path.display());
+                println!(
+                    "keeping lane {lane} of the earlier run in {}",
+                    json_path.display()
+                );
                 doc["lanes"][lane] = v.clone();
             }
         }
     }
     std::fs::write(&json_path, serde_json::to_string_pretty(&doc)?)?;
-    let md = table(&doc, scenario, idle);
+    for r in &results {
+        for l in &r.cache_metrics {
+            println!("{}: {l}", r.lane);
+        }
+    }
+    write_outputs(&doc, scenario, idle, &out, &stem)
+}
+
+/// The Markdown table, the two plots and the summary lines of a results document.
+fn write_outputs(
+    doc: &Value,
+    scenario: Scenario,
+    idle: Duration,
+    out: &Path,
+    stem: &str,
+) -> anyhow::Result<()> {
+    let (n, size) = (doc["n"].as_u64().unwrap_or(0), doc["size"].as_i64().unwrap_or(0));
+    let md = table(doc, scenario, idle);
     std::fs::write(out.join(format!("{stem}.md")), &md)?;
     let what = match scenario {
         Scenario::Foo => "Foos with status.availableReplicas = replicas",
@@ -1193,7 +1252,7 @@ async fn main() -> anyhow::Result<()> {
     std::fs::write(
         out.join(format!("{stem}-create.svg")),
         plot(
-            &doc,
+            doc,
             scenario,
             "create",
             &format!("{what} after creating {n} of size {size}"),
@@ -1202,18 +1261,13 @@ async fn main() -> anyhow::Result<()> {
     std::fs::write(
         out.join(format!("{stem}-update.svg")),
         plot(
-            &doc,
+            doc,
             scenario,
             "update",
             &format!("{what} after changing every size to {}", size + 1),
         ),
     )?;
     println!("\n{md}");
-    for r in &results {
-        for l in &r.cache_metrics {
-            println!("{}: {l}", r.lane);
-        }
-    }
     let [_, peer, _] = scenario.lanes();
     let lane = |l: &str| &doc["lanes"][l];
     let ratio = |a: &Value, b: &Value| match (a.as_f64(), b.as_f64()) {
@@ -1237,14 +1291,17 @@ async fn main() -> anyhow::Result<()> {
     // With the other scenario size on record, the cost of one more cached object.
     for other_n in [1000, 10000] {
         let other = out.join(format!("{}-n{other_n}.json", scenario.name()));
-        if other_n == n || !other.exists() {
+        if other_n == n as usize || !other.exists() {
             continue;
         }
         let other: Value = serde_json::from_str(&std::fs::read_to_string(&other)?)?;
-        for l in rss_slopes(&doc, &other) {
+        for l in rss_slopes(doc, &other) {
             println!("{l}");
         }
     }
-    println!("wrote {} (and .json, -create.svg, -update.svg)", out.join(format!("{stem}.md")).display());
+    println!(
+        "wrote {} (and .json, -create.svg, -update.svg)",
+        out.join(format!("{stem}.md")).display()
+    );
     Ok(())
 }

@@ -120,6 +120,11 @@ fn trim_pod(p: &mut Pod) {
     }
 }
 
+/// The Memcached a Pod belongs to, as `namespace/name`.
+fn pod_owner(p: &Pod) -> Option<String> {
+    Some(format!("{}/{}", p.namespace()?, p.labels().get(CR_LABEL)?))
+}
+
 /// The plan reads replica counts of a Deployment's status, not its conditions.
 fn trim_deployment(d: &mut Deployment) {
     if let Some(s) = d.status.as_mut() {
@@ -143,16 +148,14 @@ impl Reconciler for MemcachedController {
 
     fn watch(&self, w: &mut Watches<Memcached>) -> Caches {
         Caches {
-            deployments: w.owns(
-                Watch::labels(&selector())
-                    .applied()
-                    .trim(trim_deployment)
-                    .prune(),
+            deployments: w.owns(Watch::labels(&selector()).applied().trim(trim_deployment).prune()),
+            pods: w.watches(
+                Watch::labels(&selector()).trim(trim_pod).index(pod_owner),
+                |pod: Pod| {
+                    let name = pod.labels().get(CR_LABEL)?.clone();
+                    Some(ObjectRef::<Memcached>::new(&name).within(&pod.namespace()?))
+                },
             ),
-            pods: w.watches(Watch::labels(&selector()).trim(trim_pod), |pod: Pod| {
-                let name = pod.labels().get(CR_LABEL)?.clone();
-                Some(ObjectRef::<Memcached>::new(&name).within(&pod.namespace()?))
-            }),
         }
     }
 
@@ -160,9 +163,7 @@ impl Reconciler for MemcachedController {
         let (ns, name) = (mc.namespace().unwrap_or_default(), mc.name_any());
         Ok(World {
             deployment: cache.deployments.get(&ns, &name),
-            pods: cache.pods.filter(|p| {
-                p.namespace().as_deref() == Some(ns.as_str()) && p.labels().get(CR_LABEL) == Some(&name)
-            }),
+            pods: cache.pods.indexed(&format!("{ns}/{name}")),
         })
     }
 
