@@ -1076,8 +1076,13 @@ fn plot(doc: &Value, scenario: Scenario, phase: &str, title: &str) -> String {
         top + ph / 2.0
     ));
     for (i, (lane, r)) in lanes.iter().enumerate() {
+        // At most ~1500 points a line: enough for the eye, small enough to commit.
+        let tl = timeline(r);
+        let step = tl.len() / 1500 + 1;
+        let last = tl.last().copied();
         let pts: Vec<String> = std::iter::once((0.0, 0))
-            .chain(timeline(r))
+            .chain(tl.into_iter().step_by(step))
+            .chain(last)
             .map(|(t, c)| format!("{:.1},{:.1}", x(t), y(c as f64)))
             .collect();
         let color = colors[i % colors.len()];
