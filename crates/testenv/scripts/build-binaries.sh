@@ -94,21 +94,28 @@ if [[ ! -x "$bin/kwok" ]]; then
   go build -trimpath -ldflags "-s -w" -o "$bin/kwok.tmp" sigs.k8s.io/kwok/cmd/kwok && mv "$bin/kwok.tmp" "$bin/kwok"
 fi
 
+# Builds a `main.go` kept in this repo as a Go module requiring `dep@version`, into
+# $bin/<name>; rebuilt when the pinned version or the source changes (a stamp beside it).
+# Usage: build_repo_main <name> <source> <dep> <version> [go build flags...]
+build_repo_main() {
+  local name=$1 src=$2 dep=$3 version=$4; shift 4
+  local stamp; stamp="${version} $(sha256sum "$src" | cut -d' ' -f1)"
+  if [[ -x "$bin/$name" && "$(cat "$bin/.$name.stamp" 2>/dev/null)" == "$stamp" ]]; then return; fi
+  log "building $name ($dep $version)"
+  local d="$work/$name"; rm -rf "$d"; mkdir -p "$d"; cd "$d"
+  go mod init "opkit.local/testenv/$name" >/dev/null 2>&1
+  cp "$src" main.go
+  go get "$dep@$version" >&2
+  go build -trimpath -ldflags "-s -w" "$@" -o "$bin/$name.tmp" . && mv "$bin/$name.tmp" "$bin/$name"
+  echo "$stamp" > "$bin/.$name.stamp"
+}
+
 # --- bundle-validate (source in ../bundle-validate): the operator-framework's bundle
-# validators, for `make bundle-validate`. Rebuilt when its pinned version or source changes.
-validator_src="$here/../bundle-validate/main.go"
-validator_stamp="${OPERATOR_FRAMEWORK_API_VERSION} $(sha256sum "$validator_src" | cut -d' ' -f1)"
-if [[ ! -x "$bin/bundle-validate" || "$(cat "$bin/.bundle-validate.stamp" 2>/dev/null)" != "$validator_stamp" ]]; then
-  log "building bundle-validate (github.com/operator-framework/api ${OPERATOR_FRAMEWORK_API_VERSION})"
-  d="$work/bundle-validate"; rm -rf "$d"; mkdir -p "$d"; cd "$d"
-  go mod init opkit.local/testenv/bundle-validate >/dev/null 2>&1
-  cp "$validator_src" main.go
-  go get "github.com/operator-framework/api@${OPERATOR_FRAMEWORK_API_VERSION}" >&2
-  # The openpgp tag keeps the image library free of cgo (gpgme); nothing here verifies signatures.
-  go build -trimpath -ldflags "-s -w" -tags "containers_image_openpgp exclude_graphdriver_btrfs" \
-    -o "$bin/bundle-validate.tmp" . && mv "$bin/bundle-validate.tmp" "$bin/bundle-validate"
-  echo "$validator_stamp" > "$bin/.bundle-validate.stamp"
-fi
+# validators, for `make bundle-validate`. The openpgp tag keeps the image library free of cgo
+# (gpgme); nothing here verifies signatures.
+build_repo_main bundle-validate "$here/../bundle-validate/main.go" \
+  github.com/operator-framework/api "$OPERATOR_FRAMEWORK_API_VERSION" \
+  -tags "containers_image_openpgp exclude_graphdriver_btrfs"
 
 # --- kube-score: an outside opinion on the generated manifests (a test runs it).
 if [[ ! -x "$bin/kube-score" || "$(cat "$bin/.kube-score.version" 2>/dev/null)" != "$KUBE_SCORE_VERSION" ]]; then
@@ -124,17 +131,8 @@ fi
 # --- memcached-peer (source in crates/bench/peer-memcached): the Memcached operator written on
 # controller-runtime, raced by `make bench BENCH=memcached`. Only built for the benchmark.
 if [[ "${1:-}" == "--with-bench" ]]; then
-  peer_src="$here/../../bench/peer-memcached/main.go"
-  peer_stamp="${CONTROLLER_RUNTIME_VERSION} $(sha256sum "$peer_src" | cut -d' ' -f1)"
-  if [[ ! -x "$bin/memcached-peer" || "$(cat "$bin/.memcached-peer.stamp" 2>/dev/null)" != "$peer_stamp" ]]; then
-    log "building memcached-peer (sigs.k8s.io/controller-runtime ${CONTROLLER_RUNTIME_VERSION})"
-    d="$work/memcached-peer"; rm -rf "$d"; mkdir -p "$d"; cd "$d"
-    go mod init opkit.local/bench/memcached-peer >/dev/null 2>&1
-    cp "$peer_src" main.go
-    go get "sigs.k8s.io/controller-runtime@${CONTROLLER_RUNTIME_VERSION}" >&2
-    go build -trimpath -ldflags "-s -w" -o "$bin/memcached-peer.tmp" . && mv "$bin/memcached-peer.tmp" "$bin/memcached-peer"
-    echo "$peer_stamp" > "$bin/.memcached-peer.stamp"
-  fi
+  build_repo_main memcached-peer "$here/../../bench/peer-memcached/main.go" \
+    sigs.k8s.io/controller-runtime "$CONTROLLER_RUNTIME_VERSION"
 fi
 
 rm -rf "$work"
