@@ -238,6 +238,16 @@ struct Phase {
     timeline: Vec<(f64, usize)>,
 }
 
+impl Phase {
+    fn report(&self, lane: &str, what: &str, n: usize) {
+        println!(
+            "{lane}: {what} {n}: Deployments {:.2}s, statuses {:.2}s",
+            self.deployments.as_secs_f64(),
+            self.statuses.as_secs_f64()
+        );
+    }
+}
+
 #[derive(Default)]
 struct Outcome {
     lane: &'static str,
@@ -517,7 +527,7 @@ async fn delete_namespace(admin: &Client, ns: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Polls until `check` holds for the object `name` in `ns` (its status converged to `size`).
+/// Polls until the object `name` in `ns` and its Deployment have converged to `size`.
 async fn wait_converged(
     admin: &Client,
     scenario: Scenario,
@@ -700,6 +710,20 @@ async fn cache_metrics(addr: SocketAddr) -> Vec<String> {
     }
 }
 
+/// Runs `request(i)` for every i in 0..n, `PARALLEL` at a time, stopping at the first error.
+async fn in_parallel<F, Fut>(n: usize, request: F) -> anyhow::Result<()>
+where
+    F: Fn(usize) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<()>>,
+{
+    stream::iter(0..n)
+        .map(request)
+        .buffer_unordered(PARALLEL)
+        .try_collect::<Vec<_>>()
+        .await?;
+    Ok(())
+}
+
 struct Run<'a> {
     cp: &'a ControlPlane,
     admin: &'a Client,
@@ -746,39 +770,28 @@ impl Run<'_> {
         // status of a Memcached of size 0 at once: there is no Pod to wait for).
         let cpu0 = pid.and_then(proc_stats);
         let t0 = Instant::now();
-        stream::iter(0..n)
-            .map(|i| {
-                let (objects, fd, fo) = (objects.clone(), floor_deploys.clone(), floor_objects.clone());
-                let name = name(i);
-                async move {
-                    let o = objects
-                        .create(&PostParams::default(), &scenario.object(&name, size)?)
+        in_parallel(n, |i| {
+            let (objects, fd, fo) = (objects.clone(), floor_deploys.clone(), floor_objects.clone());
+            let name = name(i);
+            async move {
+                let o = objects
+                    .create(&PostParams::default(), &scenario.object(&name, size)?)
+                    .await?;
+                if lane == "floor" {
+                    fd.create(&PostParams::default(), &scenario.deployment_for(&o)?)
                         .await?;
-                    if lane == "floor" {
-                        fd.create(&PostParams::default(), &scenario.deployment_for(&o)?)
+                    if scenario == Scenario::Memcached && size == 0 {
+                        let body = scenario.floor_status(0, &[], 1);
+                        fo.patch_status(&name, &PatchParams::apply("floor").force(), &Patch::Apply(&body))
                             .await?;
-                        if scenario == Scenario::Memcached && size == 0 {
-                            let body = scenario.floor_status(0, &[], 1);
-                            fo.patch_status(
-                                &name,
-                                &PatchParams::apply("floor").force(),
-                                &Patch::Apply(&body),
-                            )
-                            .await?;
-                        }
                     }
-                    anyhow::Ok(())
                 }
-            })
-            .buffer_unordered(PARALLEL)
-            .try_collect::<Vec<_>>()
-            .await?;
+                anyhow::Ok(())
+            }
+        })
+        .await?;
         out.create = tracker.converge(n, size, t0, self.limit).await?;
-        println!(
-            "{lane}: created {n}: Deployments {:.2}s, statuses {:.2}s",
-            out.create.deployments.as_secs_f64(),
-            out.create.statuses.as_secs_f64()
-        );
+        out.create.report(lane, "created", n);
 
         // Idle.
         flush_audit(admin, &audit_log, &format!("bench-idle-start-{lane}")).await?;
@@ -800,31 +813,24 @@ impl Run<'_> {
         target.store(bigger, Ordering::SeqCst);
         generation.store(2, Ordering::SeqCst);
         let t1 = Instant::now();
-        stream::iter(0..n)
-            .map(|i| {
-                let (objects, fd) = (objects.clone(), floor_deploys.clone());
-                let name = name(i);
-                async move {
-                    let p = PatchParams::default();
-                    objects
-                        .patch(&name, &p, &Patch::Merge(scenario.size_patch(bigger)))
+        in_parallel(n, |i| {
+            let (objects, fd) = (objects.clone(), floor_deploys.clone());
+            let name = name(i);
+            async move {
+                let p = PatchParams::default();
+                objects
+                    .patch(&name, &p, &Patch::Merge(scenario.size_patch(bigger)))
+                    .await?;
+                if lane == "floor" {
+                    fd.patch(&name, &p, &Patch::Merge(json!({"spec": {"replicas": bigger}})))
                         .await?;
-                    if lane == "floor" {
-                        fd.patch(&name, &p, &Patch::Merge(json!({"spec": {"replicas": bigger}})))
-                            .await?;
-                    }
-                    anyhow::Ok(())
                 }
-            })
-            .buffer_unordered(PARALLEL)
-            .try_collect::<Vec<_>>()
-            .await?;
+                anyhow::Ok(())
+            }
+        })
+        .await?;
         out.update = tracker.converge(n, bigger, t1, self.limit).await?;
-        println!(
-            "{lane}: updated {n}: Deployments {:.2}s, statuses {:.2}s",
-            out.update.deployments.as_secs_f64(),
-            out.update.statuses.as_secs_f64()
-        );
+        out.update.report(lane, "updated", n);
         let end = pid.and_then(proc_stats);
         if let (Some(a), Some(b)) = (cpu0, end) {
             out.cpu_s = Some(b.0 - a.0);
