@@ -216,7 +216,7 @@ func (r *MemcachedReconciler) deploymentForMemcached(m *Memcached) (*appsv1.Depl
 					Containers: []corev1.Container{{
 						Image:   "memcached:1.4.36-alpine",
 						Name:    "memcached",
-						Command: []string{"memcached", "-m=64", "-o", "modern", "-v"},
+						Command: []string{"memcached", "-m", "64", "-o", "modern", "-v"},
 						Ports:   []corev1.ContainerPort{{ContainerPort: 11211, Name: "memcached"}},
 					}},
 				},

@@ -150,7 +150,7 @@ impl Scenario {
                 json!({"app": "memcached", "memcached_cr": name}),
                 obj.data["spec"]["size"].clone(),
                 json!({"name": "memcached", "image": "memcached:1.4.36-alpine",
-                    "command": ["memcached", "-m=64", "-o", "modern", "-v"],
+                    "command": ["memcached", "-m", "64", "-o", "modern", "-v"],
                     "ports": [{"containerPort": 11211, "name": "memcached"}]}),
             ),
         };

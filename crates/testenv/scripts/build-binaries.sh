@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Compiles the local control plane (etcd, kube-apiserver, kube-controller-manager,
-# kube-scheduler, kubectl, kwok and the upstream sample-controller) from pinned Go modules
-# and caches the binaries outside the repo, keyed by version. Idempotent: prints the bin
+# kube-scheduler, kubectl, kwok, kubelet and kube-proxy for the real node, and the upstream
+# sample-controller) from pinned Go modules and caches the binaries outside the repo, keyed by version. Idempotent: prints the bin
 # directory and exits at once when the cache is warm.
 #
 # Usage: build-binaries.sh              build what is missing, print the bin dir on stdout
@@ -39,7 +39,8 @@ export CGO_ENABLED=0 GOFLAGS=-mod=mod GOTOOLCHAIN=local
 # inside its own repo, so a wrapper module replaces each one with its published v0.x version.
 k8s_minor=${KUBERNETES_VERSION#v1.}; k8s_minor=${k8s_minor%%.*}
 staging_version="v0.${KUBERNETES_VERSION#v1.}"
-k8s_tools=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
+# kubelet and kube-proxy run the real node (OPKIT_TESTENV_REAL_NODE=1).
+k8s_tools=(kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy)
 need_k8s=0
 for t in "${k8s_tools[@]}" sample-controller; do [[ -x "$bin/$t" ]] || need_k8s=1; done
 if (( need_k8s )); then
@@ -67,12 +68,15 @@ if (( need_k8s )); then
     -X k8s.io/component-base/version.gitTreeState=clean \
     -X k8s.io/client-go/pkg/version.gitVersion=${KUBERNETES_VERSION}"
   for t in "${k8s_tools[@]}"; do
+    [[ -x "$bin/$t" ]] && continue
     log "  go build $t"
     go build -trimpath -ldflags "$ldflags" -o "$bin/$t.tmp" "k8s.io/kubernetes/cmd/$t" && mv "$bin/$t.tmp" "$bin/$t"
   done
-  log "  go build sample-controller"
-  go build -trimpath -ldflags "-s -w" -o "$bin/sample-controller.tmp" k8s.io/sample-controller \
-    && mv "$bin/sample-controller.tmp" "$bin/sample-controller"
+  if [[ ! -x "$bin/sample-controller" ]]; then
+    log "  go build sample-controller"
+    go build -trimpath -ldflags "-s -w" -o "$bin/sample-controller.tmp" k8s.io/sample-controller \
+      && mv "$bin/sample-controller.tmp" "$bin/sample-controller"
+  fi
 fi
 
 # --- etcd: its own go.mod has replace lines too, so a separate wrapper requires the server

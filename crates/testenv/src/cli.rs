@@ -175,6 +175,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let opts = Options {
                 state_dir: Some(state.clone()),
                 audit_log,
+                real_node: crate::node::requested(),
                 ..Options::default()
             };
             let cp = ControlPlane::start(opts).await?;

@@ -9,6 +9,7 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Client, Config};
 
 use crate::binaries::Binaries;
+use crate::node;
 use crate::pki;
 use crate::process::{Component, free_port};
 use crate::{Error, Result};
@@ -27,6 +28,8 @@ pub struct Options {
     pub audit_log: bool,
     /// How long to wait for everything to become ready.
     pub timeout: Duration,
+    /// Also run a real node (containerd, kubelet, kube-proxy; see [`crate::node`]). Needs root.
+    pub real_node: bool,
 }
 
 impl Default for Options {
@@ -36,6 +39,7 @@ impl Default for Options {
             nodes: 2,
             audit_log: false,
             timeout: Duration::from_secs(90),
+            real_node: false,
         }
     }
 }
@@ -49,6 +53,15 @@ pub struct ControlPlane {
     server: String,
     etcd: String,
     components: Vec<Component>,
+    node: Option<RealNode>,
+}
+
+/// What a running real node needs for stopping and for loading images.
+#[derive(Debug)]
+struct RealNode {
+    images: PathBuf,
+    socket: PathBuf,
+    _lock: node::Lock,
 }
 
 impl std::fmt::Debug for ControlPlane {
@@ -116,6 +129,20 @@ impl ControlPlane {
             std::fs::remove_dir_all(&dir)?;
         }
         std::fs::create_dir_all(&dir)?;
+        let node = if opts.real_node {
+            let lock = node::lock()?;
+            let images = node::prepare()?;
+            node::clean_up(None);
+            node::clean_up_proxy(&binaries.path("kube-proxy"));
+            node::host_setup()?;
+            Some(RealNode {
+                images,
+                socket: PathBuf::new(),
+                _lock: lock,
+            })
+        } else {
+            None
+        };
         let mut cp = ControlPlane {
             dir,
             remove_dir,
@@ -123,6 +150,7 @@ impl ControlPlane {
             server: String::new(),
             etcd: String::new(),
             components: Vec::new(),
+            node,
         };
         let deadline = Instant::now() + opts.timeout;
         // A port found free can still be taken before the component binds it (by another
@@ -145,7 +173,15 @@ impl ControlPlane {
 
     async fn boot(&mut self, opts: &Options, deadline: Instant) -> Result<()> {
         let dir = self.dir.clone();
-        pki::write(&dir)?;
+        let node_ip = match opts.real_node {
+            true => Some(node::host_ip()?),
+            false => None,
+        };
+        let identity = node_ip.map(|ip| pki::NodeIdentity {
+            name: node::NODE_NAME,
+            ip,
+        });
+        pki::write(&dir, identity.as_ref())?;
         let token = random_token()?;
         std::fs::write(
             dir.join("tokens.csv"),
@@ -176,8 +212,6 @@ impl ControlPlane {
         self.server = format!("https://127.0.0.1:{port}");
         let mut args = vec![
             format!("--etcd-servers=http://127.0.0.1:{etcd_client}"),
-            "--bind-address=127.0.0.1".into(),
-            "--advertise-address=127.0.0.1".into(),
             format!("--secure-port={port}"),
             format!("--cert-dir={}", p("apiserver-certs")),
             format!("--tls-cert-file={}", p(pki::SERVING_CERT)),
@@ -189,11 +223,30 @@ impl ControlPlane {
             format!("--service-account-signing-key-file={}", p(pki::SA_KEY)),
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local".into(),
             "--service-cluster-ip-range=10.96.0.0/16".into(),
-            "--endpoint-reconciler-type=none".into(),
+            // Namespaces opt into the real node with annotations (see `node`).
+            "--enable-admission-plugins=PodNodeSelector,PodTolerationRestriction".into(),
             "--allow-privileged=true".into(),
             "--enable-priority-and-fairness=false".into(),
             "--v=0".into(),
         ];
+        match node_ip {
+            // Pods reach the apiserver through the `kubernetes` Service: its endpoint must be
+            // an address they can route to, so the apiserver listens beyond loopback.
+            Some(ip) => args.extend([
+                "--bind-address=0.0.0.0".into(),
+                format!("--advertise-address={ip}"),
+                "--endpoint-reconciler-type=lease".into(),
+                // The node's name does not resolve: `kubectl logs` dials its address.
+                "--kubelet-preferred-address-types=InternalIP".into(),
+                format!("--kubelet-client-certificate={}", p(pki::APISERVER_KUBELET_CERT)),
+                format!("--kubelet-client-key={}", p(pki::APISERVER_KUBELET_KEY)),
+            ]),
+            None => args.extend([
+                "--bind-address=127.0.0.1".into(),
+                "--advertise-address=127.0.0.1".into(),
+                "--endpoint-reconciler-type=none".into(),
+            ]),
+        }
         if opts.audit_log {
             std::fs::write(
                 dir.join("audit-policy.yaml"),
@@ -254,7 +307,8 @@ impl ControlPlane {
             vec![
                 format!("--kubeconfig={kc}"),
                 format!("--config={}", stages.display()),
-                "--manage-all-nodes=true".into(),
+                // Only the fake nodes: the real node has a kubelet.
+                "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake".into(),
                 format!("--server-address=127.0.0.1:{}", free_port()?),
                 "--node-lease-duration-seconds=40".into(),
             ],
@@ -304,6 +358,9 @@ impl ControlPlane {
             }
         })
         .await?;
+        if let Some(ip) = node_ip {
+            self.start_real_node(ip, &nodes, deadline).await?;
+        }
         let sas: Api<ServiceAccount> = Api::namespaced(client, "default");
         self.wait(
             "kube-controller-manager",
@@ -319,9 +376,51 @@ impl ControlPlane {
     }
 
     fn launch(&mut self, name: &str, args: Vec<String>) -> Result<()> {
-        let c = Component::start(name, &self.binaries.path(name), &args, &self.dir)?;
+        let program = match name {
+            "containerd" => PathBuf::from("containerd"),
+            _ => self.binaries.path(name),
+        };
+        let c = Component::start(name, &program, &args, &self.dir)?;
         self.components.push(c);
         Ok(())
+    }
+
+    /// containerd with the sample images, the kubelet and kube-proxy; waits for the node to be
+    /// Ready.
+    async fn start_real_node(&mut self, ip: std::net::IpAddr, nodes: &Api<Node>, deadline: Instant) -> Result<()> {
+        let plan = node::configure(&self.dir, &self.server, ip, &self.kubeconfig_path())?;
+        self.launch("containerd", plan.containerd)?;
+        let socket = plan.socket.clone();
+        self.wait("containerd", deadline, "containerd's socket", || {
+            let socket = socket.clone();
+            async move { std::os::unix::net::UnixStream::connect(&socket).ok().map(|_| ()) }
+        })
+        .await?;
+        if let Some(n) = self.node.as_mut() {
+            n.socket = plan.socket.clone();
+            node::load_images(&n.socket, &n.images)?;
+        }
+        self.launch("kubelet", plan.kubelet)?;
+        self.launch("kube-proxy", plan.kube_proxy)?;
+        self.wait("kubelet", deadline, "the real node to become Ready", || {
+            let nodes = nodes.clone();
+            async move {
+                let n = nodes.get_opt(node::NODE_NAME).await.ok()??;
+                let ready = n.status?.conditions?.iter().any(|c| c.type_ == "Ready" && c.status == "True");
+                ready.then_some(())
+            }
+        })
+        .await
+    }
+
+    /// Loads an image archive (`docker save` / `podman save` format) into the real node's
+    /// containerd, as `kind load image-archive` does: Pods on the node then run it without a
+    /// registry.
+    pub fn load_image(&self, archive: &Path) -> Result<()> {
+        match &self.node {
+            Some(n) => node::load_image(&n.socket, archive),
+            None => Err(Error::Setup("this control plane has no real node".into())),
+        }
     }
 
     /// Polls `check` until it yields, failing with the named component's log if any component
@@ -482,10 +581,14 @@ impl ControlPlane {
         .map(|_| ())
     }
 
-    /// Stops the components, the last started first.
+    /// Stops the components, the last started first, and what a real node leaves behind.
     fn stop_components(&mut self) {
         while let Some(mut c) = self.components.pop() {
             c.stop(Duration::from_secs(5));
+        }
+        if self.node.is_some() {
+            node::clean_up(Some(&self.dir));
+            node::clean_up_proxy(&self.binaries.path("kube-proxy"));
         }
     }
 }

@@ -10,6 +10,7 @@ mod binaries;
 pub mod cli;
 mod cluster;
 mod harness;
+pub mod node;
 mod pki;
 mod process;
 

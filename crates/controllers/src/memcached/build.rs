@@ -59,7 +59,7 @@ pub fn build_deployment(mc: &Memcached, size: i32, image: &str) -> Result<Deploy
         name: "memcached".into(),
         image: Some(image.into()),
         command: Some(
-            ["memcached", "-m=64", "-o", "modern", "-v"]
+            ["memcached", "-m", "64", "-o", "modern", "-v"]
                 .map(String::from)
                 .to_vec(),
         ),
@@ -236,7 +236,7 @@ mod tests {
         assert_eq!(c.image.as_deref(), Some("memcached:1.6"));
         assert_eq!(
             c.command.as_ref().unwrap().join(" "),
-            "memcached -m=64 -o modern -v"
+            "memcached -m 64 -o modern -v"
         );
         assert_eq!(c.ports.as_ref().unwrap()[0].container_port, 11211);
         assert_eq!(c.ports.as_ref().unwrap()[0].name.as_deref(), Some("memcached"));

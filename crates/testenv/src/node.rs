@@ -1,0 +1,430 @@
+//! The real node: containerd, a kubelet and kube-proxy on this machine, beside the kwok fakes.
+//!
+//! kwok marks Pods Running without running anything. What depends on a real container (logs,
+//! exit codes, probes, Services, the operator as a Pod) needs this node. It is tainted and
+//! labelled so ordinary Pods stay on kwok; a namespace opts in with [`NAMESPACE_ANNOTATIONS`]
+//! (the apiserver's `PodNodeSelector` and `PodTolerationRestriction` admission plugins put every
+//! Pod of the namespace on this node).
+//!
+//! One real node runs per machine at a time (containerd's cgroups, iptables and network
+//! namespaces are machine-wide); a lock file says so with the owner's pid.
+use std::fs::File;
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use crate::process::free_port;
+use crate::{Error, Result};
+
+/// The real node's name.
+pub const NODE_NAME: &str = "opkit-real-node";
+/// Label on the real node (and the node selector a namespace opts in with).
+pub const NODE_LABEL: (&str, &str) = ("opkit.dev/node", "real");
+/// Taint that keeps Pods off the real node unless their namespace opts in.
+pub const TAINT_KEY: &str = "opkit.dev/real-node";
+/// Pods get addresses from this range on the node's bridge.
+pub const POD_CIDR: &str = "10.244.0.0/16";
+/// Annotations that put every Pod of a namespace on the real node.
+pub const NAMESPACE_ANNOTATIONS: [(&str, &str); 2] = [
+    ("scheduler.alpha.kubernetes.io/node-selector", "opkit.dev/node=real"),
+    (
+        "scheduler.alpha.kubernetes.io/defaultTolerations",
+        r#"[{"key":"opkit.dev/real-node","operator":"Exists","effect":"NoSchedule"}]"#,
+    ),
+];
+/// The cgroup every Pod of the real node lives under (so cleaning up touches nothing else).
+const CGROUP_ROOT: &str = "opkit-testenv";
+const LOCK: &str = "/run/opkit-testenv-real-node.lock";
+const BRIDGE: &str = "opkit0";
+
+/// Environment variable that turns the real node on (`1`).
+pub const ENV: &str = "OPKIT_TESTENV_REAL_NODE";
+
+/// Whether the environment asks for the real node.
+pub fn requested() -> bool {
+    std::env::var(ENV).is_ok_and(|v| v == "1" || v == "true")
+}
+
+/// The address Pods reach the host (and so the apiserver) on: the source address of the
+/// default route. No packet is sent.
+pub fn host_ip() -> Result<IpAddr> {
+    let s = std::net::UdpSocket::bind("0.0.0.0:0")?;
+    s.connect("192.0.2.255:9")
+        .or_else(|_| s.connect("10.255.255.255:9"))
+        .map_err(|e| Error::Setup(format!("the real node needs a non-loopback address (no route): {e}")))?;
+    let ip = s.local_addr()?.ip();
+    if ip.is_loopback() || ip.is_unspecified() {
+        return Err(Error::Setup(format!(
+            "the real node needs a non-loopback address, found {ip}"
+        )));
+    }
+    Ok(ip)
+}
+
+/// Holds the machine-wide real-node lock for as long as it lives.
+#[derive(Debug)]
+pub struct Lock(#[allow(dead_code)] nix::fcntl::Flock<File>);
+
+/// Takes the real-node lock or says who holds it.
+pub fn lock() -> Result<Lock> {
+    use std::io::Write;
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .read(true)
+        .write(true)
+        .open(LOCK)?;
+    let mut f = nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock).map_err(|_| {
+        let owner = std::fs::read_to_string(LOCK).unwrap_or_default();
+        Error::Setup(format!(
+            "another real node is running on this machine (pid {}); stop it first (make testenv-down)",
+            owner.trim()
+        ))
+    })?;
+    f.set_len(0)?;
+    write!(f, "{}", std::process::id())?;
+    Ok(Lock(f))
+}
+
+/// Checks what the node needs and installs what is missing (Debian packages, as root), then
+/// returns the directory of the image archives to load.
+pub fn prepare() -> Result<PathBuf> {
+    if !nix::unistd::Uid::effective().is_root() {
+        return Err(Error::Setup(
+            "the real node runs containerd and a kubelet: it needs root".into(),
+        ));
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/real-node.sh");
+    let out = Command::new("bash")
+        .arg(&script)
+        .arg("images")
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .map_err(|e| Error::Setup(format!("running {}: {e}", script.display())))?;
+    if !out.status.success() {
+        return Err(Error::Setup(format!("{} images failed", script.display())));
+    }
+    Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+}
+
+fn write_sysctl(key: &str, value: &str) -> Result<()> {
+    let path = format!("/proc/sys/{}", key.replace('.', "/"));
+    std::fs::write(&path, value).map_err(|e| Error::Setup(format!("setting {key}={value}: {e}")))
+}
+
+/// Kernel settings and cgroups the kubelet and kube-proxy expect.
+pub fn host_setup() -> Result<()> {
+    write_sysctl("net.ipv4.ip_forward", "1")?;
+    // Traffic between two Pods on the bridge passes iptables, so Services between Pods work.
+    if Path::new("/proc/sys/net/bridge/bridge-nf-call-iptables").exists() {
+        write_sysctl("net.bridge.bridge-nf-call-iptables", "1")?;
+    }
+    if Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
+        std::fs::create_dir_all(Path::new("/sys/fs/cgroup").join(CGROUP_ROOT))?;
+        return Ok(());
+    }
+    // cgroup v1: the kubelet's root must exist in every hierarchy; a new cpuset starts empty.
+    let Ok(entries) = std::fs::read_dir("/sys/fs/cgroup") else {
+        return Ok(());
+    };
+    for e in entries.flatten() {
+        let h = e.path();
+        if !h.is_dir() || h.join("cgroup.procs").exists() && h.join("cgroup.controllers").exists() {
+            continue;
+        }
+        let root = h.join(CGROUP_ROOT);
+        std::fs::create_dir_all(&root)?;
+        for f in ["cpuset.cpus", "cpuset.mems"] {
+            if let Ok(v) = std::fs::read_to_string(h.join(f)) {
+                std::fs::write(root.join(f), v.trim())?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Files and arguments of the node's three processes.
+pub struct Plan {
+    /// containerd's arguments.
+    pub containerd: Vec<String>,
+    /// The kubelet's arguments.
+    pub kubelet: Vec<String>,
+    /// kube-proxy's arguments.
+    pub kube_proxy: Vec<String>,
+    /// containerd's socket (for `ctr` and cleaning up).
+    pub socket: PathBuf,
+}
+
+/// Writes the configuration of containerd, the CNI bridge, the kubelet and kube-proxy into
+/// `dir/node` and returns how to start them.
+pub fn configure(dir: &Path, server: &str, ip: IpAddr, admin_kubeconfig: &Path) -> Result<Plan> {
+    let node = dir.join("node");
+    let p = |f: &str| node.join(f).display().to_string();
+    for d in ["cni", "containerd", "kubelet", "pod-logs", "ipam"] {
+        std::fs::create_dir_all(node.join(d))?;
+    }
+    let socket = node.join("containerd.sock");
+    std::fs::write(
+        node.join("cni/10-opkit.conflist"),
+        serde_json::json!({
+            "cniVersion": "1.0.0",
+            "name": "opkit",
+            "plugins": [
+                {"type": "bridge", "bridge": BRIDGE, "isGateway": true, "ipMasq": true, "hairpinMode": true,
+                 "ipam": {"type": "host-local", "dataDir": p("ipam"), "ranges": [[{"subnet": POD_CIDR}]],
+                          "routes": [{"dst": "0.0.0.0/0"}]}},
+                {"type": "portmap", "capabilities": {"portMappings": true}}
+            ]
+        })
+        .to_string(),
+    )?;
+    std::fs::write(
+        node.join("containerd.toml"),
+        format!(
+            r#"version = 2
+root = "{root}"
+state = "{state}"
+disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.internal.v1.tracing"]
+[grpc]
+  address = "{socket}"
+[ttrpc]
+  address = "{socket}.ttrpc"
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "registry.k8s.io/pause:3.10"
+  enable_selinux = false
+  # Where the test runs without CAP_SYS_RESOURCE (in a container), a Pod's negative
+  # oom_score_adj is refused; never ask for less than containerd's own.
+  restrict_oom_score_adj = true
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "/usr/lib/cni"
+    conf_dir = "{cni}"
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        SystemdCgroup = false
+        Root = "{runc}"
+"#,
+            root = p("containerd/root"),
+            state = p("containerd/state"),
+            socket = socket.display(),
+            cni = p("cni"),
+            runc = p("containerd/runc"),
+        ),
+    )?;
+    std::fs::write(
+        node.join("kubelet.kubeconfig"),
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: local\n  cluster:\n    server: {server}\n    certificate-authority: {ca}\nusers:\n- name: kubelet\n  user:\n    client-certificate: {cert}\n    client-key: {key}\ncontexts:\n- name: local\n  context: {{cluster: local, user: kubelet}}\ncurrent-context: local\n",
+            ca = dir.join(crate::pki::CA_CERT).display(),
+            cert = dir.join(crate::pki::KUBELET_CERT).display(),
+            key = dir.join(crate::pki::KUBELET_KEY).display(),
+        ),
+    )?;
+    let kubelet_port = free_port()?;
+    std::fs::write(
+        node.join("kubelet.yaml"),
+        format!(
+            r#"apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+failCgroupV1: false
+cgroupDriver: cgroupfs
+cgroupRoot: /{CGROUP_ROOT}
+containerRuntimeEndpoint: unix://{socket}
+address: {ip}
+port: {kubelet_port}
+readOnlyPort: 0
+healthzBindAddress: 127.0.0.1
+healthzPort: {healthz}
+authentication:
+  anonymous: {{enabled: false}}
+  webhook: {{enabled: false}}
+  x509: {{clientCAFile: {ca}}}
+authorization: {{mode: AlwaysAllow}}
+failSwapOn: false
+podLogsDir: {logs}
+registerWithTaints:
+- {{key: {TAINT_KEY}, value: "true", effect: NoSchedule}}
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+evictionHard: {{memory.available: 50Mi, nodefs.available: 1%, imagefs.available: 1%, nodefs.inodesFree: 1%}}
+resolvConf: /etc/resolv.conf
+serializeImagePulls: false
+"#,
+            socket = socket.display(),
+            healthz = free_port()?,
+            ca = dir.join(crate::pki::CA_CERT).display(),
+            logs = p("pod-logs"),
+        ),
+    )?;
+    std::fs::write(
+        node.join("kube-proxy.yaml"),
+        format!(
+            r#"apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+clientConnection: {{kubeconfig: {kc}}}
+mode: iptables
+clusterCIDR: {POD_CIDR}
+hostnameOverride: {NODE_NAME}
+healthzBindAddress: 127.0.0.1:{h}
+metricsBindAddress: 127.0.0.1:{m}
+conntrack: {{maxPerCore: 0}}
+"#,
+            kc = admin_kubeconfig.display(),
+            h = free_port()?,
+            m = free_port()?,
+        ),
+    )?;
+    Ok(Plan {
+        containerd: vec![format!("--config={}", p("containerd.toml"))],
+        kubelet: vec![
+            format!("--config={}", p("kubelet.yaml")),
+            format!("--kubeconfig={}", p("kubelet.kubeconfig")),
+            format!("--root-dir={}", p("kubelet")),
+            format!("--cert-dir={}", p("kubelet/pki")),
+            format!("--hostname-override={NODE_NAME}"),
+            format!("--node-ip={ip}"),
+            format!("--node-labels={}={}", NODE_LABEL.0, NODE_LABEL.1),
+            "--v=1".into(),
+        ],
+        kube_proxy: vec![format!("--config={}", p("kube-proxy.yaml")), "--v=1".into()],
+        socket,
+    })
+}
+
+/// Loads every image archive of `images` into containerd's Kubernetes namespace.
+pub fn load_images(socket: &Path, images: &Path) -> Result<()> {
+    for e in std::fs::read_dir(images)?.flatten() {
+        if e.path().extension().is_some_and(|x| x == "tar") {
+            load_image(socket, &e.path())?;
+        }
+    }
+    Ok(())
+}
+
+/// Loads one image archive (`docker save` / `podman save` format) into the node.
+pub fn load_image(socket: &Path, archive: &Path) -> Result<()> {
+    let out = Command::new("ctr")
+        .arg("--address")
+        .arg(socket)
+        .args(["-n", "k8s.io", "images", "import"])
+        .arg(archive)
+        .output()
+        .map_err(|e| Error::Setup(format!("running ctr: {e}")))?;
+    if !out.status.success() {
+        return Err(Error::Setup(format!(
+            "loading {} into the node: {}",
+            archive.display(),
+            String::from_utf8_lossy(&out.stderr)
+        )));
+    }
+    Ok(())
+}
+
+fn pids_in(cgroup: &Path, out: &mut Vec<i32>) {
+    if let Ok(procs) = std::fs::read_to_string(cgroup.join("cgroup.procs")) {
+        out.extend(procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()));
+    }
+    if let Ok(entries) = std::fs::read_dir(cgroup) {
+        for e in entries.flatten() {
+            if e.path().is_dir() {
+                pids_in(&e.path(), out);
+            }
+        }
+    }
+}
+
+fn remove_cgroups(dir: &Path) {
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for e in entries.flatten() {
+            if e.path().is_dir() {
+                remove_cgroups(&e.path());
+            }
+        }
+    }
+    let _ = std::fs::remove_dir(dir);
+}
+
+/// Stops everything a real node leaves behind once its processes are gone: the containers (every
+/// process in its cgroup), containerd's shims, mounts under `dir` and the Pods' network
+/// namespaces. Also run before a node starts, for what a killed run left.
+pub fn clean_up(dir: Option<&Path>) {
+    use nix::sys::signal::{Signal, kill};
+    use nix::unistd::Pid;
+    // Containers first: killing a shim alone leaves them running.
+    let hierarchy = if Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
+        Path::new("/sys/fs/cgroup").join(CGROUP_ROOT)
+    } else {
+        Path::new("/sys/fs/cgroup/pids").join(CGROUP_ROOT)
+    };
+    for _ in 0..20 {
+        let mut pids = Vec::new();
+        pids_in(&hierarchy, &mut pids);
+        if pids.is_empty() {
+            break;
+        }
+        for pid in pids {
+            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    // Shims of any testenv containerd (theirs is gone: they would wait forever).
+    if let Ok(procs) = std::fs::read_dir("/proc") {
+        for p in procs.flatten() {
+            let Ok(pid) = p.file_name().to_string_lossy().parse::<i32>() else {
+                continue;
+            };
+            let Ok(cmd) = std::fs::read(p.path().join("cmdline")) else {
+                continue;
+            };
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            let ours = match dir {
+                Some(d) => cmd.contains(&d.display().to_string()),
+                None => cmd.contains("opkit-testenv"),
+            };
+            if cmd.contains("containerd-shim") && ours {
+                let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+            }
+        }
+    }
+    if let Ok(mounts) = std::fs::read_to_string("/proc/self/mountinfo") {
+        let mut points: Vec<String> = mounts
+            .lines()
+            .filter_map(|l| l.split(' ').nth(4))
+            .filter(|m| match dir {
+                Some(d) => m.starts_with(&d.display().to_string()),
+                None => false,
+            } || m.starts_with("/run/netns/cni-") || m.starts_with("/var/run/netns/cni-"))
+            .map(String::from)
+            .collect();
+        // Deepest first.
+        points.sort_by_key(|m| std::cmp::Reverse(m.len()));
+        for m in points {
+            let _ = nix::mount::umount2(m.as_str(), nix::mount::MntFlags::MNT_DETACH);
+            if m.contains("/netns/cni-") {
+                let _ = std::fs::remove_file(&m);
+            }
+        }
+    }
+    for h in ["", "pids", "cpu", "cpuacct", "cpuset", "memory", "devices", "freezer", "blkio", "systemd", "hugetlb"] {
+        let root = Path::new("/sys/fs/cgroup").join(h).join(CGROUP_ROOT);
+        if let Ok(entries) = std::fs::read_dir(&root) {
+            for e in entries.flatten() {
+                if e.path().is_dir() {
+                    remove_cgroups(&e.path());
+                }
+            }
+        }
+    }
+}
+
+/// Removes kube-proxy's iptables rules (its own `--cleanup`).
+pub fn clean_up_proxy(kube_proxy: &Path) {
+    let _ = Command::new(kube_proxy)
+        .arg("--cleanup")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status();
+}
