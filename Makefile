@@ -8,7 +8,10 @@ KUBECTL ?= $(TESTENV_BIN_DIR)/kubectl
 OPKIT := cargo run -q -p opkit-operator --
 VERSION ?= 0.1.0
 IMG ?= opkit:v$(VERSION)
-CONTAINER_TOOL ?= docker
+# docker when its engine answers, else podman (installed from Debian's packages when missing).
+CONTAINER_TOOL ?= $(shell bash hack/container-tool.sh)
+# Runtime base of the operator image; `local` assembles one from this machine's libraries.
+BASE ?=
 TESTENV := cargo run -q -p opkit-testenv --
 
 .PHONY: help
@@ -52,7 +55,7 @@ bench: ## Benchmark opkit vs a Go peer vs a direct client: BENCH=foo (sample-con
 	./target/release/opkit-bench
 
 .PHONY: testenv-up
-testenv-up: testenv-build ## Start the long-lived local control plane and print its KUBECONFIG
+testenv-up: testenv-build ## Start the long-lived local control plane and print its KUBECONFIG; OPKIT_TESTENV_REAL_NODE=1 adds a real node (root)
 	$(TESTENV) up
 
 .PHONY: testenv-down
@@ -111,5 +114,13 @@ bundle-push: ## Push the bundle image $(BUNDLE_IMG)
 	$(CONTAINER_TOOL) push $(BUNDLE_IMG)
 
 .PHONY: docker-build
-docker-build: ## Build the operator image $(IMG) with $(CONTAINER_TOOL)
-	$(CONTAINER_TOOL) build -t $(IMG) .
+docker-build: ## Build the operator image $(IMG) with $(CONTAINER_TOOL); BASE=local (or an unpullable base) builds on this machine's libraries
+	IMG=$(IMG) BASE=$(BASE) CONTAINER_TOOL=$(CONTAINER_TOOL) bash hack/docker-build.sh
+
+.PHONY: docker-push
+docker-push: ## Push the operator image $(IMG)
+	$(CONTAINER_TOOL) push $(IMG)
+
+.PHONY: testenv-load
+testenv-load: ## Load the operator image $(IMG) into the local control plane's real node (as kind load does)
+	IMG=$(IMG) CONTAINER_TOOL=$(CONTAINER_TOOL) bash hack/testenv-load.sh

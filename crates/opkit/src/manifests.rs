@@ -105,8 +105,10 @@ pub fn deployment_for<S>(op: &Operator<S>, namespaces: &[String]) -> Deployment 
     let container = Container {
         name: "manager".into(),
         image: Some(op.image()),
-        // Every start checks the registry (and the pull secret), as kube-score asks.
-        image_pull_policy: Some("Always".into()),
+        // The tag is a version, never `latest`: an image loaded into the node (kind load,
+        // the local real node, an air-gapped cluster) runs without a registry. kube-score's
+        // `Always` would make every start depend on one.
+        image_pull_policy: Some("IfNotPresent".into()),
         args: Some(
             [
                 "run",

@@ -37,6 +37,12 @@ enum Cmd {
     Down,
     /// Print `export KUBECONFIG=...` for the long-lived cluster.
     Env,
+    /// Load an image archive (`docker save` / `podman save`) into the real node of the
+    /// long-lived cluster, as `kind load image-archive` does.
+    Load {
+        /// The archive.
+        archive: PathBuf,
+    },
     /// Run the cluster in the foreground until SIGTERM or Ctrl-C (what `up` starts).
     Serve {
         #[arg(long)]
@@ -103,6 +109,17 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 );
             }
             print_env(&state, &Binaries::ensure()?);
+        }
+        Cmd::Load { archive } => {
+            let socket = state.join("node/containerd.sock");
+            if running_pid(&state).is_none() || !socket.exists() {
+                bail!(
+                    "no local control plane with a real node is running at {} (run `OPKIT_TESTENV_REAL_NODE=1 make testenv-up`)",
+                    state.display()
+                );
+            }
+            crate::node::load_image(&socket, &archive)?;
+            eprintln!("loaded {} into the real node", archive.display());
         }
         Cmd::Up { audit_log } => {
             let bins = Binaries::ensure()?;

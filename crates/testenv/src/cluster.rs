@@ -413,6 +413,11 @@ impl ControlPlane {
         .await
     }
 
+    /// The real node's containerd socket, if this control plane has a real node.
+    pub fn node_socket(&self) -> Option<&Path> {
+        self.node.as_ref().map(|n| n.socket.as_path())
+    }
+
     /// Loads an image archive (`docker save` / `podman save` format) into the real node's
     /// containerd, as `kind load image-archive` does: Pods on the node then run it without a
     /// registry.

@@ -19,6 +19,32 @@ use crate::cluster::{ControlPlane, Options, config_from_file};
 pub struct Shared {
     kubeconfig: PathBuf,
     kubectl: PathBuf,
+    /// The real node's containerd socket, when the cluster has one.
+    node_socket: Option<PathBuf>,
+}
+
+/// Set by [`shared_real_node`] before the shared control plane starts.
+static WANT_REAL_NODE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The shared control plane with a real node (see [`crate::node`]), or `None` when
+/// `OPKIT_TESTENV_REAL_NODE=1` is not set (the caller then skips, saying so). Every test of a
+/// binary that needs the real node calls this first: the binary's control plane gets the node,
+/// and every [`Shared::in_namespace`] puts its Pods on it.
+pub fn shared_real_node() -> Option<&'static Shared> {
+    if !crate::node::requested() {
+        eprintln!(
+            "skipped: this test needs the real node; run it with {}=1 (as `make test` does)",
+            crate::node::ENV
+        );
+        return None;
+    }
+    WANT_REAL_NODE.store(true, std::sync::atomic::Ordering::SeqCst);
+    let s = shared();
+    assert!(
+        s.node_socket.is_some(),
+        "the shared control plane started without the real node: call shared_real_node() before shared() in this test binary"
+    );
+    Some(s)
 }
 
 /// Returns the shared control plane, starting it on first use.
@@ -33,9 +59,16 @@ pub fn shared() -> &'static Shared {
             let kubectl = crate::Binaries::ensure()
                 .map_err(|e| e.to_string())?
                 .path("kubectl");
+            let kubeconfig = PathBuf::from(kc);
+            // `make testenv-up` with the real node keeps containerd beside the kubeconfig.
+            let node_socket = kubeconfig
+                .parent()
+                .map(|d| d.join("node/containerd.sock"))
+                .filter(|s| WANT_REAL_NODE.load(std::sync::atomic::Ordering::SeqCst) && s.exists());
             return Ok(Shared {
-                kubeconfig: PathBuf::from(kc),
+                kubeconfig,
                 kubectl,
+                node_socket,
             });
         }
         let (tx, rx) = std::sync::mpsc::channel();
@@ -51,11 +84,16 @@ pub fn shared() -> &'static Shared {
                         return;
                     }
                 };
-                match rt.block_on(ControlPlane::start(Options::default())) {
+                let opts = Options {
+                    real_node: WANT_REAL_NODE.load(std::sync::atomic::Ordering::SeqCst),
+                    ..Options::default()
+                };
+                match rt.block_on(ControlPlane::start(opts)) {
                     Ok(cp) => {
                         let _ = tx.send(Ok(Shared {
                             kubeconfig: cp.kubeconfig_path(),
                             kubectl: cp.binaries().path("kubectl"),
+                            node_socket: cp.node_socket().map(Path::to_path_buf),
                         }));
                         let _keep = cp;
                         loop {
@@ -92,6 +130,20 @@ impl Shared {
         Ok(Client::try_from(self.config().await?)?)
     }
 
+    /// Whether this cluster has the real node (and test namespaces put their Pods on it).
+    pub fn real_node(&self) -> bool {
+        self.node_socket.is_some()
+    }
+
+    /// Loads an image archive into the real node (see [`ControlPlane::load_image`]).
+    pub fn load_image(&self, archive: &Path) -> anyhow::Result<()> {
+        let socket = self
+            .node_socket
+            .as_ref()
+            .ok_or_else(|| anyhow::anyhow!("this cluster has no real node"))?;
+        Ok(crate::node::load_image(socket, archive)?)
+    }
+
     /// A kubeconfig (YAML) for this cluster that authenticates with `token` instead of the admin
     /// identity, e.g. a ServiceAccount token, so only that account's RBAC applies.
     pub fn kubeconfig_with_token(&self, token: &str) -> anyhow::Result<String> {
@@ -123,7 +175,7 @@ impl Shared {
             .client()
             .await
             .expect("admin client for the local control plane");
-        let ns = TestNamespace::create(client.clone(), prefix)
+        let ns = TestNamespace::create_on(client.clone(), prefix, self.real_node())
             .await
             .expect("creating the test namespace");
         let outcome = std::panic::AssertUnwindSafe(test(client, ns.name.clone()))
@@ -209,6 +261,13 @@ pub struct TestNamespace {
 impl TestNamespace {
     /// Creates `<prefix>-<random suffix>`.
     pub async fn create(client: Client, prefix: &str) -> anyhow::Result<TestNamespace> {
+        Self::create_on(client, prefix, false).await
+    }
+
+    /// Creates `<prefix>-<random suffix>`; with `real_node` every Pod in it runs on the real
+    /// node (annotations read by the apiserver's `PodNodeSelector` and
+    /// `PodTolerationRestriction`).
+    pub async fn create_on(client: Client, prefix: &str, real_node: bool) -> anyhow::Result<TestNamespace> {
         let suffix = format!("{:08x}", rand_u32()?);
         let prefix: String = prefix
             .to_lowercase()
@@ -217,9 +276,16 @@ impl TestNamespace {
             .take(40)
             .collect();
         let name = format!("{}-{suffix}", prefix.trim_matches('-'));
+        let annotations = real_node.then(|| {
+            crate::node::NAMESPACE_ANNOTATIONS
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        });
         let ns = Namespace {
             metadata: ObjectMeta {
                 name: Some(name.clone()),
+                annotations,
                 ..Default::default()
             },
             ..Default::default()
