@@ -6,6 +6,13 @@
 #
 # Usage: real-node.sh install   install the Debian packages that are missing (root, apt-get)
 #        real-node.sh images    build the image archives (if missing) and print their directory
+#        real-node.sh clean [--remove] [DIR] [KUBE_PROXY]
+#                               stop what a stopped (or killed) real node leaves: its containers,
+#                               containerd's shims, mounts under DIR (all testenv ones without
+#                               DIR), its cgroups and, given KUBE_PROXY, kube-proxy's iptables
+#                               rules; --remove deletes DIR too
+#        real-node.sh reap PID [--remove] DIR KUBE_PROXY
+#                               wait until process PID is gone, then clean
 #
 # Images (docker-archive tarballs, loaded into the node's containerd by opkit-testenv):
 #   registry.k8s.io/pause:3.10       Kubernetes' own pause.c, compiled static
@@ -96,8 +103,51 @@ images() {
   echo "$out"
 }
 
+# The kubelet's cgroup root (see node.rs): every Pod of the real node lives under it.
+cgroup_root=opkit-testenv
+
+clean() {
+  local remove=0
+  if [[ ${1:-} == --remove ]]; then remove=1; shift; fi
+  local dir=${1:-} kube_proxy=${2:-}
+  local tmp_root; tmp_root="$(dirname "$(mktemp -u)")/opkit-testenv"
+  # The containers first: killing their shims alone leaves them running.
+  local h pids
+  for h in /sys/fs/cgroup/pids/$cgroup_root /sys/fs/cgroup/$cgroup_root; do
+    [[ -d $h ]] || continue
+    for _ in $(seq 20); do
+      pids=$(find "$h" -name cgroup.procs -exec cat {} + 2>/dev/null | tr '\n' ' ')
+      [[ -z ${pids// } ]] && break
+      # shellcheck disable=SC2086
+      kill -9 $pids 2>/dev/null || true
+      sleep 0.05
+    done
+  done
+  # Shims of this node's containerd (of every testenv one without DIR): theirs is gone.
+  pkill -9 -f "containerd-shim.* -address ${dir:-$tmp_root}" 2>/dev/null || true
+  # Mounts (container root filesystems, network namespaces, volumes), deepest first.
+  if [[ -n $dir ]]; then
+    awk '{print $5}' /proc/self/mountinfo | grep -F "$dir/" | sort -r | while read -r m; do
+      umount -l "$m" 2>/dev/null || true
+    done
+  fi
+  for h in /sys/fs/cgroup/*/$cgroup_root /sys/fs/cgroup/$cgroup_root; do
+    [[ -d $h ]] && find "$h" -mindepth 1 -depth -type d -exec rmdir {} + 2>/dev/null || true
+  done
+  if [[ -n $kube_proxy && -x $kube_proxy ]]; then "$kube_proxy" --cleanup >/dev/null 2>&1 || true; fi
+  if (( remove )) && [[ -n $dir ]]; then rm -rf "$dir"; fi
+}
+
 case "${1:-}" in
   install) install ;;
   images) images ;;
-  *) echo "usage: $0 install|images" >&2; exit 2 ;;
+  clean) shift; clean "$@" ;;
+  reap)
+    pid=$2; shift 2
+    while kill -0 "$pid" 2>/dev/null; do sleep 0.5; done
+    # Under the machine-wide real-node lock (node.rs): never while another node runs.
+    exec 9>/run/opkit-testenv-real-node.lock
+    flock 9
+    clean "$@" ;;
+  *) echo "usage: $0 install|images|clean|reap" >&2; exit 2 ;;
 esac

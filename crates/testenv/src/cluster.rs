@@ -132,9 +132,9 @@ impl ControlPlane {
         let node = if opts.real_node {
             let lock = node::lock()?;
             let images = node::prepare()?;
-            node::clean_up(None);
-            node::clean_up_proxy(&binaries.path("kube-proxy"));
+            node::clean_up(None, &binaries.path("kube-proxy"), false);
             node::host_setup()?;
+            node::reap_after_exit(&dir, &binaries.path("kube-proxy"), remove_dir)?;
             Some(RealNode {
                 images,
                 socket: PathBuf::new(),
@@ -592,8 +592,7 @@ impl ControlPlane {
             c.stop(Duration::from_secs(5));
         }
         if self.node.is_some() {
-            node::clean_up(Some(&self.dir));
-            node::clean_up_proxy(&self.binaries.path("kube-proxy"));
+            node::clean_up(Some(&self.dir), &self.binaries.path("kube-proxy"), false);
         }
     }
 }

@@ -65,22 +65,33 @@ pub fn host_ip() -> Result<IpAddr> {
 #[derive(Debug)]
 pub struct Lock(#[allow(dead_code)] nix::fcntl::Flock<File>);
 
-/// Takes the real-node lock or says who holds it.
+/// Takes the real-node lock, waiting up to a minute (the previous node's clean-up holds it
+/// briefly), or says who holds it.
 pub fn lock() -> Result<Lock> {
     use std::io::Write;
-    let f = std::fs::OpenOptions::new()
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let mut file = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
         .read(true)
         .write(true)
         .open(LOCK)?;
-    let mut f = nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock).map_err(|_| {
-        let owner = std::fs::read_to_string(LOCK).unwrap_or_default();
-        Error::Setup(format!(
-            "another real node is running on this machine (pid {}); stop it first (make testenv-down)",
-            owner.trim()
-        ))
-    })?;
+    let mut f = loop {
+        match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+            Ok(f) => break f,
+            Err((back, _)) if std::time::Instant::now() < deadline => {
+                file = back;
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            Err(_) => {
+                let owner = std::fs::read_to_string(LOCK).unwrap_or_default();
+                return Err(Error::Setup(format!(
+                    "another real node is running on this machine (pid {}); stop it first (make testenv-down)",
+                    owner.trim()
+                )));
+            }
+        }
+    };
     f.set_len(0)?;
     write!(f, "{}", std::process::id())?;
     Ok(Lock(f))
@@ -192,6 +203,8 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
 [plugins."io.containerd.grpc.v1.cri"]
   sandbox_image = "registry.k8s.io/pause:3.10"
   enable_selinux = false
+  # Pods' network namespaces under the state directory, so cleaning up finds them.
+  netns_mounts_under_state_dir = true
   # Where the test runs without CAP_SYS_RESOURCE (in a container), a Pod's negative
   # oom_score_adj is refused; never ask for less than containerd's own.
   restrict_oom_score_adj = true
@@ -323,108 +336,46 @@ pub fn load_image(socket: &Path, archive: &Path) -> Result<()> {
     Ok(())
 }
 
-fn pids_in(cgroup: &Path, out: &mut Vec<i32>) {
-    if let Ok(procs) = std::fs::read_to_string(cgroup.join("cgroup.procs")) {
-        out.extend(procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()));
+fn script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/real-node.sh")
+}
+
+/// Stops what a real node leaves once its processes are gone: its containers (every process in
+/// its cgroup), containerd's shims, mounts under `dir` and kube-proxy's iptables rules; with
+/// `remove`, deletes `dir`. Without `dir`, what any killed testenv node left (run before a
+/// node starts).
+pub fn clean_up(dir: Option<&Path>, kube_proxy: &Path, remove: bool) {
+    let mut c = Command::new("bash");
+    c.arg(script()).arg("clean");
+    if remove {
+        c.arg("--remove");
     }
-    if let Ok(entries) = std::fs::read_dir(cgroup) {
-        for e in entries.flatten() {
-            if e.path().is_dir() {
-                pids_in(&e.path(), out);
-            }
-        }
+    c.arg(dir.map(|d| d.display().to_string()).unwrap_or_default())
+        .arg(kube_proxy);
+    if let Err(e) = c.status() {
+        tracing::warn!("cleaning up the real node: {e}");
     }
 }
 
-fn remove_cgroups(dir: &Path) {
-    if let Ok(entries) = std::fs::read_dir(dir) {
-        for e in entries.flatten() {
-            if e.path().is_dir() {
-                remove_cgroups(&e.path());
-            }
-        }
+/// Starts a detached process that cleans up after this one (see [`clean_up`]) once it has
+/// exited, however it exits: a test binary's shared control plane is never dropped, and the
+/// kernel stops containerd and the kubelet with it but not the containers.
+pub fn reap_after_exit(dir: &Path, kube_proxy: &Path, remove: bool) -> Result<()> {
+    use std::os::unix::process::CommandExt;
+    let mut c = Command::new("bash");
+    c.arg(script())
+        .arg("reap")
+        .arg(std::process::id().to_string());
+    if remove {
+        c.arg("--remove");
     }
-    let _ = std::fs::remove_dir(dir);
-}
-
-/// Stops everything a real node leaves behind once its processes are gone: the containers (every
-/// process in its cgroup), containerd's shims, mounts under `dir` and the Pods' network
-/// namespaces. Also run before a node starts, for what a killed run left.
-pub fn clean_up(dir: Option<&Path>) {
-    use nix::sys::signal::{Signal, kill};
-    use nix::unistd::Pid;
-    // Containers first: killing a shim alone leaves them running.
-    let hierarchy = if Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
-        Path::new("/sys/fs/cgroup").join(CGROUP_ROOT)
-    } else {
-        Path::new("/sys/fs/cgroup/pids").join(CGROUP_ROOT)
-    };
-    for _ in 0..20 {
-        let mut pids = Vec::new();
-        pids_in(&hierarchy, &mut pids);
-        if pids.is_empty() {
-            break;
-        }
-        for pid in pids {
-            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
-    // Shims of any testenv containerd (theirs is gone: they would wait forever).
-    if let Ok(procs) = std::fs::read_dir("/proc") {
-        for p in procs.flatten() {
-            let Ok(pid) = p.file_name().to_string_lossy().parse::<i32>() else {
-                continue;
-            };
-            let Ok(cmd) = std::fs::read(p.path().join("cmdline")) else {
-                continue;
-            };
-            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-            let ours = match dir {
-                Some(d) => cmd.contains(&d.display().to_string()),
-                None => cmd.contains("opkit-testenv"),
-            };
-            if cmd.contains("containerd-shim") && ours {
-                let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
-            }
-        }
-    }
-    if let Ok(mounts) = std::fs::read_to_string("/proc/self/mountinfo") {
-        let mut points: Vec<String> = mounts
-            .lines()
-            .filter_map(|l| l.split(' ').nth(4))
-            .filter(|m| match dir {
-                Some(d) => m.starts_with(&d.display().to_string()),
-                None => false,
-            } || m.starts_with("/run/netns/cni-") || m.starts_with("/var/run/netns/cni-"))
-            .map(String::from)
-            .collect();
-        // Deepest first.
-        points.sort_by_key(|m| std::cmp::Reverse(m.len()));
-        for m in points {
-            let _ = nix::mount::umount2(m.as_str(), nix::mount::MntFlags::MNT_DETACH);
-            if m.contains("/netns/cni-") {
-                let _ = std::fs::remove_file(&m);
-            }
-        }
-    }
-    for h in ["", "pids", "cpu", "cpuacct", "cpuset", "memory", "devices", "freezer", "blkio", "systemd", "hugetlb"] {
-        let root = Path::new("/sys/fs/cgroup").join(h).join(CGROUP_ROOT);
-        if let Ok(entries) = std::fs::read_dir(&root) {
-            for e in entries.flatten() {
-                if e.path().is_dir() {
-                    remove_cgroups(&e.path());
-                }
-            }
-        }
-    }
-}
-
-/// Removes kube-proxy's iptables rules (its own `--cleanup`).
-pub fn clean_up_proxy(kube_proxy: &Path) {
-    let _ = Command::new(kube_proxy)
-        .arg("--cleanup")
+    c.arg(dir)
+        .arg(kube_proxy)
+        .process_group(0)
+        .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .status();
+        .stderr(std::process::Stdio::null());
+    c.spawn()
+        .map_err(|e| Error::Setup(format!("starting the real node's reaper: {e}")))?;
+    Ok(())
 }
