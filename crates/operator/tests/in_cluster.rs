@@ -1,0 +1,207 @@
+//! The operator as users deploy it, on the real node: `make docker-build`, the image loaded
+//! into the node, `make deploy`. It runs as a Pod under the generated ServiceAccount in the
+//! `restricted` namespace, its probes pass, the apiserver reaches its webhook through the
+//! Service, the metrics Service answers, and `make undeploy` removes it all.
+//! Needs `OPKIT_TESTENV_REAL_NODE=1` (as `make test` sets).
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{Context, anyhow, ensure};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{Namespace, Pod, Service};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::Api;
+use kube::api::{ListParams, ObjectMeta, PostParams};
+use opkit_testenv::{http_get, shared_real_node, wait_for};
+
+mod common;
+use common::{kubectl, kubectl_stdin};
+
+const T: Duration = Duration::from_secs(120);
+const IMG: &str = "opkit:in-cluster-test";
+const NS: &str = "opkit-system";
+
+fn repo() -> PathBuf {
+    PathBuf::from(format!("{}/../..", env!("CARGO_MANIFEST_DIR")))
+}
+
+/// `make <args>` in the repository against the test cluster; fails with its output.
+fn make(kubeconfig: &std::path::Path, args: &[&str]) -> anyhow::Result<String> {
+    let out = Command::new("make")
+        .arg("-C")
+        .arg(repo())
+        .args(args)
+        .env("KUBECONFIG", kubeconfig)
+        .output()?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    ensure!(out.status.success(), "make {}:\n{text}", args.join(" "));
+    Ok(text)
+}
+
+#[tokio::test]
+async fn docker_build_load_and_make_deploy_run_the_operator_in_the_cluster() {
+    let Some(cluster) = shared_real_node() else {
+        return;
+    };
+    let kubeconfig = cluster.kubeconfig().to_path_buf();
+    cluster
+        .in_namespace("in-cluster", |client, ns| async move {
+            let built = make(&kubeconfig, &["docker-build", &format!("IMG={IMG}")])?;
+            println!("{}", built.lines().filter(|l| l.starts_with(">>")).collect::<Vec<_>>().join("\n"));
+            let archive = std::env::temp_dir().join(format!("opkit-in-cluster-{}.tar", std::process::id()));
+            let out = Command::new("bash")
+                .arg(repo().join("hack/testenv-load.sh"))
+                .env("IMG", IMG)
+                .env("ARCHIVE", &archive)
+                .output()?;
+            ensure!(out.status.success(), "saving {IMG}: {}", String::from_utf8_lossy(&out.stderr));
+            cluster.load_image(&archive)?;
+            std::fs::remove_file(&archive)?;
+
+            // The operator's namespace puts its Pods on the real node; `make deploy` adds the
+            // restricted Pod Security label to it.
+            let namespaces: Api<Namespace> = Api::all(client.clone());
+            let annotations = opkit_testenv::node::NAMESPACE_ANNOTATIONS
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            let operator_ns = Namespace {
+                metadata: ObjectMeta {
+                    name: Some(NS.into()),
+                    annotations: Some(annotations),
+                    ..Default::default()
+                },
+                ..Default::default()
+            };
+            namespaces.create(&PostParams::default(), &operator_ns).await?;
+            make(&kubeconfig, &["deploy", &format!("IMG={IMG}")])?;
+
+            // Available means the kubelet's readiness probe on /readyz passed in the container.
+            let deploys: Api<Deployment> = Api::namespaced(client.clone(), NS);
+            let waited = wait_for("the manager Deployment to be available", T, || async {
+                let d = deploys.get("opkit-controller-manager").await?;
+                match d.status.as_ref().and_then(|s| s.available_replicas) {
+                    Some(1) => Ok(()),
+                    other => Err(anyhow!("available {other:?}")),
+                }
+            })
+            .await;
+            if let Err(e) = waited {
+                let logs = kubectl(&["logs", "-n", NS, "deploy/opkit-controller-manager", "--tail=30"]).unwrap_or_default();
+                let pods = kubectl(&["describe", "pods", "-n", NS]).unwrap_or_default();
+                return Err(e.context(format!("{pods}\n--- manager log ---\n{logs}")));
+            }
+            let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+            let pod = pods
+                .list(&ListParams::default().labels("control-plane=controller-manager"))
+                .await?
+                .items
+                .into_iter()
+                .next()
+                .context("no manager Pod")?;
+            let spec = pod.spec.as_ref().context("no spec")?;
+            ensure!(
+                spec.node_name.as_deref() == Some(opkit_testenv::node::NODE_NAME),
+                "the manager runs on {:?}",
+                spec.node_name
+            );
+            ensure!(spec.service_account_name.as_deref() == Some("opkit-controller-manager"));
+            let status = pod.status.as_ref().context("no status")?;
+            let container = status
+                .container_statuses
+                .as_ref()
+                .and_then(|c| c.first())
+                .context("no container status")?;
+            ensure!(
+                container.ready && container.restart_count == 0,
+                "manager container: ready {}, restarts {}",
+                container.ready,
+                container.restart_count
+            );
+            ensure!(
+                container.image.ends_with(IMG),
+                "manager runs image {}",
+                container.image
+            );
+            let label = kubectl(&[
+                "get",
+                "namespace",
+                NS,
+                "-o",
+                "jsonpath={.metadata.labels.pod-security\\.kubernetes\\.io/enforce}",
+            ])?;
+            ensure!(label == "restricted", "{NS} enforces {label:?}");
+            // In-cluster configuration: the operator talks to the apiserver through the
+            // `kubernetes` Service with the mounted token (it logs JSON).
+            let log = kubectl(&["logs", "-n", NS, "deploy/opkit-controller-manager"])?;
+            ensure!(log.lines().any(|l| l.starts_with('{')), "no JSON log lines:\n{log}");
+
+            // The webhook, reached by the apiserver through opkit-webhook-service, defaults the
+            // size the schema requires: without it the create is refused.
+            let no_size = r#"{"apiVersion":"cache.example.com/v1","kind":"Memcached",
+                "metadata":{"name":"defaulted"},"spec":{}}"#;
+            wait_for("a Memcached without size to be admitted", T, || async {
+                let (ok, out) = kubectl_stdin(&["create", "-n", &ns, "-f", "-"], no_size.as_bytes())?;
+                if ok { Ok(()) } else { Err(anyhow!("{out}")) }
+            })
+            .await?;
+            let size = kubectl(&["get", "memcached", "defaulted", "-n", &ns, "-o", "jsonpath={.spec.size}"])?;
+            ensure!(size == "1", "size {size:?}");
+            // ...and the operator in the cluster reconciles it into a running memcached.
+            wait_for("the Memcached to be Available", T, || async {
+                let available = kubectl(&[
+                    "get",
+                    "memcached",
+                    "defaulted",
+                    "-n",
+                    &ns,
+                    "-o",
+                    "jsonpath={.status.conditions[?(@.type==\"Available\")].status}",
+                ])?;
+                if available == "True" { Ok(()) } else { Err(anyhow!("Available={available:?}")) }
+            })
+            .await?;
+
+            // The metrics Service, from this host through kube-proxy.
+            let services: Api<Service> = Api::namespaced(client.clone(), NS);
+            let svc = services.get("opkit-controller-manager-metrics-service").await?;
+            let ip = svc.spec.and_then(|s| s.cluster_ip).context("no ClusterIP")?;
+            let addr: std::net::SocketAddr = format!("{ip}:8080").parse()?;
+            let metrics = wait_for("the metrics Service to answer", T, || async {
+                match http_get(addr, "/metrics").await {
+                    Ok((200, body)) if body.contains("opkit_reconcile_total") => Ok(body),
+                    Ok((code, body)) => Err(anyhow!("{code}: {}", &body[..body.len().min(200)])),
+                    Err(e) => Err(anyhow!("{e}")),
+                }
+            })
+            .await?;
+            ensure!(metrics.contains("controller=\"memcached\""), "no memcached series:\n{metrics}");
+
+            make(&kubeconfig, &["undeploy"])?;
+            let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+            wait_for("make undeploy to remove everything", T, || async {
+                let left: Vec<String> = [
+                    namespaces.get_opt(NS).await?.map(|_| format!("namespace {NS}")),
+                    crds.get_opt("memcacheds.cache.example.com").await?.map(|_| "the Memcached CRD".to_string()),
+                    kubectl(&["get", "mutatingwebhookconfigurations,validatingwebhookconfigurations", "-o", "name"])
+                        .ok()
+                        .filter(|o| o.contains("opkit")),
+                    kubectl(&["get", "clusterroles,clusterrolebindings", "-o", "name"])
+                        .ok()
+                        .filter(|o| o.contains("opkit")),
+                ]
+                .into_iter()
+                .flatten()
+                .collect();
+                if left.is_empty() { Ok(()) } else { Err(anyhow!("left: {left:?}")) }
+            })
+            .await?;
+            Ok(())
+        })
+        .await;
+}
