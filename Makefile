@@ -40,9 +40,13 @@ fuzz: ## Fuzz the cron parser for FUZZ_SECONDS (default 120); needs a nightly to
 testenv-build: ## Build (or find cached) the local control-plane binaries
 	bash crates/testenv/scripts/build-binaries.sh
 
+# The real-node tests (containerd, kubelet, kube-proxy; see README) run where the tests run as
+# root, which they need; REAL_NODE=0 skips them.
+REAL_NODE ?= $(if $(filter 0,$(shell id -u)),1,0)
+
 .PHONY: test
-test: testenv-build ## Run every test: unit tests and controller tests on the real local control plane
-	cargo test --workspace
+test: testenv-build ## Run every test: unit tests and controller tests on the real local control plane (and real node, as root)
+	OPKIT_TESTENV_REAL_NODE=$(REAL_NODE) cargo test --workspace
 
 .PHONY: chaos
 chaos: testenv-build ## Full chaos run: two replicas, 300 Memcacheds, 100 Ats, leader frozen/killed, apiserver/etcd restarted, etcd compacted, rolling restart

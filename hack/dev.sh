@@ -20,6 +20,15 @@ echo ">> installing CRDs"
 "$opkit" crd | "$kubectl" apply --server-side -f -
 "$kubectl" wait --for condition=Established --timeout=60s crd --all >/dev/null
 
+if "$kubectl" get node opkit-real-node >/dev/null 2>&1; then
+  # The local control plane has a real node (OPKIT_TESTENV_REAL_NODE=1): the samples' Pods run
+  # there, in real containers, instead of on the kwok fakes.
+  echo ">> real node: the Pods of namespace default run in containers on opkit-real-node"
+  "$kubectl" annotate --overwrite namespace default \
+    'scheduler.alpha.kubernetes.io/node-selector=opkit.dev/node=real' \
+    'scheduler.alpha.kubernetes.io/defaultTolerations=[{"key":"opkit.dev/real-node","operator":"Exists","effect":"NoSchedule"}]' >/dev/null
+fi
+
 echo ">> applying samples"
 for f in config/samples/*.yaml; do "$kubectl" apply -f "$f"; done
 
@@ -33,6 +42,7 @@ cat <<EOT
      kubectl scale deployment memcached-sample --replicas=7   # reverted by opkit
      kubectl describe memcached memcached-sample # conditions and events
      kubectl get at,eru,foo                      # the cnat, Eru and sample-controller samples
+     kubectl logs example-at-pod                 # YAY (from a container with the real node)
      kubectl apply -f - <<< '{"apiVersion":"cache.example.com/v1","kind":"Memcached","metadata":{"name":"nosize"},"spec":{}}'
                                                  # defaulted to size 1 by opkit's webhook
      curl -s localhost:8080/metrics | grep opkit_

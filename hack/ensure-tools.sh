@@ -20,3 +20,6 @@ go_minor=$(go env GOVERSION | sed -E 's/^go1\.([0-9]+).*/\1/')
 (( go_minor >= 25 )) || { echo "error: Go >= 1.25 is required to build Kubernetes 1.35, found $(go env GOVERSION)" >&2; exit 1; }
 cargo fmt --version >/dev/null 2>&1 || rustup component add rustfmt
 cargo clippy --version >/dev/null 2>&1 || rustup component add clippy
+# The real node's container runtime, CNI plugins and iptables (Debian packages; root only, as
+# the real-node tests are).
+if [[ $(id -u) == 0 ]]; then bash "$(dirname "$0")/../crates/testenv/scripts/real-node.sh" install; fi

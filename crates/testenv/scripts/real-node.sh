@@ -18,6 +18,9 @@
 #   registry.k8s.io/pause:3.10       Kubernetes' own pause.c, compiled static
 #   docker.io/library/busybox:1.37   Debian's busybox-static (the At default image)
 #   docker.io/library/memcached:1.6  Debian's memcached and the libraries it links
+#   docker.io/library/nginx:1.27     Debian's nginx-light answering 200 on port 80 (the Eru and
+#                                    Foo samples' web servers; also tagged latest, which the
+#                                    kubelet always pulls, so a Pod asking for it cannot start)
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -25,9 +28,9 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$here/../versions.env"
 log() { echo "[real-node] $*" >&2; }
 
-debs=(containerd runc containernetworking-plugins iptables podman busybox-static memcached gcc libc6-dev)
+debs=(containerd runc containernetworking-plugins iptables podman busybox-static memcached nginx-light gcc libc6-dev)
 # A command each package provides, to tell whether it is installed.
-probe=(containerd runc /usr/lib/cni/bridge iptables podman /bin/busybox memcached gcc /usr/lib/x86_64-linux-gnu/libc.a)
+probe=(containerd runc /usr/lib/cni/bridge iptables podman /bin/busybox memcached /usr/sbin/nginx gcc /usr/lib/x86_64-linux-gnu/libc.a)
 
 install() {
   local missing=()
@@ -72,7 +75,7 @@ images() {
   local out; out="$cache_root/images-$(sha256sum "${BASH_SOURCE[0]}" | cut -c1-12)"
   if [[ -f "$out/.done" ]]; then echo "$out"; return; fi
   log "assembling the sample images from Debian packages"
-  rm -rf "$out"; mkdir -p "$out"
+  rm -rf "$cache_root"/images-*; mkdir -p "$out"
   local work; work=$(mktemp -d); trap 'rm -rf "$work"' RETURN
 
   mkdir -p "$work/pause"
@@ -97,7 +100,36 @@ images() {
   build_image docker.io/library/memcached:1.6 "$work/memcached" 'ENV PATH=/usr/bin' 'USER 11211:11211' \
     'EXPOSE 11211' 'CMD ["memcached"]'
 
-  for i in pause busybox memcached; do mv "$work/$i.tar" "$out/$i.tar"; done
+  mkdir -p "$work/nginx/etc/nginx" "$work/nginx/var/log/nginx" "$work/nginx/var/lib/nginx" "$work/nginx/tmp"
+  copy_with_libs /usr/sbin/nginx "$work/nginx"
+  chmod 1777 "$work/nginx/tmp"
+  printf 'root:x:0:0:root:/root:/bin/false\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n' > "$work/nginx/etc/passwd"
+  printf 'root:x:0:\nnogroup:x:65534:\n' > "$work/nginx/etc/group"
+  cat > "$work/nginx/etc/nginx/nginx.conf" <<'CONF'
+daemon off;
+user nobody nogroup;
+error_log /dev/stderr;
+pid /tmp/nginx.pid;
+events {}
+http {
+  access_log /dev/stdout;
+  client_body_temp_path /tmp/client_body;
+  proxy_temp_path /tmp/proxy;
+  fastcgi_temp_path /tmp/fastcgi;
+  uwsgi_temp_path /tmp/uwsgi;
+  scgi_temp_path /tmp/scgi;
+  server {
+    listen 80;
+    location / { default_type text/plain; return 200 "nginx\n"; }
+  }
+}
+CONF
+  build_image docker.io/library/nginx:1.27 "$work/nginx" 'EXPOSE 80' 'STOPSIGNAL SIGQUIT' 'CMD ["/usr/sbin/nginx"]'
+  podman tag docker.io/library/nginx:1.27 docker.io/library/nginx:latest
+  rm -f "$work/nginx.tar"
+  podman save -q -m --format docker-archive -o "$work/nginx.tar" docker.io/library/nginx:1.27 docker.io/library/nginx:latest
+
+  for i in pause busybox memcached nginx; do mv "$work/$i.tar" "$out/$i.tar"; done
   touch "$out/.done"
   log "images ready: $(du -sh "$out" | cut -f1) in $out"
   echo "$out"
