@@ -52,14 +52,25 @@ async fn docker_build_load_and_make_deploy_run_the_operator_in_the_cluster() {
     cluster
         .in_namespace("in-cluster", |client, ns| async move {
             let built = make(&kubeconfig, &["docker-build", &format!("IMG={IMG}")])?;
-            println!("{}", built.lines().filter(|l| l.starts_with(">>")).collect::<Vec<_>>().join("\n"));
+            println!(
+                "{}",
+                built
+                    .lines()
+                    .filter(|l| l.starts_with(">>"))
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            );
             let archive = std::env::temp_dir().join(format!("opkit-in-cluster-{}.tar", std::process::id()));
             let out = Command::new("bash")
                 .arg(repo().join("hack/testenv-load.sh"))
                 .env("IMG", IMG)
                 .env("ARCHIVE", &archive)
                 .output()?;
-            ensure!(out.status.success(), "saving {IMG}: {}", String::from_utf8_lossy(&out.stderr));
+            ensure!(
+                out.status.success(),
+                "saving {IMG}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
             cluster.load_image(&archive)?;
             std::fs::remove_file(&archive)?;
 
@@ -92,7 +103,8 @@ async fn docker_build_load_and_make_deploy_run_the_operator_in_the_cluster() {
             })
             .await;
             if let Err(e) = waited {
-                let logs = kubectl(&["logs", "-n", NS, "deploy/opkit-controller-manager", "--tail=30"]).unwrap_or_default();
+                let logs = kubectl(&["logs", "-n", NS, "deploy/opkit-controller-manager", "--tail=30"])
+                    .unwrap_or_default();
                 let pods = kubectl(&["describe", "pods", "-n", NS]).unwrap_or_default();
                 return Err(e.context(format!("{pods}\n--- manager log ---\n{logs}")));
             }
@@ -139,7 +151,10 @@ async fn docker_build_load_and_make_deploy_run_the_operator_in_the_cluster() {
             // In-cluster configuration: the operator talks to the apiserver through the
             // `kubernetes` Service with the mounted token (it logs JSON).
             let log = kubectl(&["logs", "-n", NS, "deploy/opkit-controller-manager"])?;
-            ensure!(log.lines().any(|l| l.starts_with('{')), "no JSON log lines:\n{log}");
+            ensure!(
+                log.lines().any(|l| l.starts_with('{')),
+                "no JSON log lines:\n{log}"
+            );
 
             // The webhook, reached by the apiserver through opkit-webhook-service, defaults the
             // size the schema requires: without it the create is refused.
@@ -150,7 +165,15 @@ async fn docker_build_load_and_make_deploy_run_the_operator_in_the_cluster() {
                 if ok { Ok(()) } else { Err(anyhow!("{out}")) }
             })
             .await?;
-            let size = kubectl(&["get", "memcached", "defaulted", "-n", &ns, "-o", "jsonpath={.spec.size}"])?;
+            let size = kubectl(&[
+                "get",
+                "memcached",
+                "defaulted",
+                "-n",
+                &ns,
+                "-o",
+                "jsonpath={.spec.size}",
+            ])?;
             ensure!(size == "1", "size {size:?}");
             // ...and the operator in the cluster reconciles it into a running memcached.
             wait_for("the Memcached to be Available", T, || async {
@@ -163,7 +186,11 @@ async fn docker_build_load_and_make_deploy_run_the_operator_in_the_cluster() {
                     "-o",
                     "jsonpath={.status.conditions[?(@.type==\"Available\")].status}",
                 ])?;
-                if available == "True" { Ok(()) } else { Err(anyhow!("Available={available:?}")) }
+                if available == "True" {
+                    Ok(())
+                } else {
+                    Err(anyhow!("Available={available:?}"))
+                }
             })
             .await?;
 
@@ -180,17 +207,27 @@ async fn docker_build_load_and_make_deploy_run_the_operator_in_the_cluster() {
                 }
             })
             .await?;
-            ensure!(metrics.contains("controller=\"memcached\""), "no memcached series:\n{metrics}");
+            ensure!(
+                metrics.contains("controller=\"memcached\""),
+                "no memcached series:\n{metrics}"
+            );
 
             make(&kubeconfig, &["undeploy"])?;
             let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
             wait_for("make undeploy to remove everything", T, || async {
                 let left: Vec<String> = [
                     namespaces.get_opt(NS).await?.map(|_| format!("namespace {NS}")),
-                    crds.get_opt("memcacheds.cache.example.com").await?.map(|_| "the Memcached CRD".to_string()),
-                    kubectl(&["get", "mutatingwebhookconfigurations,validatingwebhookconfigurations", "-o", "name"])
-                        .ok()
-                        .filter(|o| o.contains("opkit")),
+                    crds.get_opt("memcacheds.cache.example.com")
+                        .await?
+                        .map(|_| "the Memcached CRD".to_string()),
+                    kubectl(&[
+                        "get",
+                        "mutatingwebhookconfigurations,validatingwebhookconfigurations",
+                        "-o",
+                        "name",
+                    ])
+                    .ok()
+                    .filter(|o| o.contains("opkit")),
                     kubectl(&["get", "clusterroles,clusterrolebindings", "-o", "name"])
                         .ok()
                         .filter(|o| o.contains("opkit")),
@@ -198,7 +235,11 @@ async fn docker_build_load_and_make_deploy_run_the_operator_in_the_cluster() {
                 .into_iter()
                 .flatten()
                 .collect();
-                if left.is_empty() { Ok(()) } else { Err(anyhow!("left: {left:?}")) }
+                if left.is_empty() {
+                    Ok(())
+                } else {
+                    Err(anyhow!("left: {left:?}"))
+                }
             })
             .await?;
             Ok(())

@@ -64,7 +64,10 @@ async fn the_seed_at_prints_yay_from_a_real_container_and_a_failure_keeps_its_ex
         .in_namespace("real-at", |client, ns| async move {
             install_crds()?;
             let _op = operator(&ns, "at")?;
-            let sample = format!("{}/../../config/samples/cnat_v1alpha1_at.yaml", env!("CARGO_MANIFEST_DIR"));
+            let sample = format!(
+                "{}/../../config/samples/cnat_v1alpha1_at.yaml",
+                env!("CARGO_MANIFEST_DIR")
+            );
             kubectl(&["apply", "-n", &ns, "-f", &sample])?;
             // The exit code is computed by the shell in the container: nothing can read it off
             // the script, as kwok's emulation does.
@@ -95,7 +98,15 @@ async fn the_seed_at_prints_yay_from_a_real_container_and_a_failure_keeps_its_ex
             );
             let logs = kubectl(&["logs", "example-at-pod", "-n", &ns])?;
             ensure!(logs == "YAY\n", "kubectl logs example-at-pod printed {logs:?}");
-            let outcome = kubectl(&["get", "at", "example-at", "-n", &ns, "-o", "jsonpath={.status.outcome}"])?;
+            let outcome = kubectl(&[
+                "get",
+                "at",
+                "example-at",
+                "-n",
+                &ns,
+                "-o",
+                "jsonpath={.status.outcome}",
+            ])?;
             ensure!(outcome == "Succeeded", "example-at outcome {outcome:?}");
 
             at_done(&ns, "failing-at").await?;
@@ -111,7 +122,14 @@ async fn the_seed_at_prints_yay_from_a_real_container_and_a_failure_keeps_its_ex
             ensure!(status == "Failed 42", "failing-at status {status:?}");
             let logs = kubectl(&["logs", "failing-at-pod", "-n", &ns])?;
             ensure!(logs == "NAY\n", "kubectl logs failing-at-pod printed {logs:?}");
-            let events = kubectl(&["get", "events", "-n", &ns, "--field-selector", "involvedObject.name=failing-at"])?;
+            let events = kubectl(&[
+                "get",
+                "events",
+                "-n",
+                &ns,
+                "--field-selector",
+                "involvedObject.name=failing-at",
+            ])?;
             ensure!(
                 events.contains("CommandFailed") && events.contains("exit code 42"),
                 "no CommandFailed event with the exit code:\n{events}"
@@ -169,7 +187,10 @@ async fn a_memcached_of_size_two_runs_two_servers_that_answer_stats_from_the_hos
                 if ips.len() == 2 {
                     Ok(ips)
                 } else {
-                    Err(anyhow!("{} Pods, Ready with addresses: {ips:?}", list.items.len()))
+                    Err(anyhow!(
+                        "{} Pods, Ready with addresses: {ips:?}",
+                        list.items.len()
+                    ))
                 }
             })
             .await?;
@@ -182,7 +203,15 @@ async fn a_memcached_of_size_two_runs_two_servers_that_answer_stats_from_the_hos
                 );
             }
             wait_for("status.nodes to list both Pods", T, || async {
-                let nodes = kubectl(&["get", "memcached", "real", "-n", &ns, "-o", "jsonpath={.status.nodes[*]}"])?;
+                let nodes = kubectl(&[
+                    "get",
+                    "memcached",
+                    "real",
+                    "-n",
+                    &ns,
+                    "-o",
+                    "jsonpath={.status.nodes[*]}",
+                ])?;
                 if nodes.split_whitespace().count() == 2 {
                     Ok(())
                 } else {

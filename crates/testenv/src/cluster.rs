@@ -387,7 +387,12 @@ impl ControlPlane {
 
     /// containerd with the sample images, the kubelet and kube-proxy; waits for the node to be
     /// Ready.
-    async fn start_real_node(&mut self, ip: std::net::IpAddr, nodes: &Api<Node>, deadline: Instant) -> Result<()> {
+    async fn start_real_node(
+        &mut self,
+        ip: std::net::IpAddr,
+        nodes: &Api<Node>,
+        deadline: Instant,
+    ) -> Result<()> {
         let plan = node::configure(&self.dir, &self.server, ip, &self.kubeconfig_path())?;
         self.launch("containerd", plan.containerd)?;
         let socket = plan.socket.clone();
@@ -406,7 +411,11 @@ impl ControlPlane {
             let nodes = nodes.clone();
             async move {
                 let n = nodes.get_opt(node::NODE_NAME).await.ok()??;
-                let ready = n.status?.conditions?.iter().any(|c| c.type_ == "Ready" && c.status == "True");
+                let ready = n
+                    .status?
+                    .conditions?
+                    .iter()
+                    .any(|c| c.type_ == "Ready" && c.status == "True");
                 ready.then_some(())
             }
         })

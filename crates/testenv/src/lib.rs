@@ -1,5 +1,6 @@
 //! A real local Kubernetes control plane (etcd, kube-apiserver, kube-controller-manager,
-//! kube-scheduler and kwok fake nodes) for controller tests and the dev loop.
+//! kube-scheduler and kwok fake nodes, plus a real node on request: [`node`]) for controller
+//! tests and the dev loop.
 //!
 //! Tests call [`shared`] for one cluster per test binary (or the long-lived one from
 //! `make testenv-up` when `KUBECONFIG` points at it) and [`TestNamespace`] for isolation.

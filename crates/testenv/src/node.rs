@@ -26,7 +26,10 @@ pub const TAINT_KEY: &str = "opkit.dev/real-node";
 pub const POD_CIDR: &str = "10.244.0.0/16";
 /// Annotations that put every Pod of a namespace on the real node.
 pub const NAMESPACE_ANNOTATIONS: [(&str, &str); 2] = [
-    ("scheduler.alpha.kubernetes.io/node-selector", "opkit.dev/node=real"),
+    (
+        "scheduler.alpha.kubernetes.io/node-selector",
+        "opkit.dev/node=real",
+    ),
     (
         "scheduler.alpha.kubernetes.io/defaultTolerations",
         r#"[{"key":"opkit.dev/real-node","operator":"Exists","effect":"NoSchedule"}]"#,
@@ -51,7 +54,11 @@ pub fn host_ip() -> Result<IpAddr> {
     let s = std::net::UdpSocket::bind("0.0.0.0:0")?;
     s.connect("192.0.2.255:9")
         .or_else(|_| s.connect("10.255.255.255:9"))
-        .map_err(|e| Error::Setup(format!("the real node needs a non-loopback address (no route): {e}")))?;
+        .map_err(|e| {
+            Error::Setup(format!(
+                "the real node needs a non-loopback address (no route): {e}"
+            ))
+        })?;
     let ip = s.local_addr()?.ip();
     if ip.is_loopback() || ip.is_unspecified() {
         return Err(Error::Setup(format!(
@@ -363,9 +370,7 @@ pub fn clean_up(dir: Option<&Path>, kube_proxy: &Path, remove: bool) {
 pub fn reap_after_exit(dir: &Path, kube_proxy: &Path, remove: bool) -> Result<()> {
     use std::os::unix::process::CommandExt;
     let mut c = Command::new("bash");
-    c.arg(script())
-        .arg("reap")
-        .arg(std::process::id().to_string());
+    c.arg(script()).arg("reap").arg(std::process::id().to_string());
     if remove {
         c.arg("--remove");
     }
