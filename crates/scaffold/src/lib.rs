@@ -425,12 +425,13 @@ pub fn init(args: &InitArgs) -> anyhow::Result<Report> {
         ("patch", patch),
     ]);
     let mut r = Report::default();
-    let files: [(&str, &str); 12] = [
+    let files: [(&str, &str); 13] = [
         ("Cargo.toml", include_str!("../templates/Cargo.toml.tmpl")),
         ("Makefile", include_str!("../templates/Makefile.tmpl")),
         ("Dockerfile", include_str!("../templates/Dockerfile.tmpl")),
         ("README.md", include_str!("../templates/README.md.tmpl")),
         (".gitignore", include_str!("../templates/gitignore.tmpl")),
+        (".dockerignore", include_str!("../templates/dockerignore.tmpl")),
         (
             "crates/api/Cargo.toml",
             include_str!("../templates/api.Cargo.toml.tmpl"),
