@@ -50,7 +50,7 @@ pub fn requested() -> bool {
 
 /// The address Pods reach the host (and so the apiserver) on: the source address of the
 /// default route. No packet is sent.
-pub fn host_ip() -> Result<IpAddr> {
+pub(crate) fn host_ip() -> Result<IpAddr> {
     let s = std::net::UdpSocket::bind("0.0.0.0:0")?;
     s.connect("192.0.2.255:9")
         .or_else(|_| s.connect("10.255.255.255:9"))
@@ -70,11 +70,11 @@ pub fn host_ip() -> Result<IpAddr> {
 
 /// Holds the machine-wide real-node lock for as long as it lives.
 #[derive(Debug)]
-pub struct Lock(#[allow(dead_code)] nix::fcntl::Flock<File>);
+pub(crate) struct Lock(#[allow(dead_code)] nix::fcntl::Flock<File>);
 
 /// Takes the real-node lock, waiting up to a minute (the previous node's clean-up holds it
 /// briefly), or says who holds it.
-pub fn lock() -> Result<Lock> {
+pub(crate) fn lock() -> Result<Lock> {
     use std::io::Write;
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     let mut file = std::fs::OpenOptions::new()
@@ -106,13 +106,13 @@ pub fn lock() -> Result<Lock> {
 
 /// Checks what the node needs and installs what is missing (Debian packages, as root), then
 /// returns the directory of the image archives to load.
-pub fn prepare() -> Result<PathBuf> {
+pub(crate) fn prepare() -> Result<PathBuf> {
     if !nix::unistd::Uid::effective().is_root() {
         return Err(Error::Setup(
             "the real node runs containerd and a kubelet: it needs root".into(),
         ));
     }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/real-node.sh");
+    let script = script();
     let out = Command::new("bash")
         .arg(&script)
         .arg("images")
@@ -131,7 +131,7 @@ fn write_sysctl(key: &str, value: &str) -> Result<()> {
 }
 
 /// Kernel settings and cgroups the kubelet and kube-proxy expect.
-pub fn host_setup() -> Result<()> {
+pub(crate) fn host_setup() -> Result<()> {
     write_sysctl("net.ipv4.ip_forward", "1")?;
     // Traffic between two Pods on the bridge passes iptables, so Services between Pods work.
     if Path::new("/proc/sys/net/bridge/bridge-nf-call-iptables").exists() {
@@ -147,7 +147,7 @@ pub fn host_setup() -> Result<()> {
     };
     for e in entries.flatten() {
         let h = e.path();
-        if !h.is_dir() || h.join("cgroup.procs").exists() && h.join("cgroup.controllers").exists() {
+        if !h.is_dir() {
             continue;
         }
         let root = h.join(CGROUP_ROOT);
@@ -162,20 +162,20 @@ pub fn host_setup() -> Result<()> {
 }
 
 /// Files and arguments of the node's three processes.
-pub struct Plan {
+pub(crate) struct Plan {
     /// containerd's arguments.
-    pub containerd: Vec<String>,
+    pub(crate) containerd: Vec<String>,
     /// The kubelet's arguments.
-    pub kubelet: Vec<String>,
+    pub(crate) kubelet: Vec<String>,
     /// kube-proxy's arguments.
-    pub kube_proxy: Vec<String>,
+    pub(crate) kube_proxy: Vec<String>,
     /// containerd's socket (for `ctr` and cleaning up).
-    pub socket: PathBuf,
+    pub(crate) socket: PathBuf,
 }
 
 /// Writes the configuration of containerd, the CNI bridge, the kubelet and kube-proxy into
 /// `dir/node` and returns how to start them.
-pub fn configure(dir: &Path, server: &str, ip: IpAddr, admin_kubeconfig: &Path) -> Result<Plan> {
+pub(crate) fn configure(dir: &Path, server: &str, ip: IpAddr, admin_kubeconfig: &Path) -> Result<Plan> {
     let node = dir.join("node");
     let p = |f: &str| node.join(f).display().to_string();
     for d in ["cni", "containerd", "kubelet", "pod-logs", "ipam"] {
@@ -315,7 +315,7 @@ conntrack: {{maxPerCore: 0}}
 }
 
 /// Loads every image archive of `images` into containerd's Kubernetes namespace.
-pub fn load_images(socket: &Path, images: &Path) -> Result<()> {
+pub(crate) fn load_images(socket: &Path, images: &Path) -> Result<()> {
     for e in std::fs::read_dir(images)?.flatten() {
         if e.path().extension().is_some_and(|x| x == "tar") {
             load_image(socket, &e.path())?;
@@ -351,7 +351,7 @@ fn script() -> PathBuf {
 /// its cgroup), containerd's shims, mounts under `dir` and kube-proxy's iptables rules; with
 /// `remove`, deletes `dir`. Without `dir`, what any killed testenv node left (run before a
 /// node starts).
-pub fn clean_up(dir: Option<&Path>, kube_proxy: &Path, remove: bool) {
+pub(crate) fn clean_up(dir: Option<&Path>, kube_proxy: &Path, remove: bool) {
     let mut c = Command::new("bash");
     c.arg(script()).arg("clean");
     if remove {
@@ -367,7 +367,7 @@ pub fn clean_up(dir: Option<&Path>, kube_proxy: &Path, remove: bool) {
 /// Starts a detached process that cleans up after this one (see [`clean_up`]) once it has
 /// exited, however it exits: a test binary's shared control plane is never dropped, and the
 /// kernel stops containerd and the kubelet with it but not the containers.
-pub fn reap_after_exit(dir: &Path, kube_proxy: &Path, remove: bool) -> Result<()> {
+pub(crate) fn reap_after_exit(dir: &Path, kube_proxy: &Path, remove: bool) -> Result<()> {
     use std::os::unix::process::CommandExt;
     let mut c = Command::new("bash");
     c.arg(script()).arg("reap").arg(std::process::id().to_string());
