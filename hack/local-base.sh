@@ -8,10 +8,7 @@ set -euo pipefail
 tool=$1 binary=$2
 name=localhost/opkit-base:debian12
 root=$(mktemp -d); trap 'rm -rf "$root"' EXIT
-ldd "$binary" | grep -o '/[^ ]*' | while read -r lib; do
-  mkdir -p "$root$(dirname "$lib")"
-  cp -L "$lib" "$root$lib"
-done
+bash "$(dirname "$0")/../crates/testenv/scripts/real-node.sh" copy-libs "$binary" "$root"
 mkdir -p "$root/etc" "$root/tmp" "$root/home/nonroot"
 chmod 1777 "$root/tmp"
 printf 'root:x:0:0:root:/root:/sbin/nologin\nnonroot:x:65532:65532:nonroot:/home/nonroot:/sbin/nologin\n' > "$root/etc/passwd"

@@ -77,14 +77,10 @@ async fn docker_build_load_and_make_deploy_run_the_operator_in_the_cluster() {
             // The operator's namespace puts its Pods on the real node; `make deploy` adds the
             // restricted Pod Security label to it.
             let namespaces: Api<Namespace> = Api::all(client.clone());
-            let annotations = opkit_testenv::node::NAMESPACE_ANNOTATIONS
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect();
             let operator_ns = Namespace {
                 metadata: ObjectMeta {
                     name: Some(NS.into()),
-                    annotations: Some(annotations),
+                    annotations: Some(opkit_testenv::node::namespace_annotations()),
                     ..Default::default()
                 },
                 ..Default::default()

@@ -11,6 +11,9 @@
 #                               containerd's shims, mounts under DIR (all testenv ones without
 #                               DIR), its cgroups and, given KUBE_PROXY, kube-proxy's iptables
 #                               rules; --remove deletes DIR too
+#        real-node.sh copy-libs PROGRAM ROOTFS
+#                               copy the libraries PROGRAM links into ROOTFS (what
+#                               hack/local-base.sh assembles the operator's base with)
 #        real-node.sh reap PID [--remove] DIR KUBE_PROXY
 #                               wait until process PID is gone, then clean
 #
@@ -57,15 +60,21 @@ build_image() {
   podman save -q --format docker-archive -o "$rootfs.tar" "$name"
 }
 
-# Copies a dynamically linked program and every library ld.so resolves for it into <rootfs>.
-copy_with_libs() {
+# Copies every library ld.so resolves for a dynamically linked program into <rootfs>.
+copy_libs() {
   local prog=$1 rootfs=$2
-  mkdir -p "$rootfs$(dirname "$prog")"
-  cp "$prog" "$rootfs$prog"
   ldd "$prog" | grep -o '/[^ ]*' | while read -r lib; do
     mkdir -p "$rootfs$(dirname "$lib")"
     cp -L "$lib" "$rootfs$lib"
   done
+}
+
+# Copies a program (an absolute path) and its libraries into <rootfs>.
+copy_with_libs() {
+  local prog=$1 rootfs=$2
+  mkdir -p "$rootfs$(dirname "$prog")"
+  cp "$prog" "$rootfs$prog"
+  copy_libs "$prog" "$rootfs"
 }
 
 images() {
@@ -174,6 +183,7 @@ case "${1:-}" in
   install) install ;;
   images) images ;;
   clean) shift; clean "$@" ;;
+  copy-libs) copy_libs "$2" "$3" ;;
   reap)
     pid=$2; shift 2
     while kill -0 "$pid" 2>/dev/null; do sleep 0.5; done
@@ -181,5 +191,5 @@ case "${1:-}" in
     exec 9>/run/opkit-testenv-real-node.lock
     flock 9
     clean "$@" ;;
-  *) echo "usage: $0 install|images|clean|reap" >&2; exit 2 ;;
+  *) echo "usage: $0 install|images|clean|copy-libs|reap" >&2; exit 2 ;;
 esac

@@ -276,12 +276,7 @@ impl TestNamespace {
             .take(40)
             .collect();
         let name = format!("{}-{suffix}", prefix.trim_matches('-'));
-        let annotations = real_node.then(|| {
-            crate::node::NAMESPACE_ANNOTATIONS
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect()
-        });
+        let annotations = real_node.then(crate::node::namespace_annotations);
         let ns = Namespace {
             metadata: ObjectMeta {
                 name: Some(name.clone()),

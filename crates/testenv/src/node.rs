@@ -35,6 +35,14 @@ pub const NAMESPACE_ANNOTATIONS: [(&str, &str); 2] = [
         r#"[{"key":"opkit.dev/real-node","operator":"Exists","effect":"NoSchedule"}]"#,
     ),
 ];
+/// [`NAMESPACE_ANNOTATIONS`] as a namespace's `metadata.annotations`.
+pub fn namespace_annotations() -> std::collections::BTreeMap<String, String> {
+    NAMESPACE_ANNOTATIONS
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
 /// The cgroup every Pod of the real node lives under (so cleaning up touches nothing else).
 const CGROUP_ROOT: &str = "opkit-testenv";
 const LOCK: &str = "/run/opkit-testenv-real-node.lock";
