@@ -16,7 +16,7 @@ use kube::api::{ListParams, ObjectMeta, PostParams};
 use opkit_testenv::{http_get, shared_real_node, wait_for};
 
 mod common;
-use common::{kubectl, kubectl_stdin};
+use common::{jsonpath_is, kubectl, kubectl_stdin};
 
 const T: Duration = Duration::from_secs(120);
 const IMG: &str = "opkit:in-cluster-test";
@@ -172,22 +172,12 @@ async fn docker_build_load_and_make_deploy_run_the_operator_in_the_cluster() {
             ])?;
             ensure!(size == "1", "size {size:?}");
             // ...and the operator in the cluster reconciles it into a running memcached.
-            wait_for("the Memcached to be Available", T, || async {
-                let available = kubectl(&[
-                    "get",
-                    "memcached",
-                    "defaulted",
-                    "-n",
-                    &ns,
-                    "-o",
-                    "jsonpath={.status.conditions[?(@.type==\"Available\")].status}",
-                ])?;
-                if available == "True" {
-                    Ok(())
-                } else {
-                    Err(anyhow!("Available={available:?}"))
-                }
-            })
+            jsonpath_is(
+                &["memcached", "defaulted"],
+                &ns,
+                "{.status.conditions[?(@.type==\"Available\")].status}",
+                "True",
+            )
             .await?;
 
             // The metrics Service, from this host through kube-proxy.

@@ -12,7 +12,7 @@ use kube::api::ListParams;
 use opkit_testenv::{shared_real_node, wait_for};
 
 mod common;
-use common::{Running, install_crds, kubectl, kubectl_stdin};
+use common::{Running, install_crds, jsonpath_is, kubectl, kubectl_stdin};
 
 const T: Duration = Duration::from_secs(90);
 
@@ -44,15 +44,7 @@ fn operator(ns: &str, controllers: &str) -> anyhow::Result<Running> {
 }
 
 async fn at_done(ns: &str, name: &str) -> anyhow::Result<()> {
-    wait_for(&format!("At {name} to be DONE"), T, || async {
-        let phase = kubectl(&["get", "at", name, "-n", ns, "-o", "jsonpath={.status.phase}"])?;
-        if phase == "DONE" {
-            Ok(())
-        } else {
-            Err(anyhow!("phase {phase:?}"))
-        }
-    })
-    .await
+    jsonpath_is(&["at", name], ns, "{.status.phase}", "DONE").await
 }
 
 #[tokio::test]
