@@ -16,7 +16,7 @@ use kube::api::{ListParams, ObjectMeta, PostParams};
 use opkit_testenv::{http_get, shared_real_node, wait_for};
 
 mod common;
-use common::{jsonpath_is, kubectl, kubectl_stdin};
+use common::{jsonpath, jsonpath_is, kubectl, kubectl_stdin};
 
 const T: Duration = Duration::from_secs(120);
 const IMG: &str = "opkit:in-cluster-test";
@@ -161,15 +161,7 @@ async fn docker_build_load_and_make_deploy_run_the_operator_in_the_cluster() {
                 if ok { Ok(()) } else { Err(anyhow!("{out}")) }
             })
             .await?;
-            let size = kubectl(&[
-                "get",
-                "memcached",
-                "defaulted",
-                "-n",
-                &ns,
-                "-o",
-                "jsonpath={.spec.size}",
-            ])?;
+            let size = jsonpath(&["memcached", "defaulted"], &ns, "{.spec.size}")?;
             ensure!(size == "1", "size {size:?}");
             // ...and the operator in the cluster reconciles it into a running memcached.
             jsonpath_is(

@@ -12,7 +12,7 @@ use kube::api::ListParams;
 use opkit_testenv::{shared_real_node, wait_for};
 
 mod common;
-use common::{Running, install_crds, jsonpath_is, kubectl, kubectl_stdin};
+use common::{Running, install_crds, jsonpath, jsonpath_is, kubectl, kubectl_stdin};
 
 const T: Duration = Duration::from_secs(90);
 
@@ -90,27 +90,11 @@ async fn the_seed_at_prints_yay_from_a_real_container_and_a_failure_keeps_its_ex
             );
             let logs = kubectl(&["logs", "example-at-pod", "-n", &ns])?;
             ensure!(logs == "YAY\n", "kubectl logs example-at-pod printed {logs:?}");
-            let outcome = kubectl(&[
-                "get",
-                "at",
-                "example-at",
-                "-n",
-                &ns,
-                "-o",
-                "jsonpath={.status.outcome}",
-            ])?;
+            let outcome = jsonpath(&["at", "example-at"], &ns, "{.status.outcome}")?;
             ensure!(outcome == "Succeeded", "example-at outcome {outcome:?}");
 
             at_done(&ns, "failing-at").await?;
-            let status = kubectl(&[
-                "get",
-                "at",
-                "failing-at",
-                "-n",
-                &ns,
-                "-o",
-                "jsonpath={.status.outcome} {.status.exitCode}",
-            ])?;
+            let status = jsonpath(&["at", "failing-at"], &ns, "{.status.outcome} {.status.exitCode}")?;
             ensure!(status == "Failed 42", "failing-at status {status:?}");
             let logs = kubectl(&["logs", "failing-at-pod", "-n", &ns])?;
             ensure!(logs == "NAY\n", "kubectl logs failing-at-pod printed {logs:?}");
@@ -195,15 +179,7 @@ async fn a_memcached_of_size_two_runs_two_servers_that_answer_stats_from_the_hos
                 );
             }
             wait_for("status.nodes to list both Pods", T, || async {
-                let nodes = kubectl(&[
-                    "get",
-                    "memcached",
-                    "real",
-                    "-n",
-                    &ns,
-                    "-o",
-                    "jsonpath={.status.nodes[*]}",
-                ])?;
+                let nodes = jsonpath(&["memcached", "real"], &ns, "{.status.nodes[*]}")?;
                 if nodes.split_whitespace().count() == 2 {
                     Ok(())
                 } else {

@@ -82,17 +82,22 @@ pub fn free_port() -> anyhow::Result<u16> {
     Ok(opkit_testenv::free_port()?)
 }
 
+/// What `kubectl get <kind_name> -n ns -o jsonpath=<path>` prints.
+pub fn jsonpath(kind_name: &[&str], ns: &str, path: &str) -> anyhow::Result<String> {
+    let mut args = vec!["get"];
+    args.extend_from_slice(kind_name);
+    let path = format!("jsonpath={path}");
+    args.extend(["-n", ns, "-o", &path]);
+    kubectl(&args)
+}
+
 /// Waits until `kubectl get <kind_name> -n ns -o jsonpath=<path>` prints `want`.
 pub async fn jsonpath_is(kind_name: &[&str], ns: &str, path: &str, want: &str) -> anyhow::Result<()> {
     wait_for(
         &format!("{} {path} = {want}", kind_name.join(" ")),
         Duration::from_secs(60),
         || async {
-            let mut args = vec!["get"];
-            args.extend_from_slice(kind_name);
-            let path = format!("jsonpath={path}");
-            args.extend(["-n", ns, "-o", &path]);
-            let got = kubectl(&args)?;
+            let got = jsonpath(kind_name, ns, path)?;
             if got == want {
                 Ok(())
             } else {
