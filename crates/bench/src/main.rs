@@ -1260,24 +1260,18 @@ fn write_outputs(
         Scenario::Foo => "Foos with status.availableReplicas = replicas",
         Scenario::Memcached => "Memcacheds converged (size nodes, Available=True)",
     };
-    std::fs::write(
-        out.join(format!("{stem}-create.svg")),
-        plot(
-            doc,
-            scenario,
-            "create",
-            &format!("{what} after creating {n} of size {size}"),
-        ),
-    )?;
-    std::fs::write(
-        out.join(format!("{stem}-update.svg")),
-        plot(
-            doc,
-            scenario,
+    for (phase, title) in [
+        ("create", format!("{what} after creating {n} of size {size}")),
+        (
             "update",
-            &format!("{what} after changing every size to {}", size + 1),
+            format!("{what} after changing every size to {}", size + 1),
         ),
-    )?;
+    ] {
+        std::fs::write(
+            out.join(format!("{stem}-{phase}.svg")),
+            plot(doc, scenario, phase, &title),
+        )?;
+    }
     println!("\n{md}");
     let [_, peer, _] = scenario.lanes();
     let lane = |l: &str| &doc["lanes"][l];
