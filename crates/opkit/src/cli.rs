@@ -127,6 +127,10 @@ struct RunArgs<A: Args> {
     /// Reconciles running at once, per controller over all its namespaces (0: no limit).
     #[arg(long, default_value_t = crate::DEFAULT_CONCURRENCY)]
     concurrency: u16,
+    /// One controller's setting, as `NAME.KEY=VALUE` (repeatable): `concurrency`,
+    /// `backoff-base`, `backoff-max` and `timeout`, e.g. `--tune memcached.timeout=30s`.
+    #[arg(long = "tune", value_name = "NAME.KEY=VALUE")]
+    tune: Vec<String>,
     /// Kubeconfig file (in-cluster config, then $KUBECONFIG, when absent).
     #[arg(long)]
     kubeconfig: Option<PathBuf>,
@@ -303,6 +307,9 @@ async fn run<S, A: Args>(
     let mut manager = Manager::new(client.clone())
         .with_scope(scope.clone())
         .with_concurrency(args.concurrency);
+    for t in &args.tune {
+        manager.tune(t).map_err(anyhow::Error::msg)?;
+    }
     if let Some(le) = &opts.leader_election {
         let election = crate::leader::election_client_config(config, le);
         manager = manager.with_election_client(Client::try_from(election)?);
@@ -311,6 +318,7 @@ async fn run<S, A: Args>(
     for r in &selected {
         (r.add)(&mut manager, &settings);
     }
+    manager.check_tuning().map_err(anyhow::Error::msg)?;
     let crds: Vec<String> = crate::registry::crds(&selected)
         .iter()
         .map(|c| c.name_any())

@@ -57,12 +57,7 @@ pub fn merge(
 ) -> Vec<Condition> {
     let mut out: Vec<Condition> = existing.to_vec();
     for d in desired {
-        let status = match d.status {
-            Some(true) => "True",
-            Some(false) => "False",
-            None => "Unknown",
-        }
-        .to_string();
+        let status = status_str(d.status).to_string();
         match out.iter_mut().find(|c| c.type_ == d.type_) {
             Some(c) => {
                 if c.status != status {
@@ -84,6 +79,15 @@ pub fn merge(
         }
     }
     out
+}
+
+/// How a condition's status is written: `True`, `False` or `Unknown`.
+pub fn status_str(status: Option<bool>) -> &'static str {
+    match status {
+        Some(true) => "True",
+        Some(false) => "False",
+        None => "Unknown",
+    }
 }
 
 /// Whether the named condition is currently `True`.

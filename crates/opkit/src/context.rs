@@ -7,10 +7,12 @@ use kube::{Client, Resource};
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
+use crate::manager::Tuning;
 use crate::leader::WriteGate;
 use crate::metrics::ControllerMetrics;
 use crate::reconciler::Event;
 use crate::runtime::Error;
+use crate::runtime::watches::Echoes;
 
 /// Everything one controller's runtime needs from its manager. Cheap to clone.
 #[derive(Clone)]
@@ -23,6 +25,8 @@ pub(crate) struct ControllerContext {
     backoff: Backoff,
     shutdown: CancellationToken,
     gate: WriteGate,
+    tuning: Tuning,
+    echoes: Echoes,
 }
 
 impl Debug for ControllerContext {
@@ -51,6 +55,7 @@ impl ControllerContext {
         metrics: ControllerMetrics,
         shutdown: CancellationToken,
         gate: WriteGate,
+        tuning: Tuning,
     ) -> Self {
         let reporter = Reporter {
             controller: format!("opkit-{name}"),
@@ -62,9 +67,11 @@ impl ControllerContext {
             recorder: Recorder::new(client.clone(), reporter),
             client,
             metrics,
-            backoff: Backoff::default(),
+            backoff: Backoff::new(tuning.backoff_base, tuning.backoff_max),
             shutdown,
             gate,
+            tuning,
+            echoes: Echoes::default(),
         }
     }
 
@@ -77,6 +84,29 @@ impl ControllerContext {
         })?;
         self.metrics.write(verb);
         Ok(())
+    }
+
+    /// Whether this process may act now (leader, lease certainly valid), for a step outside
+    /// the cluster: the same gate as writes, counted as a refused write when closed.
+    pub(crate) fn may_call(&self) -> Result<(), Error> {
+        self.gate.check().map_err(|_| {
+            self.metrics.write_refused();
+            Error::NotLeader
+        })
+    }
+
+    pub(crate) fn tuning(&self) -> &Tuning {
+        &self.tuning
+    }
+
+    pub(crate) fn echoes(&self) -> &Echoes {
+        &self.echoes
+    }
+
+    /// How long a cleanup that is not done yet waits before looking again: the object's
+    /// backoff, so a cleanup waiting on something slow does not spin.
+    pub(crate) fn pending_delay<K: Resource<DynamicType = ()>>(&self, obj: &K) -> std::time::Duration {
+        self.backoff.next_delay(&key(obj))
     }
 
     pub(crate) fn field_manager(&self) -> &str {

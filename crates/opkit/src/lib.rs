@@ -31,11 +31,12 @@ pub mod security;
 mod server;
 pub mod webhook;
 
-pub use manager::{DEFAULT_CONCURRENCY, Manager, ManagerOptions};
+pub mod changed;
+pub use manager::{DEFAULT_CONCURRENCY, Manager, ManagerOptions, Tuning};
 pub use operator::{Operator, Running};
-pub use reconciler::{Child, Event, Invalid, Plan, Reconciler, Requeue};
+pub use reconciler::{Child, Cleanup, Deletion, Event, Invalid, OWNER_LABEL, Plan, Reconciler, Requeue, finalizer};
 pub use registry::{Registration, Registry};
-pub use runtime::{Cache, Watch, Watchable, Watches};
+pub use runtime::{Cache, KindScope, Watch, Watchable, Watches};
 pub use scope::Scope;
 
 pub use k8s_openapi;

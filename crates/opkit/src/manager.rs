@@ -25,6 +25,77 @@ use crate::server;
 /// the Deployments, 16 took 1.3x, unlimited 0.8x with more memory and some retried writes.
 pub const DEFAULT_CONCURRENCY: u16 = 16;
 
+/// How one controller runs. The manager's defaults, then the controller's own
+/// ([`Reconciler::tuning`]), then the command line (`opkit run --tune NAME.KEY=VALUE`) decide.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Tuning {
+    /// Reconciles running at once over all its namespaces (0: no limit); key `concurrency`.
+    pub concurrency: u16,
+    /// First retry delay after a failure, doubled per failure; key `backoff-base`.
+    pub backoff_base: Duration,
+    /// Longest retry delay; key `backoff-max`.
+    pub backoff_max: Duration,
+    /// A reconcile running longer is cancelled, counted (category `timeout`) and retried with
+    /// backoff, so one hung request cannot hold a slot forever; key `timeout`.
+    pub timeout: Duration,
+}
+
+impl Default for Tuning {
+    fn default() -> Self {
+        Tuning {
+            concurrency: DEFAULT_CONCURRENCY,
+            backoff_base: Duration::from_millis(500),
+            backoff_max: Duration::from_secs(300),
+            timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+impl Tuning {
+    /// Sets `key` (`concurrency`, `backoff-base`, `backoff-max`, `timeout`) from `value`
+    /// (a count, or a duration such as `500ms`, `30s`, `5m`).
+    pub fn set(&mut self, key: &str, value: &str) -> Result<(), String> {
+        let duration = || parse_duration(value).ok_or_else(|| format!("{key}: not a duration (500ms, 30s, 5m): {value:?}"));
+        match key {
+            "concurrency" => {
+                self.concurrency = value
+                    .parse()
+                    .map_err(|_| format!("concurrency: not a count: {value:?}"))?
+            }
+            "backoff-base" => self.backoff_base = duration()?,
+            "backoff-max" => self.backoff_max = duration()?,
+            "timeout" => self.timeout = duration()?,
+            _ => {
+                return Err(format!(
+                    "unknown setting {key:?}; known: concurrency, backoff-base, backoff-max, timeout"
+                ));
+            }
+        }
+        if self.backoff_base > self.backoff_max {
+            return Err(format!(
+                "backoff-base ({:?}) is longer than backoff-max ({:?})",
+                self.backoff_base, self.backoff_max
+            ));
+        }
+        if self.timeout.is_zero() {
+            return Err("timeout must be longer than 0".into());
+        }
+        Ok(())
+    }
+}
+
+fn parse_duration(s: &str) -> Option<Duration> {
+    let (n, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit())?);
+    let n: u64 = n.parse().ok()?;
+    match unit {
+        "ms" => Some(Duration::from_millis(n)),
+        "s" => Some(Duration::from_secs(n)),
+        "m" => Some(Duration::from_secs(n * 60)),
+        "h" => Some(Duration::from_secs(n * 3600)),
+        _ => None,
+    }
+}
+
 /// Where to serve the manager's HTTP endpoints and how long shutdown may take.
 #[derive(Clone, Debug)]
 pub struct ManagerOptions {
@@ -83,7 +154,8 @@ pub struct Manager {
     metrics: Metrics,
     shutdown: CancellationToken,
     scope: Scope,
-    concurrency: u16,
+    tuning: Tuning,
+    overrides: Vec<(String, String, String)>,
     controllers: Vec<Registered>,
     gate: WriteGate,
     election_client: Option<Client>,
@@ -98,7 +170,8 @@ impl Manager {
             metrics: Metrics::default(),
             shutdown: CancellationToken::new(),
             scope: Scope::all(),
-            concurrency: DEFAULT_CONCURRENCY,
+            tuning: Tuning::default(),
+            overrides: Vec::new(),
             controllers: Vec::new(),
             gate: WriteGate::new(),
             election_client: None,
@@ -127,8 +200,49 @@ impl Manager {
     /// How many reconciles each controller added from now on runs at once, over all its
     /// namespaces (0: no limit).
     pub fn with_concurrency(mut self, concurrency: u16) -> Self {
-        self.concurrency = concurrency;
+        self.tuning.concurrency = concurrency;
         self
+    }
+
+    /// Overrides one setting of one controller, as `NAME.KEY=VALUE` (`memcached.timeout=30s`);
+    /// applies to controllers added from now on, over their own [`Reconciler::tuning`].
+    pub fn tune(&mut self, setting: &str) -> Result<(), String> {
+        let (target, value) = setting
+            .split_once('=')
+            .ok_or_else(|| format!("--tune {setting:?}: expected NAME.KEY=VALUE"))?;
+        let (name, key) = target
+            .split_once('.')
+            .ok_or_else(|| format!("--tune {setting:?}: expected NAME.KEY=VALUE"))?;
+        Tuning::default()
+            .set(key, value)
+            .map_err(|e| format!("--tune {setting:?}: {e}"))?;
+        self.overrides.push((name.into(), key.into(), value.into()));
+        Ok(())
+    }
+
+    /// Fails naming an override (`--tune`) that no added controller takes: a typo would
+    /// otherwise be silently ignored.
+    pub fn check_tuning(&self) -> Result<(), String> {
+        let added: Vec<&str> = self.controllers.iter().map(|c| c.name).collect();
+        match self.overrides.iter().find(|(name, ..)| !added.contains(&name.as_str())) {
+            Some((name, key, value)) => Err(format!(
+                "--tune {name}.{key}={value}: no controller {name:?} runs here; running: {}",
+                added.join(", ")
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// The settings a controller runs with: the manager's, its own, then the overrides.
+    fn tuning_of<R: Reconciler>(&self, reconciler: &R) -> Result<Tuning, String> {
+        let mut t = reconciler.tuning(self.tuning.clone());
+        for (name, key, value) in &self.overrides {
+            if name == reconciler.name() {
+                t.set(key, value)
+                    .map_err(|e| format!("--tune {name}.{key}={value}: {e}"))?;
+            }
+        }
+        Ok(t)
     }
 
     /// The client controllers use.
@@ -148,27 +262,29 @@ impl Manager {
 
     /// Adds a controller. Its watches are built now and start with [`Manager::run`]; it counts
     /// as ready for `/readyz` once every one of them has listed.
+    ///
+    /// A [`Tuning`] that does not hold together (an override making the backoff base longer
+    /// than its maximum) is reported and the manager's defaults are used instead.
     pub fn add<R: Reconciler>(&mut self, reconciler: R) -> &mut Self {
         let name = reconciler.name();
         let ready = Arc::new(AtomicBool::new(false));
+        let tuning = self.tuning_of(&reconciler).unwrap_or_else(|e| {
+            tracing::error!(controller = name, error = %e, "ignoring the controller's settings");
+            self.tuning.clone()
+        });
         let ctx = ControllerContext::new(
             name,
             self.client.clone(),
             self.metrics.for_controller(name),
             self.shutdown.clone(),
             self.gate.clone(),
+            tuning,
         );
         let namespaces = match self.scope.list() {
             None => vec![None],
             Some(list) => list.iter().cloned().map(Some).collect(),
         };
-        let run = runtime::run(
-            reconciler,
-            ctx,
-            namespaces,
-            self.concurrency,
-            Synced::new(ready.clone()),
-        );
+        let run = runtime::run(reconciler, ctx, namespaces, Synced::new(ready.clone()));
         self.controllers.push(Registered { name, ready, run });
         self
     }

@@ -43,6 +43,13 @@ struct WriteLabels {
     verb: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CallLabels {
+    controller: String,
+    step: String,
+    result: String,
+}
+
 fn duration_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.001, 2.0, 15))
 }
@@ -59,6 +66,7 @@ pub struct Metrics {
     refused: Family<ControllerLabel, Counter>,
     cache_objects: Family<CacheLabels, Gauge>,
     cache_bytes: Family<CacheLabels, Gauge>,
+    calls: Family<CallLabels, Counter>,
     caches: Arc<Mutex<Vec<(CacheLabels, CacheProbe)>>>,
     totals: Arc<Mutex<HashMap<String, Arc<Totals>>>>,
 }
@@ -89,6 +97,12 @@ impl Default for Metrics {
         let refused = Family::<ControllerLabel, Counter>::default();
         let cache_objects = Family::<CacheLabels, Gauge>::default();
         let cache_bytes = Family::<CacheLabels, Gauge>::default();
+        let calls = Family::<CallLabels, Counter>::default();
+        registry.register(
+            "calls",
+            "Steps outside the cluster a cleanup ran, by step and result (ok, error)",
+            calls.clone(),
+        );
         registry.register(
             "reconcile",
             "Reconciles finished, by result (success, invalid, error)",
@@ -135,6 +149,7 @@ impl Default for Metrics {
             refused,
             cache_objects,
             cache_bytes,
+            calls,
             caches: Arc::default(),
             totals: Arc::default(),
         }
@@ -229,6 +244,16 @@ impl ControllerMetrics {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .push((labels, Box::new(probe)));
+    }
+
+    /// Counts one run of a step outside the cluster.
+    pub(crate) fn call(&self, step: &str, ok: bool) {
+        let l = CallLabels {
+            controller: self.controller.clone(),
+            step: step.to_string(),
+            result: if ok { "ok" } else { "error" }.to_string(),
+        };
+        self.metrics.calls.get_or_create(&l).inc();
     }
 
     /// Counts a write the leader-election gate refused.

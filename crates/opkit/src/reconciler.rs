@@ -22,7 +22,7 @@ use kube::{Client, Resource, ResourceExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::runtime::{Watchable, Watches};
+use crate::runtime::{KindScope, Watchable, Watches};
 
 /// One controller: what it reconciles, what it watches and how it decides.
 ///
@@ -48,6 +48,12 @@ pub trait Reconciler: Send + Sync + 'static {
     where
         Self: Sized;
 
+    /// The controller's own settings (concurrency, backoff, timeout), starting from the
+    /// manager's `defaults`; `opkit run --tune NAME.KEY=VALUE` still overrides them.
+    fn tuning(&self, defaults: crate::manager::Tuning) -> crate::manager::Tuning {
+        defaults
+    }
+
     /// Drops from a cached primary object what the plan never reads (managed fields are
     /// always dropped); memory scales with the number of objects, so this matters.
     fn trim(&self, _obj: &mut Self::Object) {}
@@ -66,13 +72,144 @@ pub trait Reconciler: Send + Sync + 'static {
     ) -> impl Future<Output = kube::Result<Self::World>> + Send;
 
     /// Decides, without side effects, what should be true of the cluster for `obj` at `now`.
+    /// Not called for an object that is being deleted.
     fn plan(
         &self,
         obj: &Self::Object,
         world: &Self::World,
         now: Timestamp,
     ) -> Result<Plan<Self::Status>, Invalid>;
+
+    /// Whether objects of the primary kind need [`Reconciler::cleanup`] before they go. opkit
+    /// then keeps its finalizer ([`finalizer`]) on each of them, added before any other write
+    /// for the object, and removes it only once the cleanup reports done. Only for what owner
+    /// references cannot clean up: children in other namespaces, cluster-scoped children,
+    /// anything outside the cluster.
+    fn cleans_up(&self) -> bool {
+        false
+    }
+
+    /// Decides, without side effects, what deleting `obj` still requires, from the same
+    /// observed world as [`Reconciler::plan`] (the object and the caches are still readable).
+    /// Called on every reconcile while the object is being deleted and carries the finalizer,
+    /// so it must be safe to repeat: it lists what is still there, and reports done when
+    /// nothing is.
+    fn cleanup(&self, _obj: &Self::Object, _world: &Self::World, _now: Timestamp) -> Cleanup<Self::Status> {
+        Cleanup::done()
+    }
+
+    /// One named step outside the cluster that a [`Cleanup`] asks for ([`Cleanup::call`]),
+    /// e.g. releasing a DNS name or dropping a database: the one place a controller talks to
+    /// the outside world. opkit runs it after the cleanup's deletions, bounded by the
+    /// reconcile timeout and counted per step in the metrics; an `Err` is shown as the
+    /// `Deleting` condition and a Warning Event and retried with backoff. Must be idempotent.
+    fn call(&self, _obj: &Self::Object, step: &'static str) -> impl Future<Output = Result<(), String>> + Send {
+        async move { Err(format!("the controller declares no step {step:?}")) }
+    }
 }
+
+/// The finalizer opkit keeps on the objects of a controller that [`Reconciler::cleans_up`]:
+/// `opkit.dev/<controller name>`. To delete such an object after its controller was removed
+/// for good, remove the finalizer by hand:
+/// `kubectl patch KIND NAME --type json -p '[{"op":"remove","path":"/metadata/finalizers"}]'`
+/// (that removes every finalizer of the object; nothing cleans up after it then).
+pub fn finalizer(controller: &str) -> String {
+    format!("opkit.dev/{controller}")
+}
+
+/// What a controller still has to do before an object it cleans up may go.
+#[derive(Debug)]
+pub struct Cleanup<S> {
+    /// Objects to delete, in any namespace or none; one already gone counts as deleted.
+    pub deletes: Vec<Deletion>,
+    /// Steps outside the cluster to run, in order, after the deletions ([`Reconciler::call`]).
+    pub calls: Vec<&'static str>,
+    /// Whether everything is gone: once the deletions and steps of this cleanup succeeded,
+    /// opkit removes the finalizer and the object goes. While not done, opkit looks again
+    /// when something watched changes, and after a growing delay.
+    pub done: bool,
+    /// A status to write while the cleanup goes on (e.g. what is left).
+    pub status: Option<S>,
+    /// Events to publish.
+    pub events: Vec<Event>,
+}
+
+impl<S> Cleanup<S> {
+    /// Nothing (left) to do.
+    pub fn done() -> Self {
+        Cleanup {
+            deletes: Vec::new(),
+            calls: Vec::new(),
+            done: true,
+            status: None,
+            events: Vec::new(),
+        }
+    }
+
+    /// Still waiting for something to go.
+    pub fn pending() -> Self {
+        Cleanup {
+            done: false,
+            ..Self::done()
+        }
+    }
+
+    /// Adds an object to delete.
+    pub fn delete(mut self, d: Deletion) -> Self {
+        self.deletes.push(d);
+        self
+    }
+
+    /// Adds a step outside the cluster.
+    pub fn call(mut self, step: &'static str) -> Self {
+        self.calls.push(step);
+        self
+    }
+
+    /// Adds an Event.
+    pub fn event(mut self, event: Event) -> Self {
+        self.events.push(event);
+        self
+    }
+}
+
+/// An object to delete: kind, namespace (none for a cluster-scoped kind), name, and the uid
+/// that was seen, so that an object recreated under the same name is never deleted by mistake.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Deletion {
+    pub(crate) resource: ApiResource,
+    pub(crate) namespace: Option<String>,
+    pub(crate) name: String,
+    pub(crate) uid: Option<String>,
+}
+
+impl Deletion {
+    /// Delete `obj` (as cached: its uid is a precondition).
+    pub fn of<C: Resource<DynamicType = (), Scope: KindScope>>(obj: &C) -> Self {
+        Deletion {
+            resource: ApiResource::erase::<C>(&()),
+            namespace: obj.namespace().filter(|_| <C::Scope as KindScope>::NAMESPACED),
+            name: obj.name_any(),
+            uid: obj.uid(),
+        }
+    }
+
+    /// The kind, namespace and name, for messages.
+    pub fn describe(&self) -> String {
+        match &self.namespace {
+            Some(ns) => format!("{} {ns}/{}", self.resource.kind, self.name),
+            None => format!("{} {}", self.resource.kind, self.name),
+        }
+    }
+}
+
+/// Label naming the uid of the primary object that controls a child which cannot carry an
+/// owner reference to it (a child in another namespace, or cluster-scoped under a namespaced
+/// primary): [`crate::Watches::owns`] maps the child back to its owner and
+/// [`crate::Watch::prune`] deletes it when the plan stops producing it. Kubernetes' garbage
+/// collector does not know this label: a controller that uses it should also
+/// [`Reconciler::cleans_up`].
+pub const OWNER_LABEL: &str = "opkit.dev/owner-uid";
 
 /// What one reconcile should do, in the order opkit does it: children, orphan deletion,
 /// status, Events, the next look.
@@ -134,6 +271,10 @@ pub enum Requeue {
     OnChange,
     /// After this long (also earlier, on a change).
     After(Duration),
+    /// As soon as the status this plan writes is stored: a step that must be recorded before
+    /// the next one is taken (an intent written before the Pod it announces is created).
+    /// opkit's own writes trigger no reconcile otherwise.
+    Again,
 }
 
 /// How a child is written.
@@ -154,6 +295,7 @@ pub enum Mode {
 pub struct Child {
     pub(crate) resource: ApiResource,
     pub(crate) namespace: Option<String>,
+    pub(crate) namespaced: bool,
     pub(crate) name: String,
     pub(crate) body: serde_json::Value,
     pub(crate) mode: Mode,
@@ -161,7 +303,7 @@ pub struct Child {
 }
 
 impl Child {
-    fn new<C: Resource<DynamicType = ()> + Serialize>(
+    fn new<C: Resource<DynamicType = (), Scope: KindScope> + Serialize>(
         mode: Mode,
         namespace: Option<String>,
         name: String,
@@ -175,6 +317,7 @@ impl Child {
         Child {
             resource: ApiResource::erase::<C>(&()),
             namespace,
+            namespaced: <C::Scope as KindScope>::NAMESPACED,
             name,
             body,
             mode,
@@ -183,25 +326,26 @@ impl Child {
     }
 
     /// Server-side apply `desired` unless `live` (the cached object) already has all of it.
-    pub fn apply<C: Resource<DynamicType = ()> + Serialize>(desired: &C, live: Option<&C>) -> Self {
+    pub fn apply<C: Resource<DynamicType = (), Scope: KindScope> + Serialize>(desired: &C, live: Option<&C>) -> Self {
         Self::typed(Mode::Apply, desired, live)
     }
 
     /// Create `desired` unless `live` shows it exists; see [`Mode::Create`].
-    pub fn create<C: Resource<DynamicType = ()> + Serialize>(desired: &C, live: Option<&C>) -> Self {
+    pub fn create<C: Resource<DynamicType = (), Scope: KindScope> + Serialize>(desired: &C, live: Option<&C>) -> Self {
         let mut c = Self::typed(Mode::Create, desired, live);
         c.needed = live.is_none();
         c
     }
 
-    fn typed<C: Resource<DynamicType = ()> + Serialize>(mode: Mode, desired: &C, live: Option<&C>) -> Self {
+    fn typed<C: Resource<DynamicType = (), Scope: KindScope> + Serialize>(mode: Mode, desired: &C, live: Option<&C>) -> Self {
         let body = serde_json::to_value(desired).unwrap_or_default();
         Self::new(mode, desired.namespace(), desired.name_any(), body, live)
     }
 
     /// Server-side apply only `fields` (a partial object with `spec`/`metadata` parts) of the
-    /// object `name` of kind `C`; see [`Mode::Fields`].
-    pub fn fields<C: Resource<DynamicType = ()> + Serialize>(
+    /// object `name` of kind `C` (`namespace` is ignored for a cluster-scoped kind); see
+    /// [`Mode::Fields`].
+    pub fn fields<C: Resource<DynamicType = (), Scope: KindScope> + Serialize>(
         namespace: &str,
         name: &str,
         mut fields: serde_json::Value,
@@ -236,6 +380,15 @@ impl Child {
     /// The kind and name, for messages.
     pub fn describe(&self) -> String {
         format!("{} {}", self.resource.kind, self.name)
+    }
+
+    /// Where the child lives: its own namespace, else `default` (the primary's) for a
+    /// namespaced kind; none for a cluster-scoped kind.
+    pub(crate) fn namespace<'a>(&'a self, default: Option<&'a str>) -> Option<&'a str> {
+        if !self.namespaced {
+            return None;
+        }
+        self.namespace.as_deref().or(default)
     }
 }
 

@@ -246,9 +246,10 @@ pub fn plan(at: &At, pod: Option<&Pod>, now: Timestamp) -> Result<Plan<AtStatus>
             },
             Requeue::After(after),
         ),
+        // The intent is stored first; planning again from it creates the Pod.
         Next::Start { due } => Plan::status(
             running(due, Time(now), reason::STARTING, format!("starting Pod {name}")),
-            Requeue::After(MAX_WAIT),
+            Requeue::Again,
         ),
         Next::Create { due } | Next::Started { due } => {
             let started = live.start_time.clone().unwrap_or(Time(now));

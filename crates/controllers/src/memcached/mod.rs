@@ -120,6 +120,9 @@ fn trim_pod(p: &mut Pod) {
     }
 }
 
+/// The index of the Pods by the Memcached they belong to.
+const BY_OWNER: &str = "memcached";
+
 /// The Memcached a Pod belongs to, as `namespace/name`.
 fn pod_owner(p: &Pod) -> Option<String> {
     Some(format!("{}/{}", p.namespace()?, p.labels().get(CR_LABEL)?))
@@ -150,7 +153,7 @@ impl Reconciler for MemcachedController {
         Caches {
             deployments: w.owns(Watch::labels(&selector()).applied().trim(trim_deployment).prune()),
             pods: w.watches(
-                Watch::labels(&selector()).trim(trim_pod).index(pod_owner),
+                Watch::labels(&selector()).trim(trim_pod).index(BY_OWNER, pod_owner),
                 |pod: Pod| {
                     let name = pod.labels().get(CR_LABEL)?.clone();
                     Some(ObjectRef::<Memcached>::new(&name).within(&pod.namespace()?))
@@ -163,7 +166,7 @@ impl Reconciler for MemcachedController {
         let (ns, name) = (mc.namespace().unwrap_or_default(), mc.name_any());
         Ok(World {
             deployment: cache.deployments.get(&ns, &name),
-            pods: cache.pods.indexed(&format!("{ns}/{name}")),
+            pods: cache.pods.indexed(BY_OWNER, &format!("{ns}/{name}")),
         })
     }
 

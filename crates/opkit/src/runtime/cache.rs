@@ -1,0 +1,460 @@
+//! What a controller reads: [`Cache`]s of watched kinds, the [`Watch`] options that decide what
+//! they hold (selector, trim, projection, named indexes), and which kinds can be watched
+//! ([`Watchable`], namespaced or cluster-scoped).
+use std::collections::{HashMap, HashSet};
+use std::fmt::Debug;
+use std::sync::{Arc, RwLock};
+
+use k8s_openapi::{ClusterResourceScope, NamespaceResourceScope};
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::watcher;
+use kube::{Api, Client, Resource, ResourceExt};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+/// The index every pruned watch keeps: cached objects by the uid of the primary object that
+/// controls them (owner reference) or names itself in [`crate::OWNER_LABEL`], so that pruning
+/// one primary's orphans does not scan every cached object.
+pub(crate) const OWNER_INDEX: &str = "opkit.dev/owner";
+
+/// A read-only cache of one kind in one watch scope, filled by a watch opkit runs.
+///
+/// Reads never block; by the time a reconcile runs, the cache has seen the watch's initial
+/// list.
+pub struct Cache<C: Resource<DynamicType = ()> + Clone + 'static> {
+    store: Store<C>,
+    indexes: Indexes<C>,
+}
+
+impl<C: Resource<DynamicType = ()> + Clone + 'static> Clone for Cache<C> {
+    fn clone(&self) -> Self {
+        Cache {
+            store: self.store.clone(),
+            indexes: self.indexes.clone(),
+        }
+    }
+}
+
+/// How an index keys an object: any number of keys (none leaves it out).
+pub(crate) type KeyFn<C> = Arc<dyn Fn(&C) -> Vec<String> + Send + Sync>;
+
+/// The named indexes of one cache. Declared before the watch starts; shared by every clone.
+pub(crate) type Indexes<C> = Arc<RwLock<HashMap<&'static str, Arc<Index<C>>>>>;
+
+/// Cached objects by keys of the controller's (e.g. the primary a Pod belongs to), kept
+/// beside the store so that finding one object's children does not scan every object.
+pub(crate) struct Index<C: Resource<DynamicType = ()>> {
+    key: KeyFn<C>,
+    maps: RwLock<IndexMaps<C>>,
+}
+
+struct IndexMaps<C: Resource<DynamicType = ()>> {
+    by_key: HashMap<String, HashSet<ObjectRef<C>>>,
+    keys_of: HashMap<ObjectRef<C>, Vec<String>>,
+    /// Filled during a relist and swapped in when it is complete, as the store does.
+    relist: Option<Box<IndexMaps<C>>>,
+}
+
+impl<C: Resource<DynamicType = ()>> Default for IndexMaps<C> {
+    fn default() -> Self {
+        IndexMaps {
+            by_key: Default::default(),
+            keys_of: Default::default(),
+            relist: None,
+        }
+    }
+}
+
+impl<C: Resource<DynamicType = ()>> IndexMaps<C> {
+    fn remove(&mut self, r: &ObjectRef<C>) {
+        for old in self.keys_of.remove(r).unwrap_or_default() {
+            if let Some(set) = self.by_key.get_mut(&old) {
+                set.remove(r);
+                if set.is_empty() {
+                    self.by_key.remove(&old);
+                }
+            }
+        }
+    }
+
+    fn insert(&mut self, r: ObjectRef<C>, keys: Vec<String>) {
+        self.remove(&r);
+        if keys.is_empty() {
+            return;
+        }
+        for key in &keys {
+            self.by_key.entry(key.clone()).or_default().insert(r.clone());
+        }
+        self.keys_of.insert(r, keys);
+    }
+}
+
+impl<C: Resource<DynamicType = ()> + Clone> Index<C> {
+    pub(crate) fn new(key: KeyFn<C>) -> Self {
+        Index {
+            key,
+            maps: Default::default(),
+        }
+    }
+
+    pub(crate) fn observe(&self, ev: &watcher::Event<C>) {
+        let mut maps = self.maps.write().unwrap_or_else(|p| p.into_inner());
+        match ev {
+            watcher::Event::Apply(o) => maps.insert(ObjectRef::from_obj(o), (self.key)(o)),
+            watcher::Event::Delete(o) => maps.remove(&ObjectRef::from_obj(o)),
+            watcher::Event::Init => maps.relist = Some(Box::default()),
+            watcher::Event::InitApply(o) => {
+                let keys = (self.key)(o);
+                if let Some(next) = maps.relist.as_mut() {
+                    next.insert(ObjectRef::from_obj(o), keys);
+                }
+            }
+            watcher::Event::InitDone => {
+                if let Some(next) = maps.relist.take() {
+                    *maps = *next;
+                }
+            }
+        }
+    }
+
+    fn refs(&self, key: &str) -> Vec<ObjectRef<C>> {
+        let maps = self.maps.read().unwrap_or_else(|p| p.into_inner());
+        maps.by_key
+            .get(key)
+            .map(|refs| refs.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+}
+
+/// Feeds every index of a cache one watch event.
+pub(crate) fn observe_all<C: Resource<DynamicType = ()> + Clone>(indexes: &Indexes<C>, ev: &watcher::Event<C>) {
+    let indexes = indexes.read().unwrap_or_else(|p| p.into_inner());
+    for index in indexes.values() {
+        index.observe(ev);
+    }
+}
+
+/// Objects sampled to estimate a cache's size.
+const SIZE_SAMPLE: usize = 32;
+
+impl<C: Resource<DynamicType = ()> + Clone + 'static> Cache<C> {
+    pub(crate) fn new(store: Store<C>, indexes: Indexes<C>) -> Self {
+        Cache { store, indexes }
+    }
+
+    pub(crate) fn indexes(&self) -> &Indexes<C> {
+        &self.indexes
+    }
+
+    /// Adds an index; only before the watch filling this cache starts.
+    pub(crate) fn add_index(&self, name: &'static str, key: KeyFn<C>) {
+        let mut indexes = self.indexes.write().unwrap_or_else(|p| p.into_inner());
+        indexes.insert(name, Arc::new(Index::new(key)));
+    }
+
+    /// A cache holding `objects` as `watch` would keep them (trimmed, projected, indexed; its
+    /// label selector is not evaluated): for unit tests of [`crate::Reconciler::observe`] and
+    /// of mappers, with no cluster.
+    pub fn from_objects(watch: &Watch<C>, objects: impl IntoIterator<Item = C>) -> Self
+    where
+        C: Serialize + DeserializeOwned,
+    {
+        let (store, mut writer) = reflector::store();
+        let cache = Cache::new(store, Indexes::default());
+        for (name, key) in &watch.indexes {
+            cache.add_index(name, key.clone());
+        }
+        for mut o in objects {
+            if let Some(manager) = &watch.applied {
+                crate::runtime::watches::keep_applied(&mut o, manager);
+            }
+            o.managed_fields_mut().clear();
+            (watch.trim)(&mut o);
+            let ev = watcher::Event::Apply(o);
+            observe_all(&cache.indexes, &ev);
+            writer.apply_watcher_event(&ev);
+        }
+        cache
+    }
+
+    /// (objects, estimated bytes): the JSON size of a sample of the cached objects, scaled to
+    /// all of them. JSON is not the in-memory layout, but it moves with what is cached, so a
+    /// trim or a label selector shows up in it.
+    fn measure(&self) -> (usize, usize)
+    where
+        C: Serialize,
+    {
+        let all = self.store.state();
+        let step = (all.len() / SIZE_SAMPLE).max(1);
+        let sample: Vec<usize> = all
+            .iter()
+            .step_by(step)
+            .take(SIZE_SAMPLE)
+            .map(|o| serde_json::to_vec(o.as_ref()).map_or(0, |v| v.len()))
+            .collect();
+        let bytes = match sample.len() {
+            0 => 0,
+            k => sample.iter().sum::<usize>() * all.len() / k,
+        };
+        (all.len(), bytes)
+    }
+
+    /// Reports this cache in the controller's cache metrics.
+    pub(crate) fn report(&self, metrics: &crate::metrics::ControllerMetrics)
+    where
+        C: Serialize + Send + Sync,
+    {
+        let cache = self.clone();
+        metrics.cache(&C::kind(&()), move || cache.measure());
+    }
+
+    /// The cached objects that the index `name` ([`Watch::index`]) keys under `key`, without
+    /// scanning the others. Empty when there is no such index.
+    pub fn indexed(&self, name: &str, key: &str) -> Vec<Arc<C>> {
+        self.indexed_refs(name, key)
+            .iter()
+            .filter_map(|r| self.store.get(r))
+            .collect()
+    }
+
+    /// References to the objects [`Cache::indexed`] returns: what a mapper hands back.
+    pub fn indexed_refs(&self, name: &str, key: &str) -> Vec<ObjectRef<C>> {
+        let index = self
+            .indexes
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(name)
+            .cloned();
+        index.map(|i| i.refs(key)).unwrap_or_default()
+    }
+
+    /// The object `name` in `namespace` (empty for a cluster-scoped kind), if cached.
+    pub fn get(&self, namespace: &str, name: &str) -> Option<Arc<C>> {
+        let r = ObjectRef::new(name);
+        self.store.get(&if namespace.is_empty() { r } else { r.within(namespace) })
+    }
+
+    /// Every cached object (of every namespace this cache covers).
+    pub fn all(&self) -> Vec<Arc<C>> {
+        self.store.state()
+    }
+
+    /// The cached objects for which `f` holds.
+    pub fn filter(&self, f: impl Fn(&C) -> bool) -> Vec<Arc<C>> {
+        self.store.state().into_iter().filter(|o| f(o)).collect()
+    }
+
+    /// How many objects are cached.
+    pub fn len(&self) -> usize {
+        self.store.len()
+    }
+
+    /// Whether nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.store.is_empty()
+    }
+}
+
+/// Which objects of kind `C` a watch caches and what it keeps of each.
+pub struct Watch<C> {
+    pub(crate) labels: Option<String>,
+    pub(crate) trim: fn(&mut C),
+    pub(crate) prune: bool,
+    /// The field manager whose applied fields are kept (see [`Watch::applied`]); filled in
+    /// with the controller's when the watch is built.
+    pub(crate) applied: Option<String>,
+    pub(crate) indexes: Vec<(&'static str, KeyFn<C>)>,
+    pub(crate) filter: Option<crate::runtime::watches::Filter<C>>,
+}
+
+impl<C> Watch<C> {
+    /// Every object of the kind in scope.
+    pub fn all() -> Self {
+        Watch {
+            labels: None,
+            trim: |_| {},
+            prune: false,
+            applied: None,
+            indexes: Vec::new(),
+            filter: None,
+        }
+    }
+
+    /// Only objects matching a label selector (`app=x,tier`): the cheapest way to keep
+    /// unrelated objects out of memory.
+    pub fn labels(selector: &str) -> Self {
+        Watch {
+            labels: Some(selector.into()),
+            ..Self::all()
+        }
+    }
+
+    /// Drops what the controller never reads before the object is cached (managed fields are
+    /// always dropped).
+    pub fn trim(mut self, trim: fn(&mut C)) -> Self {
+        self.trim = trim;
+        self
+    }
+
+    /// Keeps the cached objects findable by the keys `key` gives each of them, under the
+    /// index `name` ([`Cache::indexed`]; controller-runtime's `IndexField`): a plan that
+    /// reads the children of one primary then costs the same with ten or ten thousand
+    /// primaries. `key` returns any number of keys (an `Option` works); a watch can declare
+    /// any number of indexes.
+    pub fn index<I>(mut self, name: &'static str, key: impl Fn(&C) -> I + Send + Sync + 'static) -> Self
+    where
+        I: IntoIterator<Item = String>,
+    {
+        self.indexes
+            .push((name, Arc::new(move |c: &C| key(c).into_iter().collect())));
+        self
+    }
+
+    /// Caches only the fields this controller applied (its `managedFields`), plus identity,
+    /// owner references and status: enough for the no-op check of the children it applies,
+    /// with a field another manager took over showing as drift — and a fraction of the
+    /// memory of whole objects. For kinds the plan writes with [`crate::Child::apply`] and
+    /// reads nothing else of but status; objects it never applied are cached whole.
+    pub fn applied(mut self) -> Self {
+        self.applied = Some(String::new());
+        self
+    }
+
+    /// Deletes cached objects controlled by the primary object (owner reference, or
+    /// [`crate::OWNER_LABEL`] where Kubernetes allows no owner reference) that the plan no
+    /// longer produces (a renamed child, a namespace that stopped matching, a feature turned
+    /// off), in whatever namespace they are.
+    pub fn prune(mut self) -> Self {
+        self.prune = true;
+        self
+    }
+}
+
+/// Namespaced or cluster-scoped: how opkit reaches objects of a kind.
+pub trait KindScope {
+    /// Whether objects of the kind live in namespaces.
+    const NAMESPACED: bool;
+
+    /// The API of kind `K` in `namespace` (`None`: every namespace; ignored for a
+    /// cluster-scoped kind).
+    fn api<K: Resource<Scope = Self, DynamicType = ()>>(client: Client, namespace: Option<&str>) -> Api<K>;
+}
+
+impl KindScope for NamespaceResourceScope {
+    const NAMESPACED: bool = true;
+
+    fn api<K: Resource<Scope = Self, DynamicType = ()>>(client: Client, namespace: Option<&str>) -> Api<K> {
+        match namespace {
+            Some(ns) => Api::namespaced(client, ns),
+            None => Api::all(client),
+        }
+    }
+}
+
+impl KindScope for ClusterResourceScope {
+    const NAMESPACED: bool = false;
+
+    fn api<K: Resource<Scope = Self, DynamicType = ()>>(client: Client, _: Option<&str>) -> Api<K> {
+        Api::all(client)
+    }
+}
+
+/// A kind opkit can watch and cache — namespaced (Pods, Deployments, most custom kinds) or
+/// cluster-scoped (Namespaces, Nodes, cluster-scoped custom kinds): what every watch, cache,
+/// child and primary needs.
+pub trait Watchable:
+    Resource<DynamicType = (), Scope: KindScope> + Clone + Debug + DeserializeOwned + Serialize + Send + Sync + 'static
+{
+}
+
+impl<T> Watchable for T where
+    T: Resource<DynamicType = (), Scope: KindScope>
+        + Clone
+        + Debug
+        + DeserializeOwned
+        + Serialize
+        + Send
+        + Sync
+        + 'static
+{
+}
+
+/// The API of `C` in `namespace` (`None`: all; cluster-scoped kinds ignore it).
+pub(crate) fn api<C: Watchable>(client: &Client, namespace: Option<&str>) -> Api<C> {
+    <C::Scope as KindScope>::api(client.clone(), namespace)
+}
+
+/// Whether objects of `C` live in namespaces.
+pub(crate) fn namespaced<C: Watchable>() -> bool {
+    <C::Scope as KindScope>::NAMESPACED
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::Pod;
+
+    fn pod(name: &str, owners: &str) -> Pod {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name, "namespace": "ns", "labels": {"owners": owners}}
+        }))
+        .expect("pod")
+    }
+
+    fn owners(p: &Pod) -> Vec<String> {
+        p.labels()
+            .get("owners")
+            .map(|o| o.split('.').filter(|s| !s.is_empty()).map(String::from).collect())
+            .unwrap_or_default()
+    }
+
+    fn keyed(i: &Index<Pod>, key: &str) -> Vec<String> {
+        let mut names: Vec<String> = i.refs(key).into_iter().map(|r| r.name).collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn the_index_follows_applies_relabels_deletes_and_swaps_in_a_relist_when_complete() {
+        let i = Index::new(Arc::new(owners));
+        i.observe(&watcher::Event::Apply(pod("a", "m1")));
+        i.observe(&watcher::Event::Apply(pod("b", "m1.m2")));
+        assert_eq!((keyed(&i, "m1"), keyed(&i, "m2")), (vec!["a".into(), "b".into()], vec!["b".into()]));
+        i.observe(&watcher::Event::Apply(pod("b", "m2")));
+        assert_eq!(
+            (keyed(&i, "m1"), keyed(&i, "m2")),
+            (vec!["a".into()], vec!["b".into()])
+        );
+        i.observe(&watcher::Event::Apply(pod("a", "")));
+        assert!(keyed(&i, "m1").is_empty());
+        i.observe(&watcher::Event::Apply(pod("a", "m1")));
+        i.observe(&watcher::Event::Delete(pod("a", "m1")));
+        assert!(keyed(&i, "m1").is_empty());
+        // During a relist the old entries still answer; the new ones replace them at InitDone.
+        i.observe(&watcher::Event::Init);
+        i.observe(&watcher::Event::InitApply(pod("c", "m1")));
+        assert_eq!((keyed(&i, "m1"), keyed(&i, "m2")), (vec![], vec!["b".into()]));
+        i.observe(&watcher::Event::InitDone);
+        assert_eq!((keyed(&i, "m1"), keyed(&i, "m2")), (vec!["c".into()], vec![]));
+    }
+
+    #[test]
+    fn a_cache_built_from_objects_answers_like_a_watched_one() {
+        let watch = Watch::all()
+            .trim(|p: &mut Pod| p.metadata.annotations = None)
+            .index("owner", owners)
+            .index("name", |p: &Pod| Some(p.name_any()));
+        let mut annotated = pod("a", "m1");
+        annotated.metadata.annotations = Some([("big".to_string(), "x".repeat(100))].into());
+        let cache = Cache::from_objects(&watch, [annotated, pod("b", "m1.m2")]);
+        assert_eq!(cache.len(), 2);
+        let a = cache.get("ns", "a").expect("a is cached");
+        assert!(a.metadata.annotations.is_none(), "the watch's trim applies");
+        let mut names: Vec<String> = cache.indexed("owner", "m1").iter().map(|p| p.name_any()).collect();
+        names.sort();
+        assert_eq!(names, ["a", "b"]);
+        assert_eq!(cache.indexed("name", "b").len(), 1);
+        assert!(cache.indexed("no-such-index", "m1").is_empty());
+        assert_eq!(cache.indexed_refs("owner", "m2"), [ObjectRef::new("b").within("ns")]);
+    }
+}

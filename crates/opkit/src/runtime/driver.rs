@@ -1,0 +1,272 @@
+//! One reconcile, start to end: wait for the caches to sync and for a slot, observe, then
+//! either plan and carry the plan out, or — for an object being deleted — run its cleanup and
+//! release its finalizer; bounded by the controller's timeout, with backoff on failure.
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use futures::future::BoxFuture;
+use futures::{FutureExt, StreamExt};
+use k8s_openapi::jiff::Timestamp;
+use kube::runtime::controller::Action;
+use kube::{Resource, ResourceExt};
+use tokio::sync::{Semaphore, watch};
+
+use super::watches::{Pruner, Synced, Watches};
+use super::write::Writer;
+use super::Error;
+use crate::conditions::Desired;
+use crate::context::ControllerContext;
+use crate::reconciler::{Cleanup, Event, Invalid, Plan, Reconciler, Requeue, finalizer};
+
+/// Condition a failing cleanup shows (`True`, reason [`CLEANUP_FAILED`]) on an object that is
+/// being deleted.
+pub const DELETING: &str = "Deleting";
+/// Reason of the [`DELETING`] condition and of the Warning Event when a cleanup step fails.
+pub const CLEANUP_FAILED: &str = "CleanupFailed";
+
+/// One watch scope (namespace) of one controller.
+struct Runner<R: Reconciler> {
+    reconciler: Arc<R>,
+    cache: R::Cache,
+    pruners: Vec<Pruner>,
+    synced: watch::Receiver<bool>,
+    ctx: ControllerContext,
+    limit: Option<Arc<Semaphore>>,
+    writer: Arc<Writer>,
+    finalizer: Option<String>,
+}
+
+/// Builds and runs a controller over `namespaces` (`None`: all; a cluster-scoped primary kind
+/// is watched once, cluster-wide) until the context's shutdown signal; `synced` flips once
+/// every watch has listed.
+pub(crate) fn run<R: Reconciler>(
+    reconciler: R,
+    ctx: ControllerContext,
+    namespaces: Vec<Option<String>>,
+    synced: Synced,
+) -> BoxFuture<'static, ()> {
+    let reconciler = Arc::new(reconciler);
+    let concurrency = ctx.tuning().concurrency;
+    let limit = (concurrency > 0).then(|| Arc::new(Semaphore::new(concurrency.into())));
+    let namespaces = if super::cache::namespaced::<R::Object>() {
+        namespaces
+    } else {
+        vec![None]
+    };
+    let writer = Arc::new(Writer::new(ctx.clone()));
+    let finalizer = reconciler.cleans_up().then(|| finalizer(reconciler.name()));
+    let mut runs = Vec::new();
+    for ns in namespaces {
+        let mut w = Watches::new(reconciler.clone(), &ctx, ns, synced.clone(), concurrency);
+        let cache = reconciler.watch(&mut w);
+        let Watches {
+            controller,
+            pruners,
+            background,
+            ..
+        } = w;
+        let Some(controller) = controller else { continue };
+        let runner = Arc::new(Runner {
+            reconciler: reconciler.clone(),
+            cache,
+            pruners,
+            synced: synced.subscribe(),
+            ctx: ctx.clone(),
+            limit: limit.clone(),
+            writer: writer.clone(),
+            finalizer: finalizer.clone(),
+        });
+        let shutdown = ctx.shutdown_signal();
+        let background = async move {
+            tokio::select! {
+                _ = futures::future::join_all(background) => {},
+                _ = shutdown => {},
+            }
+        };
+        let controller = controller
+            .graceful_shutdown_on(ctx.shutdown_signal())
+            .run(
+                |obj, runner: Arc<Runner<R>>| async move { runner.reconcile(obj).await },
+                |obj, err, runner| runner.ctx.error_policy(obj.as_ref(), err),
+                runner,
+            )
+            .for_each(|_| futures::future::ready(()));
+        runs.push(async move { futures::join!(controller, background) }.boxed());
+    }
+    futures::future::join_all(runs).map(|_| ()).boxed()
+}
+
+impl<R: Reconciler> Runner<R> {
+    async fn reconcile(&self, obj: Arc<R::Object>) -> Result<Action, Error> {
+        // No decision on a half-filled cache: a missing child would look deleted.
+        let mut synced = self.synced.clone();
+        let _ = synced.wait_for(|s| *s).await;
+        let _permit = match &self.limit {
+            Some(s) => s.clone().acquire_owned().await.ok(),
+            None => None,
+        };
+        let timer = self.ctx.metrics().reconcile_started();
+        let timeout = self.ctx.tuning().timeout;
+        let result = match tokio::time::timeout(timeout, self.reconcile_synced(&obj)).await {
+            Ok(r) => r,
+            Err(_) => Err(Error::Timeout { after: timeout }),
+        };
+        match &result {
+            Ok((_, outcome)) => {
+                timer.finish(outcome);
+                if *outcome != "cleanup_pending" {
+                    self.ctx.reconcile_succeeded(obj.as_ref());
+                }
+            }
+            Err(_) => timer.finish("error"),
+        }
+        result.map(|(action, _)| action)
+    }
+
+    #[tracing::instrument(skip_all, fields(controller = self.reconciler.name(), namespace = obj.namespace(), name = obj.name_any()))]
+    async fn reconcile_synced(&self, obj: &R::Object) -> Result<(Action, &'static str), Error> {
+        let deleting = obj.meta().deletion_timestamp.is_some();
+        let ours = self
+            .finalizer
+            .as_deref()
+            .filter(|f| obj.finalizers().iter().any(|x| x == f));
+        if deleting && ours.is_none() {
+            // Going away, and nothing of ours holds it: no plan for a terminating object.
+            return Ok((Action::await_change(), "deleting"));
+        }
+        if let (Some(f), false, None) = (&self.finalizer, deleting, ours) {
+            // The finalizer goes on before anything else is written for the object, so no
+            // child can outlive it unnoticed; its watch event brings the object back here.
+            self.writer.finalizer(obj, f, true).await?;
+            return Ok((Action::await_change(), "finalizer_added"));
+        }
+        // observe (caches; a client read only where the controller asks for one)
+        let world = self
+            .reconciler
+            .observe(obj, &self.cache, self.ctx.client())
+            .await
+            .map_err(|source| Error::Observe { source })?;
+        let now = Timestamp::now();
+        if let Some(f) = ours {
+            // cleanup (pure), then carried out
+            let cleanup = self.reconciler.cleanup(obj, &world, now);
+            return self.clean_up(obj, f, cleanup, now).await;
+        }
+        // plan (pure)
+        match self.reconciler.plan(obj, &world, now) {
+            Ok(plan) => {
+                tracing::debug!(?plan.requeue, children = plan.children.len(), "planned");
+                // carry out (client)
+                let action = self.execute(obj, plan).await?;
+                Ok((action, "success"))
+            }
+            Err(invalid) => {
+                tracing::debug!(?invalid, "invalid spec");
+                self.report_invalid(obj, invalid, now).await?;
+                Ok((Action::await_change(), "invalid"))
+            }
+        }
+    }
+
+    async fn execute(&self, obj: &R::Object, plan: Plan<R::Status>) -> Result<Action, Error> {
+        let ns = obj.namespace();
+        let mut produced = HashSet::new();
+        for child in &plan.children {
+            let at = child.namespace(ns.as_deref()).map(String::from);
+            produced.insert((child.resource.kind.clone(), at, child.name.clone()));
+            if child.needed {
+                self.writer.child(ns.as_deref(), child).await?;
+            }
+        }
+        if let Some(uid) = obj.uid() {
+            for pruner in &self.pruners {
+                for owned in pruner(&uid) {
+                    let key = (owned.resource.kind.clone(), owned.namespace.clone(), owned.name.clone());
+                    if !produced.contains(&key) {
+                        self.writer.prune(&owned).await?;
+                    }
+                }
+            }
+        }
+        if let Some(status) = plan.status {
+            let echo = plan.requeue != Requeue::Again;
+            self.writer
+                .status::<_, R::Status>(obj, serde_json::to_value(status)?, echo)
+                .await?;
+        }
+        for e in plan.events {
+            self.ctx.event(obj, &e).await;
+        }
+        if plan.delete {
+            self.writer.delete_object(obj).await?;
+            return Ok(Action::await_change());
+        }
+        Ok(match plan.requeue {
+            Requeue::OnChange => Action::await_change(),
+            Requeue::After(d) => Action::requeue(d),
+            // The stored status's watch event brings the object back.
+            Requeue::Again => Action::await_change(),
+        })
+    }
+
+    /// Carries a cleanup out: deletions, then the outside steps in order, then — when the
+    /// cleanup is done — the status and Events, and the finalizer comes off. A failed step
+    /// is shown as a condition and a Warning Event and retried with backoff; a cleanup not
+    /// done yet looks again after a growing delay (and on any watched change).
+    async fn clean_up(
+        &self,
+        obj: &R::Object,
+        finalizer: &str,
+        cleanup: Cleanup<R::Status>,
+        now: Timestamp,
+    ) -> Result<(Action, &'static str), Error> {
+        for d in &cleanup.deletes {
+            self.writer.delete(d).await?;
+        }
+        for step in &cleanup.calls {
+            self.ctx.may_call()?;
+            let outcome = self.reconciler.call(obj, step).await;
+            self.ctx.metrics().call(step, outcome.is_ok());
+            if let Err(message) = outcome {
+                let message = format!("cleanup step {step} failed: {message}");
+                let desired = vec![Desired::yes(DELETING, CLEANUP_FAILED, message.clone())];
+                if self.writer.conditions::<_, R::Status>(obj, desired, now).await? {
+                    let e = Event::warning(CLEANUP_FAILED, "Cleanup", message.clone());
+                    self.ctx.event(obj, &e).await;
+                }
+                return Err(Error::Cleanup { message });
+            }
+        }
+        if let Some(status) = cleanup.status {
+            self.writer
+                .status::<_, R::Status>(obj, serde_json::to_value(status)?, true)
+                .await?;
+        }
+        for e in &cleanup.events {
+            self.ctx.event(obj, e).await;
+        }
+        if !cleanup.done {
+            return Ok((Action::requeue(self.ctx.pending_delay(obj)), "cleanup_pending"));
+        }
+        self.writer.finalizer(obj, finalizer, false).await?;
+        tracing::info!("cleanup done, finalizer removed");
+        Ok((Action::await_change(), "cleaned_up"))
+    }
+
+    /// Records an invalid spec as a condition on the live status and warns once per change of
+    /// that condition.
+    async fn report_invalid(&self, obj: &R::Object, invalid: Invalid, now: Timestamp) -> Result<(), Error> {
+        let mut all = vec![Desired {
+            type_: invalid.condition,
+            status: Some(invalid.status),
+            reason: invalid.reason,
+            message: invalid.message.clone(),
+        }];
+        all.extend(invalid.also.iter().cloned());
+        if self.writer.conditions::<_, R::Status>(obj, all, now).await? {
+            let e = Event::warning(invalid.reason, "Validate", invalid.message);
+            self.ctx.event(obj, &e).await;
+        }
+        Ok(())
+    }
+}

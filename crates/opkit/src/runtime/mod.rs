@@ -1,0 +1,69 @@
+//! Carries plans out, in three parts that each read alone:
+//! - [`cache`]: what a controller reads — [`Cache`], the [`Watch`] options that fill it
+//!   (label selectors, trims, projections, indexes) and the kinds that can be watched;
+//! - [`watches`]: how the declared watches become reflectors feeding the caches and
+//!   triggering reconciles, and how opkit knows they have all synced;
+//! - `driver`: one reconcile, from the sync gate through observe and plan to the outcome;
+//! - `write`: every write a plan asks for (apply, create, prune, status, delete), each through
+//!   the write gate.
+//!
+//! kube-runtime's `Controller` waits only for the primary store, and `Store::wait_until_ready`
+//! wakes just one of several concurrent waiters. So opkit never waits on a store: it watches
+//! every stream it builds for the watcher's `InitDone` and keeps its own count.
+pub mod cache;
+mod driver;
+pub mod watches;
+mod write;
+
+pub use cache::{Cache, KindScope, Watch, Watchable};
+pub use driver::{CLEANUP_FAILED, DELETING};
+pub(crate) use driver::run;
+pub(crate) use watches::Synced;
+pub use watches::Watches;
+
+/// Errors of the steps opkit carries out; the category labels metrics and log lines.
+#[derive(Debug, thiserror::Error)]
+#[allow(missing_docs)] // every variant says what failed in its message
+pub enum Error {
+    #[error("observing: {source}")]
+    Observe { source: kube::Error },
+    #[error("writing {child}: {source}")]
+    Write { child: String, source: kube::Error },
+    #[error("{child} exists and is not controlled by this object")]
+    Conflict { child: String },
+    #[error("deleting {child}: {source}")]
+    Prune { child: String, source: kube::Error },
+    #[error("writing status: {source}")]
+    Status { source: kube::Error },
+    #[error("encoding: {0}")]
+    Encode(#[from] serde_json::Error),
+    #[error("not the leader (its lease may have expired): write refused")]
+    NotLeader,
+    #[error("the object changed since it was read; planning again from the newer version")]
+    Stale,
+    #[error("writing the finalizer: {source}")]
+    Finalizer { source: kube::Error },
+    #[error("{message}")]
+    Cleanup { message: String },
+    #[error("the reconcile took longer than {after:?} and was cancelled")]
+    Timeout { after: std::time::Duration },
+}
+
+impl Error {
+    /// A short stable label for metrics.
+    pub fn category(&self) -> &'static str {
+        match self {
+            Error::Observe { .. } => "observe",
+            Error::Write { .. } => "apply",
+            Error::Conflict { .. } => "conflict",
+            Error::Prune { .. } => "delete",
+            Error::Status { .. } => "status",
+            Error::Encode(_) => "encode",
+            Error::NotLeader => "not_leader",
+            Error::Stale => "stale",
+            Error::Finalizer { .. } => "finalizer",
+            Error::Cleanup { .. } => "cleanup",
+            Error::Timeout { .. } => "timeout",
+        }
+    }
+}

@@ -1,0 +1,463 @@
+//! How declared watches become running reflectors: each fills a [`Cache`] (and its indexes),
+//! counts towards the controller's sync gate, and triggers reconciles — except for changes
+//! its filter ignores and for the echoes of opkit's own writes.
+use std::collections::HashMap;
+use std::fmt::Debug;
+use std::hash::{Hash, Hasher};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::future::BoxFuture;
+use futures::{FutureExt, Stream, StreamExt};
+use kube::core::ApiResource;
+use kube::runtime::controller::{Config as ControllerConfig, Controller};
+use kube::runtime::reflector::{self, ObjectRef};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, Resource, ResourceExt};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio::sync::watch;
+
+use super::cache::{Indexes, KeyFn, OWNER_INDEX, api, namespaced, observe_all};
+use super::{Cache, Watch, Watchable};
+use crate::OWNER_LABEL;
+use crate::reconciler::Reconciler;
+
+/// The index of the primary cache by uid, so that [`OWNER_LABEL`] leads back to its owner.
+const UID_INDEX: &str = "opkit.dev/uid";
+
+/// Counts the watch streams of one controller that have not yet delivered their initial list.
+#[derive(Clone)]
+pub(crate) struct Synced {
+    pending: Arc<AtomicUsize>,
+    ready: Arc<AtomicBool>,
+    tx: Arc<watch::Sender<bool>>,
+}
+
+impl Synced {
+    pub(crate) fn new(ready: Arc<AtomicBool>) -> Self {
+        Synced {
+            pending: Arc::default(),
+            ready,
+            tx: Arc::new(watch::channel(false).0),
+        }
+    }
+
+    /// A new stream to wait for; call the returned closure on each of its events.
+    fn track<C>(
+        &self,
+    ) -> impl FnMut(&kube::Result<watcher::Event<C>, watcher::Error>) + Send + 'static + use<C> {
+        self.pending.fetch_add(1, Ordering::SeqCst);
+        let this = self.clone();
+        let mut seen = false;
+        move |ev| {
+            if !seen && matches!(ev, Ok(watcher::Event::InitDone)) {
+                seen = true;
+                if this.pending.fetch_sub(1, Ordering::SeqCst) == 1 {
+                    this.ready.store(true, Ordering::SeqCst);
+                    this.tx.send_replace(true);
+                }
+            }
+        }
+    }
+
+    pub(crate) fn subscribe(&self) -> watch::Receiver<bool> {
+        self.tx.subscribe()
+    }
+}
+
+/// What part of an object a watch reacts to ([`Watch::on_change`]), as a hash.
+pub(crate) type Filter<C> = Arc<dyn Fn(&C) -> u64 + Send + Sync>;
+
+impl<C> Watch<C> {
+    /// Reconciles only when `key` of an object changes (or the object is created, recreated
+    /// or deleted): controller-runtime's predicates. The cache still follows every change.
+    /// [`crate::changed`] has the usual keys; combine them in a tuple, e.g.
+    /// `.on_change(|d: &Deployment| (changed::generation(d), changed::labels(d)))`.
+    pub fn on_change<H: Hash>(mut self, key: impl Fn(&C) -> H + Send + Sync + 'static) -> Self {
+        self.filter = Some(Arc::new(move |c: &C| hash(&key(c))));
+        self
+    }
+}
+
+fn hash(h: &impl Hash) -> u64 {
+    let mut s = std::collections::hash_map::DefaultHasher::new();
+    h.hash(&mut s);
+    s.finish()
+}
+
+/// The resourceVersions opkit's own writes produced, until their watch events arrive: those
+/// events only echo what a plan already decided, so they update the caches but trigger no
+/// reconcile. An echo that arrives before its write is recorded simply triggers as any
+/// change does.
+#[derive(Clone, Default)]
+pub(crate) struct Echoes {
+    written: Arc<Mutex<HashMap<String, (String, Instant)>>>,
+}
+
+/// Echoes not seen for this long are forgotten (their event was lost or merged into a relist).
+const ECHO_TTL: Duration = Duration::from_secs(120);
+
+fn echo_key(kind: &str, namespace: Option<&str>, name: &str) -> String {
+    format!("{kind}/{}/{name}", namespace.unwrap_or(""))
+}
+
+impl Echoes {
+    /// Remembers that this process wrote `resource_version` of the object.
+    pub(crate) fn record(&self, kind: &str, namespace: Option<&str>, name: &str, resource_version: String) {
+        let mut w = self.written.lock().unwrap_or_else(|p| p.into_inner());
+        if w.len() > 4096 {
+            w.retain(|_, (_, at)| at.elapsed() < ECHO_TTL);
+        }
+        w.insert(echo_key(kind, namespace, name), (resource_version, Instant::now()));
+    }
+
+    /// Whether `obj` is exactly what this process last wrote of it (and forgets that write).
+    fn is_echo<C: Resource<DynamicType = ()>>(&self, obj: &C) -> bool {
+        let key = echo_key(&C::kind(&()), obj.meta().namespace.as_deref(), &obj.name_any());
+        let mut w = self.written.lock().unwrap_or_else(|p| p.into_inner());
+        match (w.get(&key), obj.resource_version()) {
+            (Some((rv, _)), Some(seen)) if *rv == seen => {
+                w.remove(&key);
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+/// Decides per watch event whether it triggers a reconcile: not an echo, and (with a filter)
+/// a change of what the filter hashes. Deletions always trigger.
+fn triggers<C: Resource<DynamicType = ()>>(
+    filter: Option<Filter<C>>,
+    echoes: Echoes,
+) -> impl FnMut(&Result<watcher::Event<C>, watcher::Error>) -> futures::future::Ready<bool> {
+    let mut seen: HashMap<ObjectRef<C>, u64> = HashMap::new();
+    move |ev| {
+        let keep = match ev {
+            Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o)) => {
+                let echo = echoes.is_echo(o);
+                let changed = match &filter {
+                    None => true,
+                    Some(f) => {
+                        let h = hash(&(o.uid(), f(o)));
+                        seen.insert(ObjectRef::from_obj(o), h) != Some(h)
+                    }
+                };
+                !echo && changed
+            }
+            Ok(watcher::Event::Delete(o)) => {
+                seen.remove(&ObjectRef::from_obj(o));
+                true
+            }
+            _ => true,
+        };
+        futures::future::ready(keep)
+    }
+}
+
+/// A child a primary object controls, as found in a cache: what pruning may delete.
+pub(crate) struct Owned {
+    pub resource: ApiResource,
+    pub namespace: Option<String>,
+    pub name: String,
+}
+
+/// Lists the cached children controlled by the object of a uid, for pruning.
+pub(crate) type Pruner = Box<dyn Fn(&str) -> Vec<Owned> + Send + Sync>;
+
+/// The uids of the primary objects that control `obj`: its controller owner reference and
+/// its [`OWNER_LABEL`].
+fn owner_uids<C: Resource>(obj: &C) -> Vec<String> {
+    let mut uids: Vec<String> = obj
+        .owner_references()
+        .iter()
+        .filter(|o| o.controller == Some(true))
+        .map(|o| o.uid.clone())
+        .collect();
+    uids.extend(obj.labels().get(OWNER_LABEL).cloned());
+    uids
+}
+
+/// What a [`Reconciler`] declares its watches on, once per watched namespace (once in all
+/// for a cluster-scoped primary kind).
+pub struct Watches<K>
+where
+    K: Resource<DynamicType = ()> + Clone + Debug + DeserializeOwned + Send + Sync + 'static,
+{
+    client: Client,
+    namespace: Option<String>,
+    pub(crate) controller: Option<Controller<K>>,
+    primary: Cache<K>,
+    synced: Synced,
+    pub(crate) pruners: Vec<Pruner>,
+    pub(crate) background: Vec<BoxFuture<'static, ()>>,
+    metrics: crate::metrics::ControllerMetrics,
+    field_manager: String,
+    echoes: Echoes,
+}
+
+impl<K> Watches<K>
+where
+    K: Watchable,
+{
+    /// The primary watch of `reconciler` in `namespace`, ready for the reconciler's own.
+    pub(crate) fn new<R: Reconciler<Object = K>>(
+        reconciler: Arc<R>,
+        ctx: &crate::context::ControllerContext,
+        namespace: Option<String>,
+        synced: Synced,
+        concurrency: u16,
+    ) -> Self {
+        let client = ctx.client().clone();
+        let (store, writer) = reflector::store();
+        let primary = Cache::new(store.clone(), Indexes::default());
+        primary.add_index(UID_INDEX, Arc::new(|o: &K| o.uid().into_iter().collect()));
+        let indexes = primary.indexes().clone();
+        let stream = reflector::reflector(
+            writer,
+            watcher(api::<K>(&client, namespace.as_deref()), watcher::Config::default())
+                .default_backoff()
+                .modify(move |o| {
+                    o.managed_fields_mut().clear();
+                    reconciler.trim(o);
+                }),
+        )
+        .inspect(move |ev| {
+            if let Ok(ev) = ev {
+                observe_all(&indexes, ev);
+            }
+        })
+        .inspect(synced.track())
+        .filter(triggers(None, ctx.echoes().clone()))
+        .applied_objects();
+        let controller = Controller::for_stream(stream, store)
+            .with_config(ControllerConfig::default().concurrency(concurrency));
+        primary.report(ctx.metrics());
+        Watches {
+            client,
+            namespace,
+            controller: Some(controller),
+            primary,
+            synced,
+            pruners: Vec::new(),
+            background: Vec::new(),
+            metrics: ctx.metrics().clone(),
+            field_manager: ctx.field_manager().to_string(),
+            echoes: ctx.echoes().clone(),
+        }
+    }
+
+    /// The cache of the primary kind (e.g. to map a watched object to the primaries that
+    /// refer to it, with an index from [`Watches::index_primary`]).
+    pub fn primary(&self) -> Cache<K> {
+        self.primary.clone()
+    }
+
+    /// Adds an index to the primary cache, typically for a mapper: "which primaries refer to
+    /// this ConfigMap" without scanning them all.
+    pub fn index_primary<I>(&mut self, name: &'static str, key: impl Fn(&K) -> I + Send + Sync + 'static)
+    where
+        I: IntoIterator<Item = String>,
+    {
+        self.primary
+            .add_index(name, Arc::new(move |k: &K| key(k).into_iter().collect()));
+    }
+
+    fn reflect<C>(
+        &mut self,
+        w: Watch<C>,
+    ) -> (
+        Cache<C>,
+        impl Stream<Item = Result<C, watcher::Error>> + Send + use<K, C>,
+    )
+    where
+        C: Watchable,
+    {
+        let mut cfg = watcher::Config::default();
+        if let Some(l) = &w.labels {
+            cfg = cfg.labels(l);
+        }
+        let trim = w.trim;
+        let applied = w.applied.map(|_| self.field_manager.clone());
+        let (store, writer) = reflector::store();
+        let cache = Cache::new(store, Indexes::default());
+        for (name, key) in w.indexes {
+            cache.add_index(name, key);
+        }
+        if w.prune {
+            cache.add_index(OWNER_INDEX, Arc::new(owner_uids::<C>) as KeyFn<C>);
+            self.add_pruner(&cache);
+        }
+        let indexes = cache.indexes().clone();
+        let stream = reflector::reflector(
+            writer,
+            watcher(api::<C>(&self.client, self.namespace.as_deref()), cfg)
+                .default_backoff()
+                .modify(move |o| {
+                    if let Some(manager) = &applied {
+                        keep_applied(o, manager);
+                    }
+                    o.managed_fields_mut().clear();
+                    trim(o);
+                }),
+        )
+        // The indexes are complete before the watch counts as synced.
+        .inspect(move |ev| {
+            if let Ok(ev) = ev {
+                observe_all(&indexes, ev);
+            }
+        })
+        .inspect(self.synced.track())
+        .filter(triggers(w.filter, self.echoes.clone()))
+        .touched_objects();
+        cache.report(&self.metrics);
+        (cache, stream)
+    }
+
+    fn add_pruner<C: Watchable>(&mut self, cache: &Cache<C>) {
+        let cache = cache.clone();
+        self.pruners.push(Box::new(move |uid: &str| {
+            cache
+                .indexed(OWNER_INDEX, uid)
+                .iter()
+                .map(|c| Owned {
+                    resource: ApiResource::erase::<C>(&()),
+                    namespace: c.namespace().filter(|_| namespaced::<C>()),
+                    name: c.name_any(),
+                })
+                .collect()
+        }));
+    }
+
+    /// Watches a kind the primary objects control (controller owner reference, or
+    /// [`OWNER_LABEL`]): a change to one reconciles its owner.
+    pub fn owns<C>(&mut self, w: Watch<C>) -> Cache<C>
+    where
+        C: Watchable,
+    {
+        let (cache, stream) = self.reflect(w);
+        let primary = self.primary.clone();
+        let owners = move |c: C| {
+            let ns = c.namespace().filter(|_| namespaced::<K>());
+            let mut refs: Vec<ObjectRef<K>> = c
+                .owner_references()
+                .iter()
+                .filter(|o| {
+                    o.controller == Some(true) && o.kind == K::kind(&()) && o.api_version == K::api_version(&())
+                })
+                .map(|o| {
+                    let r = ObjectRef::new(&o.name);
+                    match &ns {
+                        Some(ns) => r.within(ns),
+                        None => r,
+                    }
+                })
+                .collect();
+            if let Some(uid) = c.labels().get(OWNER_LABEL) {
+                refs.extend(primary.indexed_refs(UID_INDEX, uid));
+            }
+            refs
+        };
+        self.controller = self.controller.take().map(|c| c.watches_stream(stream, owners));
+        cache
+    }
+
+    /// Watches a related kind: a change to one reconciles the primary objects `map` names.
+    pub fn watches<C, I>(&mut self, w: Watch<C>, map: impl Fn(C) -> I + Send + Sync + 'static) -> Cache<C>
+    where
+        C: Watchable,
+        I: IntoIterator<Item = ObjectRef<K>> + 'static,
+        I::IntoIter: Send,
+    {
+        let (cache, stream) = self.reflect(w);
+        self.controller = self.controller.take().map(|c| c.watches_stream(stream, map));
+        cache
+    }
+
+    /// Caches a kind without triggering anything on its changes.
+    pub fn reads<C>(&mut self, w: Watch<C>) -> Cache<C>
+    where
+        C: Watchable,
+    {
+        let (cache, stream) = self.reflect(w);
+        self.background
+            .push(stream.for_each(|_| futures::future::ready(())).boxed());
+        cache
+    }
+}
+
+/// Replaces `obj` by what `manager` applied to it ([`crate::diff::applied_by`]); leaves it
+/// whole when the manager applied nothing or the projection does not make a valid object.
+pub(crate) fn keep_applied<C: Serialize + DeserializeOwned>(obj: &mut C, manager: &str) {
+    let Ok(value) = serde_json::to_value(&*obj) else {
+        return;
+    };
+    if let Some(projected) = crate::diff::applied_by(&value, manager)
+        && let Ok(trimmed) = serde_json::from_value(projected)
+    {
+        *obj = trimmed;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::ConfigMap;
+
+    fn cm(name: &str, rv: &str, data: &str) -> ConfigMap {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name, "namespace": "ns", "uid": format!("u-{name}"), "resourceVersion": rv},
+            "data": {"k": data},
+        }))
+        .expect("configmap")
+    }
+
+    fn fire(
+        f: &mut impl FnMut(&Result<watcher::Event<ConfigMap>, watcher::Error>) -> futures::future::Ready<bool>,
+        ev: watcher::Event<ConfigMap>,
+    ) -> bool {
+        futures::executor::block_on(f(&Ok(ev)))
+    }
+
+    #[test]
+    fn a_filter_triggers_on_changes_of_its_key_and_on_deletions_only() {
+        let data: Filter<ConfigMap> = Arc::new(|c: &ConfigMap| hash(&c.data));
+        let mut f = triggers(Some(data), Echoes::default());
+        assert!(fire(&mut f, watcher::Event::InitApply(cm("a", "1", "x"))), "first sight");
+        assert!(!fire(&mut f, watcher::Event::Apply(cm("a", "2", "x"))), "same data");
+        assert!(fire(&mut f, watcher::Event::Apply(cm("a", "3", "y"))), "changed data");
+        assert!(fire(&mut f, watcher::Event::Delete(cm("a", "4", "y"))), "deleted");
+        assert!(fire(&mut f, watcher::Event::Apply(cm("a", "5", "y"))), "recreated");
+    }
+
+    #[test]
+    fn the_echo_of_an_own_write_triggers_nothing_but_later_changes_do() {
+        let echoes = Echoes::default();
+        let mut f = triggers(None, echoes.clone());
+        echoes.record("ConfigMap", Some("ns"), "a", "7".into());
+        assert!(fire(&mut f, watcher::Event::Apply(cm("a", "6", "x"))), "an older version");
+        assert!(!fire(&mut f, watcher::Event::Apply(cm("a", "7", "x"))), "the echo");
+        assert!(fire(&mut f, watcher::Event::Apply(cm("a", "7", "x"))), "seen once only");
+        assert!(fire(&mut f, watcher::Event::Apply(cm("b", "7", "x"))), "another object");
+    }
+
+    #[test]
+    fn children_are_owned_by_controller_references_and_the_owner_label() {
+        let mut c = cm("a", "1", "x");
+        c.metadata.owner_references = Some(vec![
+            k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
+                controller: Some(true),
+                uid: "u1".into(),
+                ..Default::default()
+            },
+            k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
+                uid: "not-the-controller".into(),
+                ..Default::default()
+            },
+        ]);
+        c.metadata.labels = Some([(OWNER_LABEL.to_string(), "u2".to_string())].into());
+        assert_eq!(owner_uids(&c), ["u1", "u2"]);
+    }
+}

@@ -1,0 +1,328 @@
+//! The write path: every write a plan or a cleanup asks for — apply or create a child, prune an
+//! orphan, delete an object, write a status or a condition, add or remove a finalizer — each
+//! through the write gate (counted in the metrics), each remembered as an echo so that its
+//! watch event triggers no reconcile.
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::core::{ApiResource, DynamicObject};
+use kube::{Resource, ResourceExt};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use super::cache::{api, namespaced};
+use super::watches::Owned;
+use super::{Error, Watchable};
+use crate::conditions::{self, Desired};
+use crate::context::ControllerContext;
+use crate::diff::is_subset;
+use crate::reconciler::{Child, Deletion, Mode};
+
+/// Carries out the writes of one controller.
+pub(crate) struct Writer {
+    ctx: ControllerContext,
+    status: StatusWrites,
+}
+
+/// The API of a child's kind where it lives.
+fn dynamic_api(
+    ctx: &ControllerContext,
+    resource: &ApiResource,
+    namespace: Option<&str>,
+) -> Api<DynamicObject> {
+    match namespace {
+        Some(ns) => Api::namespaced_with(ctx.client().clone(), ns, resource),
+        None => Api::all_with(ctx.client().clone(), resource),
+    }
+}
+
+impl Writer {
+    pub(crate) fn new(ctx: ControllerContext) -> Self {
+        Writer {
+            ctx,
+            status: StatusWrites::default(),
+        }
+    }
+
+    fn echo(&self, resource: &ApiResource, namespace: Option<&str>, name: &str, written: &impl Resource) {
+        if let Some(rv) = written.meta().resource_version.clone() {
+            self.ctx.echoes().record(&resource.kind, namespace, name, rv);
+        }
+    }
+
+    /// Writes `child`; a namespaced child without a namespace goes into `default_ns` (the
+    /// primary's).
+    pub(crate) async fn child(&self, default_ns: Option<&str>, child: &Child) -> Result<(), Error> {
+        let ns = child.namespace(default_ns);
+        let api = dynamic_api(&self.ctx, &child.resource, ns);
+        let err = |source| Error::Write {
+            child: child.describe(),
+            source,
+        };
+        let written = match child.mode {
+            Mode::Apply | Mode::Fields => {
+                let pp = PatchParams::apply(self.ctx.field_manager()).force();
+                self.ctx.may_write("apply")?;
+                api.patch(&child.name, &pp, &Patch::Apply(&child.body))
+                    .await
+                    .map_err(err)?
+            }
+            Mode::Create => {
+                let obj: DynamicObject = serde_json::from_value(child.body.clone())?;
+                self.ctx.may_write("create")?;
+                match api.create(&PostParams::default(), &obj).await {
+                    Ok(o) => o,
+                    Err(kube::Error::Api(s)) if s.code == 409 => {
+                        return Err(Error::Conflict {
+                            child: child.describe(),
+                        });
+                    }
+                    Err(e) => return Err(err(e)),
+                }
+            }
+        };
+        self.echo(&child.resource, ns, &child.name, &written);
+        Ok(())
+    }
+
+    /// Deletes a child the plan no longer produces.
+    pub(crate) async fn prune(&self, owned: &Owned) -> Result<(), Error> {
+        tracing::info!(
+            kind = owned.resource.kind,
+            namespace = owned.namespace,
+            name = owned.name,
+            "deleting a child the plan no longer produces"
+        );
+        self.delete(&Deletion {
+            resource: owned.resource.clone(),
+            namespace: owned.namespace.clone(),
+            name: owned.name.clone(),
+            uid: None,
+        })
+        .await
+    }
+
+    /// Deletes an object (background propagation); one already gone, or replaced by another
+    /// of the same name when a uid is given, counts as deleted.
+    pub(crate) async fn delete(&self, d: &Deletion) -> Result<(), Error> {
+        let api = dynamic_api(&self.ctx, &d.resource, d.namespace.as_deref());
+        self.ctx.may_write("delete")?;
+        let dp = DeleteParams {
+            preconditions: d.uid.clone().map(|uid| kube::api::Preconditions {
+                uid: Some(uid),
+                resource_version: None,
+            }),
+            ..DeleteParams::background()
+        };
+        match api.delete(&d.name, &dp).await {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(s)) if s.code == 404 || (s.code == 409 && d.uid.is_some()) => Ok(()),
+            Err(source) => Err(Error::Prune {
+                child: d.describe(),
+                source,
+            }),
+        }
+    }
+
+    /// Deletes the primary object, only if it is still the one planned for (same uid).
+    pub(crate) async fn delete_object<K: Watchable>(&self, obj: &K) -> Result<(), Error> {
+        self.delete(&Deletion::of(obj)).await
+    }
+
+    /// Applies `desired` through the status subresource unless the live status (read as `S`)
+    /// has all of it. Returns whether it wrote. With `echo`, its watch event triggers nothing.
+    pub(crate) async fn status<K, S>(&self, obj: &K, desired: serde_json::Value, echo: bool) -> Result<bool, Error>
+    where
+        K: Watchable,
+        S: Serialize + DeserializeOwned + Default,
+    {
+        let uid = obj.uid().unwrap_or_default();
+        let cached = obj.resource_version().unwrap_or_default();
+        let precondition = match self.status.base(&uid, &cached) {
+            StatusBase::Written { version, status } => {
+                if status_hash(&desired) == status {
+                    return Ok(false);
+                }
+                version
+            }
+            StatusBase::Cache => {
+                let live: S = serde_json::from_value(live_status(obj)?).unwrap_or_default();
+                if is_subset(&desired, &serde_json::to_value(live)?) {
+                    return Ok(false);
+                }
+                cached.clone()
+            }
+        };
+        // The resourceVersion the plan saw is a precondition: a plan made from a stale cache
+        // (another replica or reconcile wrote since) gets a conflict and is made again from
+        // the newer object, so a status never goes backwards and its Events are not repeated.
+        let body = serde_json::json!({
+            "apiVersion": K::api_version(&()),
+            "kind": K::kind(&()),
+            "metadata": {"resourceVersion": precondition},
+            "status": desired,
+        });
+        let api: Api<K> = api(self.ctx.client(), obj.namespace().as_deref());
+        let pp = PatchParams::apply(self.ctx.field_manager()).force();
+        self.ctx.may_write("apply_status")?;
+        match api.patch_status(&obj.name_any(), &pp, &Patch::Apply(&body)).await {
+            Ok(written) => {
+                if let Some(to) = written.resource_version() {
+                    if echo {
+                        self.ctx
+                            .echoes()
+                            .record(&K::kind(&()), obj.namespace().as_deref(), &obj.name_any(), to.clone());
+                    }
+                    self.status
+                        .record(&uid, &precondition, to, status_hash(&body["status"]));
+                }
+                Ok(true)
+            }
+            Err(kube::Error::Api(s)) if s.code == 409 => Err(Error::Stale),
+            Err(source) => Err(Error::Status { source }),
+        }
+    }
+
+    /// Merges `desired` conditions into the live status (every other status field kept, so
+    /// the apply removes nothing). Returns whether the first of them changed (a new reason,
+    /// status or message), so the caller can warn once per change.
+    pub(crate) async fn conditions<K, S>(
+        &self,
+        obj: &K,
+        desired: Vec<Desired<'static>>,
+        now: Timestamp,
+    ) -> Result<bool, Error>
+    where
+        K: Watchable,
+        S: Serialize + DeserializeOwned + Default,
+    {
+        let mut status = live_status(obj)?;
+        if !status.is_object() {
+            status = serde_json::json!({});
+        }
+        let existing: Vec<Condition> =
+            serde_json::from_value(status["conditions"].clone()).unwrap_or_default();
+        let news = desired.first().is_some_and(|d| {
+            conditions::find(&existing, d.type_).is_none_or(|c| {
+                c.status != conditions::status_str(d.status) || c.reason != d.reason || c.message != d.message
+            })
+        });
+        let generation = obj.meta().generation;
+        let merged = conditions::merge(&existing, &desired, generation, &Time(now));
+        status["conditions"] = serde_json::to_value(merged)?;
+        status["observedGeneration"] = serde_json::to_value(generation)?;
+        self.status::<K, S>(obj, status, true).await?;
+        Ok(news)
+    }
+
+    /// Adds (`present`) or removes this controller's `finalizer` on `obj` with a server-side
+    /// apply of that one entry: other finalizers and fields are untouched.
+    pub(crate) async fn finalizer<K: Watchable>(&self, obj: &K, finalizer: &str, present: bool) -> Result<(), Error> {
+        let mut metadata = serde_json::json!({"name": obj.name_any(), "finalizers": []});
+        if let Some(ns) = obj.namespace().filter(|_| namespaced::<K>()) {
+            metadata["namespace"] = ns.into();
+        }
+        if present {
+            metadata["finalizers"] = serde_json::json!([finalizer]);
+        }
+        let body = serde_json::json!({
+            "apiVersion": K::api_version(&()),
+            "kind": K::kind(&()),
+            "metadata": metadata,
+        });
+        let api: Api<K> = api(self.ctx.client(), obj.namespace().as_deref());
+        let pp = PatchParams::apply(&format!("{}-finalizer", self.ctx.field_manager())).force();
+        self.ctx.may_write("finalizer")?;
+        match api.patch(&obj.name_any(), &pp, &Patch::Apply(&body)).await {
+            Ok(_) => Ok(()),
+            // Removing from an object that is already gone.
+            Err(kube::Error::Api(s)) if s.code == 404 && !present => Ok(()),
+            Err(source) => Err(Error::Finalizer { source }),
+        }
+    }
+}
+
+fn live_status<K: Serialize>(obj: &K) -> Result<serde_json::Value, Error> {
+    let mut v = serde_json::to_value(obj)?;
+    Ok(v.get_mut("status")
+        .map(serde_json::Value::take)
+        .unwrap_or_default())
+}
+
+/// The status writes whose watch events the primary cache has not delivered yet.
+///
+/// Right after a status write, a reconcile triggered by a child still reads the primary as it
+/// was before it. Planned from that, the status looks out of date, and its write — with the
+/// stale resourceVersion as precondition — only earns a conflict and a second round. So each
+/// write is remembered (per uid: the resourceVersions the write came from and produced, and a
+/// hash of what it wrote) until the cache shows the last of them: a plan made from a version
+/// this replica has since replaced compares against what it wrote, and writes with the
+/// resourceVersion it got back. A version not in the chain means someone else wrote: the
+/// entry is dropped and the cache decides, as before.
+#[derive(Default)]
+struct StatusWrites {
+    chains: std::sync::Mutex<std::collections::HashMap<String, StatusChain>>,
+}
+
+struct StatusChain {
+    /// resourceVersions, oldest first; the last is what the latest write returned.
+    versions: Vec<String>,
+    /// Hash of the status the latest write applied.
+    status: u64,
+    at: std::time::Instant,
+}
+
+/// What a status write should compare against and send as its precondition.
+enum StatusBase {
+    /// The cached object is current (as far as this replica knows).
+    Cache,
+    /// The cached object is older than this replica's own last write.
+    Written { version: String, status: u64 },
+}
+
+/// Chains untouched for this long are dropped (their watch events were lost or the object is
+/// gone); the next plan then trusts the cache.
+const CHAIN_TTL: std::time::Duration = std::time::Duration::from_secs(120);
+
+fn status_hash(v: &serde_json::Value) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    v.to_string().hash(&mut h);
+    h.finish()
+}
+
+impl StatusWrites {
+    fn base(&self, uid: &str, cached: &str) -> StatusBase {
+        let mut chains = self.chains.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(chain) = chains.get(uid) else {
+            return StatusBase::Cache;
+        };
+        let stale = chain.at.elapsed() > CHAIN_TTL;
+        match chain.versions.iter().position(|v| v == cached) {
+            Some(i) if !stale && i + 1 < chain.versions.len() => StatusBase::Written {
+                version: chain.versions[chain.versions.len() - 1].clone(),
+                status: chain.status,
+            },
+            // Caught up with the last write, replaced by someone else's, or too old.
+            _ => {
+                chains.remove(uid);
+                StatusBase::Cache
+            }
+        }
+    }
+
+    fn record(&self, uid: &str, from: &str, to: String, status: u64) {
+        let mut chains = self.chains.lock().unwrap_or_else(|p| p.into_inner());
+        if chains.len() > 1024 {
+            chains.retain(|_, c| c.at.elapsed() <= CHAIN_TTL);
+        }
+        let chain = chains.entry(uid.to_string()).or_insert_with(|| StatusChain {
+            versions: vec![from.to_string()],
+            status,
+            at: std::time::Instant::now(),
+        });
+        chain.versions.push(to);
+        chain.status = status;
+        chain.at = std::time::Instant::now();
+    }
+}
