@@ -302,7 +302,8 @@ async fn the_csv_installed_as_olm_does_runs_its_examples_with_only_its_permissio
                 for e in &examples {
                     let mut e = e.clone();
                     e["metadata"]["namespace"] = json!(ns);
-                    // The webhooks are up once the defaulting one answers; apply retries until then.
+                    // The operator's webhook server may not answer yet: the At example is refused
+                    // until it does (failurePolicy Fail), so apply retries.
                     wait_for(&format!("{} to be admitted", e["metadata"]["name"]), T, || async {
                         apply_json(&e)
                     })

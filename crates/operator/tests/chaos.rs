@@ -416,7 +416,10 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
         .await?;
     }
 
-    // The workload: Ats falling due across the run, Memcacheds created all along.
+    // The workload: Ats falling due across the run, Memcacheds created all along. The Ats are
+    // all created before the first fault: their webhook fails closed (failurePolicy Fail), so
+    // a create sent to a frozen replica would be refused; what is checked here is that each
+    // created At runs exactly once.
     let ats: Api<At> = Api::namespaced(client.clone(), NS);
     let first_due = k8s_openapi::jiff::Timestamp::now() + k8s_openapi::jiff::SignedDuration::from_secs(10);
     for i in 0..scale.ats {
@@ -435,7 +438,8 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
         .await?;
     }
     // Memcacheds created all along without `spec.size`: only the mutating webhook makes them
-    // valid, so an admission that failed open is a refused create, with its time.
+    // valid, so an admission that failed open (failurePolicy Ignore) is a refused create,
+    // with its time.
     let mcs: Api<Memcached> = Api::namespaced(client.clone(), NS);
     let refused: Arc<Mutex<Vec<(Instant, String)>>> = Arc::default();
     let creator = {

@@ -169,13 +169,20 @@ async fn the_apiserver_calls_the_webhooks_and_kubectl_shows_their_answers() {
             let (ok, out) = apply(&ns, &at("ancient2", "2010-01-01T00:00:00Z"))?;
             ensure!(!ok && out.contains("more than 10 years"), "{out}");
 
-            // With the operator stopped, failurePolicy Ignore: nothing is blocked, and the schema
-            // still refuses a Memcached without size.
+            // With the operator stopped, each webhook's failurePolicy decides. The At webhook
+            // (Fail) refuses, naming itself, even an At it would admit; the Eru webhook (Ignore)
+            // admits an impossible schedule, left to the controller; the Memcached one (Ignore)
+            // admits nothing it would have fixed, as the schema still requires a size.
             let _ = Command::new("kill")
                 .args(["-TERM", &op.0.id().to_string()])
                 .status();
             op.0.wait()?;
-            let (ok, out) = apply(&ns, &at("ancient3", "2010-01-01T00:00:00Z"))?;
+            let (ok, out) = apply(&ns, &at("later", "2030-01-01T00:00:00Z"))?;
+            ensure!(
+                !ok && out.contains("failed calling webhook") && out.contains("vat.opkit.dev"),
+                "admitted with the webhook down, or refused for another reason: {out}"
+            );
+            let (ok, out) = apply(&ns, &eru("range2", "61 * * * *", "web"))?;
             ensure!(ok, "refused with the webhook down: {out}");
             let (ok, out) = apply(&ns, &MEMCACHED_WITHOUT_SIZE.replace("nosize", "nosize2"))?;
             ensure!(!ok && out.contains("spec.size: Required value"), "{out}");

@@ -3,7 +3,7 @@
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::jiff::Timestamp;
 use kube::{Api, Client};
-use opkit::webhook::{Review, Rule, Verdict, Webhooks};
+use opkit::webhook::{FailurePolicy, Review, Rule, RuleScope, Verdict, Webhooks};
 use opkit_api::eru::Eru;
 
 /// Checks an Eru's schedule and time zone fully; `deployment_exists` answers for the target.
@@ -29,6 +29,11 @@ pub fn webhooks(w: Webhooks, client: &Client) -> Webhooks {
         versions: &["v1"],
         resource: "erus",
         operations: &["CREATE", "UPDATE"],
+        // Ignore: the controller checks the same spec and reports an impossible schedule as a
+        // condition and a Warning Event; nothing restarts off schedule, so an outage only moves
+        // the message from `kubectl apply` to `kubectl describe`.
+        failure_policy: FailurePolicy::Ignore,
+        scope: RuleScope::Namespaced,
     };
     let client = client.clone();
     w.validating::<Eru, _, _>(rule, move |r: Review<Eru>| {

@@ -3,7 +3,7 @@
 use kube::Client;
 use kube::core::DynamicObject;
 use kube::core::admission::Operation;
-use opkit::webhook::{Review, Rule, Verdict, Webhooks};
+use opkit::webhook::{FailurePolicy, Review, Rule, RuleScope, Verdict, Webhooks};
 
 /// `spec.size` given to a Memcached created without one.
 pub const DEFAULT_SIZE: i32 = 1;
@@ -37,6 +37,11 @@ pub fn webhooks(w: Webhooks, _: &Client) -> Webhooks {
         versions: &["v1", "v1alpha1"],
         resource: "memcacheds",
         operations: &["CREATE"],
+        // Ignore: this webhook only fills in a `spec.size` the schema requires. While it cannot
+        // answer, a Memcached without a size is refused anyway (by the schema: `spec.size:
+        // Required value`) and one with a size needs nothing from it; Fail would refuse those too.
+        failure_policy: FailurePolicy::Ignore,
+        scope: RuleScope::Namespaced,
     };
     // Read untyped: both served versions come through here.
     w.mutating::<DynamicObject, _, _>(rule, |r: Review<DynamicObject>| async move {

@@ -2,8 +2,11 @@
 //! manifests, and re-applied at start with the serving CA), and the start-up that makes or
 //! loads the certificate and serves.
 //!
-//! Every webhook uses `failurePolicy: Ignore`, so an operator outage never blocks anyone's
-//! `kubectl apply`; rules that matter must also hold further down (schema, controller).
+//! Each webhook's `failurePolicy` is its [`Rule`]'s: `Fail` unless it says otherwise, so its
+//! checks hold while the operator is down (those requests are refused meanwhile); `Ignore` for
+//! webhooks whose checks also hold further down (schema, controller). Either way the
+//! operator's own namespace is left out, so a webhook that cannot answer never blocks fixing
+//! the operator itself.
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
@@ -77,11 +80,13 @@ fn rules(r: &Rule) -> Option<Vec<RuleWithOperations>> {
         api_versions: s(r.versions),
         operations: s(r.operations),
         resources: s(&[r.resource]),
-        scope: Some("Namespaced".into()),
+        scope: Some(r.scope.as_str().into()),
     }])
 }
 
 /// Keeps the operator's own namespace out, so a broken webhook can never block fixing it.
+/// (The apiserver applies it to namespaced objects and Namespaces only; other cluster-scoped
+/// objects are always sent.)
 fn namespace_selector(own_namespace: &str) -> Option<LabelSelector> {
     Some(LabelSelector {
         match_expressions: Some(vec![LabelSelectorRequirement {
@@ -117,7 +122,7 @@ pub fn configurations(
                     name: r.name.into(),
                     client_config: client_config(project, endpoint, r.path, ca_bundle),
                     rules: rules(r),
-                    failure_policy: Some("Ignore".into()),
+                    failure_policy: Some(r.failure_policy.as_str().into()),
                     side_effects: "None".into(),
                     admission_review_versions: versions.clone(),
                     timeout_seconds: Some(5),
@@ -139,7 +144,7 @@ pub fn configurations(
                     name: r.name.into(),
                     client_config: client_config(project, endpoint, r.path, ca_bundle),
                     rules: rules(r),
-                    failure_policy: Some("Ignore".into()),
+                    failure_policy: Some(r.failure_policy.as_str().into()),
                     side_effects: "None".into(),
                     admission_review_versions: versions.clone(),
                     timeout_seconds: Some(5),
@@ -388,25 +393,56 @@ async fn apply(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::webhook::Verdict;
+    use crate::webhook::{FailurePolicy, RuleScope, Verdict};
     use kube::core::DynamicObject;
 
     fn hooks() -> Webhooks {
-        let rule = |name, path| Rule {
+        let rule = |name, path, failure_policy, scope| Rule {
             name,
             path,
             group: "example.com",
             versions: &["v1"],
             resource: "things",
             operations: &["CREATE"],
+            failure_policy,
+            scope,
         };
         Webhooks::new()
-            .mutating::<DynamicObject, _, _>(rule("mthing.example.com", "/mutate"), |_| async {
-                Verdict::allow()
-            })
-            .validating::<DynamicObject, _, _>(rule("vthing.example.com", "/validate"), |_| async {
-                Verdict::allow()
-            })
+            .mutating::<DynamicObject, _, _>(
+                rule(
+                    "mthing.example.com",
+                    "/mutate",
+                    FailurePolicy::default(),
+                    RuleScope::default(),
+                ),
+                |_| async { Verdict::allow() },
+            )
+            .validating::<DynamicObject, _, _>(
+                rule(
+                    "vthing.example.com",
+                    "/validate",
+                    FailurePolicy::Ignore,
+                    RuleScope::Cluster,
+                ),
+                |_| async { Verdict::allow() },
+            )
+    }
+
+    #[test]
+    fn each_webhook_gets_its_rules_failure_policy_and_scope() {
+        let (m, v) = configurations(
+            "opkit",
+            &hooks(),
+            &Endpoint::Url("https://127.0.0.1:9443".into()),
+            "opkit-system",
+            None,
+        );
+        let (mw, vw) = (&m.webhooks.unwrap()[0], &v.webhooks.unwrap()[0]);
+        // The defaults: Kubebuilder's Fail, a namespaced kind.
+        assert_eq!(mw.failure_policy.as_deref(), Some("Fail"));
+        assert_eq!(mw.rules.as_ref().unwrap()[0].scope.as_deref(), Some("Namespaced"));
+        assert_eq!(vw.failure_policy.as_deref(), Some("Ignore"));
+        assert_eq!(vw.rules.as_ref().unwrap()[0].scope.as_deref(), Some("Cluster"));
     }
 
     #[test]
@@ -423,7 +459,6 @@ mod tests {
             mw.client_config.url.as_deref(),
             Some("https://127.0.0.1:9443/mutate")
         );
-        assert_eq!(mw.failure_policy.as_deref(), Some("Ignore"));
         assert_eq!(mw.side_effects, "None");
         let vw = v.webhooks.unwrap();
         assert_eq!(vw.len(), 1);

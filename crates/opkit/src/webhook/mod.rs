@@ -92,6 +92,52 @@ pub struct Rule {
     pub resource: &'static str,
     /// `CREATE`, `UPDATE`, ...
     pub operations: &'static [&'static str],
+    /// What the apiserver does with a request when the webhook cannot answer.
+    pub failure_policy: FailurePolicy,
+    /// Whether `resource` lives in namespaces or in the cluster.
+    pub scope: RuleScope,
+}
+
+/// What the apiserver does with a request when the webhook cannot answer (the operator is
+/// down, the call times out, the answer is unreadable): the configuration's `failurePolicy`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum FailurePolicy {
+    /// Refuse the request, naming the webhook. Kubebuilder's default: what the webhook checks
+    /// stays enforced while the operator is down, at the price of refusing those requests.
+    #[default]
+    Fail,
+    /// Let the request through as if the webhook had allowed it unchanged. Only for webhooks
+    /// whose checks also hold further down (the schema, the controller).
+    Ignore,
+}
+
+impl FailurePolicy {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            FailurePolicy::Fail => "Fail",
+            FailurePolicy::Ignore => "Ignore",
+        }
+    }
+}
+
+/// Where the objects of a rule's resource live: the rule's `scope`. The apiserver only calls
+/// a webhook for objects of its scope, so a rule for a cluster-scoped kind must say `Cluster`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum RuleScope {
+    /// Objects in a namespace.
+    #[default]
+    Namespaced,
+    /// Cluster-scoped objects.
+    Cluster,
+}
+
+impl RuleScope {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            RuleScope::Namespaced => "Namespaced",
+            RuleScope::Cluster => "Cluster",
+        }
+    }
 }
 
 /// A set of webhook handlers, one HTTP path each, with the rules that route requests to them.
@@ -602,6 +648,8 @@ mod tests {
                 versions: &["v1"],
                 resource: "things",
                 operations: &["CREATE"],
+                failure_policy: FailurePolicy::Ignore,
+                scope: RuleScope::Namespaced,
             },
             |_| async { Verdict::allow() },
         );
