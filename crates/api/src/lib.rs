@@ -2,6 +2,7 @@
 //! lives in `opkit-controllers`.
 
 pub mod at;
+pub mod config_mirror;
 pub mod eru;
 pub mod foo;
 pub mod memcached;

@@ -3,6 +3,7 @@
 //! webhooks. [`registry`] is the one list of them.
 
 pub mod at;
+pub mod config_mirror;
 pub mod eru;
 pub mod foo;
 pub mod memcached;
@@ -30,7 +31,7 @@ pub fn operator() -> Operator<Settings> {
     Operator {
         name: "opkit",
         version: env!("CARGO_PKG_VERSION"),
-        about: "Kubernetes operators in Rust: Memcached, At, Eru and friends",
+        about: "Kubernetes operators in Rust: Memcached, At, Eru, ConfigMirror and friends",
         registry: registry(),
     }
 }
@@ -66,6 +67,15 @@ pub fn registry() -> Registry<Settings> {
             webhooks: eru::webhooks,
             add: |m, _| {
                 m.add(eru::EruController).add(eru::AnnotationController);
+            },
+        },
+        Registration {
+            name: config_mirror::NAME,
+            crds: || vec![opkit_api::config_mirror::crd()],
+            rbac: config_mirror::rbac_rules,
+            webhooks: config_mirror::webhooks,
+            add: |m, _| {
+                m.add(config_mirror::ConfigMirrorController);
             },
         },
         Registration {

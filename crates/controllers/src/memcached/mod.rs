@@ -153,7 +153,9 @@ impl Reconciler for MemcachedController {
         Caches {
             deployments: w.owns(Watch::labels(&selector()).applied().trim(trim_deployment).prune()),
             pods: w.watches(
-                Watch::labels(&selector()).trim(trim_pod).index(BY_OWNER, pod_owner),
+                Watch::labels(&selector())
+                    .trim(trim_pod)
+                    .index(BY_OWNER, pod_owner),
                 |pod: Pod| {
                     let name = pod.labels().get(CR_LABEL)?.clone();
                     Some(ObjectRef::<Memcached>::new(&name).within(&pod.namespace()?))

@@ -11,12 +11,12 @@ use kube::runtime::controller::Action;
 use kube::{Resource, ResourceExt};
 use tokio::sync::{Semaphore, watch};
 
+use super::Error;
 use super::watches::{Pruner, Synced, Watches};
 use super::write::Writer;
-use super::Error;
 use crate::conditions::Desired;
 use crate::context::ControllerContext;
-use crate::reconciler::{Cleanup, Event, Invalid, Plan, Reconciler, Requeue, finalizer};
+use crate::reconciler::{Cleanup, Deletion, Event, Invalid, Plan, Reconciler, Requeue, finalizer};
 
 /// Condition a failing cleanup shows (`True`, reason [`CLEANUP_FAILED`]) on an object that is
 /// being deleted.
@@ -147,7 +147,7 @@ impl<R: Reconciler> Runner<R> {
             .await
             .map_err(|source| Error::Observe { source })?;
         let now = Timestamp::now();
-        if let Some(f) = ours {
+        if let (true, Some(f)) = (deleting, ours) {
             // cleanup (pure), then carried out
             let cleanup = self.reconciler.cleanup(obj, &world, now);
             return self.clean_up(obj, f, cleanup, now).await;
@@ -181,7 +181,11 @@ impl<R: Reconciler> Runner<R> {
         if let Some(uid) = obj.uid() {
             for pruner in &self.pruners {
                 for owned in pruner(&uid) {
-                    let key = (owned.resource.kind.clone(), owned.namespace.clone(), owned.name.clone());
+                    let key = (
+                        owned.resource.kind.clone(),
+                        owned.namespace.clone(),
+                        owned.name.clone(),
+                    );
                     if !produced.contains(&key) {
                         self.writer.prune(&owned).await?;
                     }
@@ -220,22 +224,20 @@ impl<R: Reconciler> Runner<R> {
         cleanup: Cleanup<R::Status>,
         now: Timestamp,
     ) -> Result<(Action, &'static str), Error> {
-        for d in &cleanup.deletes {
-            self.writer.delete(d).await?;
-        }
-        for step in &cleanup.calls {
-            self.ctx.may_call()?;
-            let outcome = self.reconciler.call(obj, step).await;
-            self.ctx.metrics().call(step, outcome.is_ok());
-            if let Err(message) = outcome {
-                let message = format!("cleanup step {step} failed: {message}");
-                let desired = vec![Desired::yes(DELETING, CLEANUP_FAILED, message.clone())];
-                if self.writer.conditions::<_, R::Status>(obj, desired, now).await? {
-                    let e = Event::warning(CLEANUP_FAILED, "Cleanup", message.clone());
-                    self.ctx.event(obj, &e).await;
-                }
-                return Err(Error::Cleanup { message });
+        if let Err(failure) = self.cleanup_steps(obj, &cleanup.deletes, &cleanup.calls).await {
+            if matches!(failure, Error::NotLeader) {
+                return Err(failure);
             }
+            let message = match &failure {
+                Error::Cleanup { message } => message.clone(),
+                other => format!("cleanup failed: {other}"),
+            };
+            let desired = vec![Desired::yes(DELETING, CLEANUP_FAILED, message.clone())];
+            if self.writer.conditions::<_, R::Status>(obj, desired, now).await? {
+                let e = Event::warning(CLEANUP_FAILED, "Cleanup", message);
+                self.ctx.event(obj, &e).await;
+            }
+            return Err(failure);
         }
         if let Some(status) = cleanup.status {
             self.writer
@@ -251,6 +253,29 @@ impl<R: Reconciler> Runner<R> {
         self.writer.finalizer(obj, finalizer, false).await?;
         tracing::info!("cleanup done, finalizer removed");
         Ok((Action::await_change(), "cleaned_up"))
+    }
+
+    /// The deletions, then the outside steps in order; the first failure stops them.
+    async fn cleanup_steps(
+        &self,
+        obj: &R::Object,
+        deletes: &[Deletion],
+        calls: &[&'static str],
+    ) -> Result<(), Error> {
+        for d in deletes {
+            self.writer.delete(d).await?;
+        }
+        for step in calls {
+            self.ctx.may_call()?;
+            let outcome = self.reconciler.call(obj, step).await;
+            self.ctx.metrics().call(step, outcome.is_ok());
+            if let Err(message) = outcome {
+                return Err(Error::Cleanup {
+                    message: format!("cleanup step {step} failed: {message}"),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// Records an invalid spec as a condition on the live status and warns once per change of
