@@ -7,8 +7,8 @@ use kube::{Client, Resource};
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
-use crate::manager::Tuning;
 use crate::leader::WriteGate;
+use crate::manager::Tuning;
 use crate::metrics::ControllerMetrics;
 use crate::reconciler::Event;
 use crate::runtime::Error;

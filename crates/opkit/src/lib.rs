@@ -34,7 +34,9 @@ pub mod webhook;
 pub mod changed;
 pub use manager::{DEFAULT_CONCURRENCY, Manager, ManagerOptions, Tuning};
 pub use operator::{Operator, Running};
-pub use reconciler::{Child, Cleanup, Deletion, Event, Invalid, OWNER_LABEL, Plan, Reconciler, Requeue, finalizer};
+pub use reconciler::{
+    Child, Cleanup, Deletion, Event, Invalid, OWNER_LABEL, Plan, Reconciler, Requeue, finalizer,
+};
 pub use registry::{Registration, Registry};
 pub use runtime::{Cache, KindScope, Watch, Watchable, Watches};
 pub use scope::Scope;

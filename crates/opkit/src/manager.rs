@@ -55,7 +55,9 @@ impl Tuning {
     /// Sets `key` (`concurrency`, `backoff-base`, `backoff-max`, `timeout`) from `value`
     /// (a count, or a duration such as `500ms`, `30s`, `5m`).
     pub fn set(&mut self, key: &str, value: &str) -> Result<(), String> {
-        let duration = || parse_duration(value).ok_or_else(|| format!("{key}: not a duration (500ms, 30s, 5m): {value:?}"));
+        let duration = || {
+            parse_duration(value).ok_or_else(|| format!("{key}: not a duration (500ms, 30s, 5m): {value:?}"))
+        };
         match key {
             "concurrency" => {
                 self.concurrency = value
@@ -224,7 +226,11 @@ impl Manager {
     /// otherwise be silently ignored.
     pub fn check_tuning(&self) -> Result<(), String> {
         let added: Vec<&str> = self.controllers.iter().map(|c| c.name).collect();
-        match self.overrides.iter().find(|(name, ..)| !added.contains(&name.as_str())) {
+        match self
+            .overrides
+            .iter()
+            .find(|(name, ..)| !added.contains(&name.as_str()))
+        {
             Some((name, key, value)) => Err(format!(
                 "--tune {name}.{key}={value}: no controller {name:?} runs here; running: {}",
                 added.join(", ")

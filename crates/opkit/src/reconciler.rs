@@ -103,7 +103,11 @@ pub trait Reconciler: Send + Sync + 'static {
     /// the outside world. opkit runs it after the cleanup's deletions, bounded by the
     /// reconcile timeout and counted per step in the metrics; an `Err` is shown as the
     /// `Deleting` condition and a Warning Event and retried with backoff. Must be idempotent.
-    fn call(&self, _obj: &Self::Object, step: &'static str) -> impl Future<Output = Result<(), String>> + Send {
+    fn call(
+        &self,
+        _obj: &Self::Object,
+        step: &'static str,
+    ) -> impl Future<Output = Result<(), String>> + Send {
         async move { Err(format!("the controller declares no step {step:?}")) }
     }
 }
@@ -326,18 +330,28 @@ impl Child {
     }
 
     /// Server-side apply `desired` unless `live` (the cached object) already has all of it.
-    pub fn apply<C: Resource<DynamicType = (), Scope: KindScope> + Serialize>(desired: &C, live: Option<&C>) -> Self {
+    pub fn apply<C: Resource<DynamicType = (), Scope: KindScope> + Serialize>(
+        desired: &C,
+        live: Option<&C>,
+    ) -> Self {
         Self::typed(Mode::Apply, desired, live)
     }
 
     /// Create `desired` unless `live` shows it exists; see [`Mode::Create`].
-    pub fn create<C: Resource<DynamicType = (), Scope: KindScope> + Serialize>(desired: &C, live: Option<&C>) -> Self {
+    pub fn create<C: Resource<DynamicType = (), Scope: KindScope> + Serialize>(
+        desired: &C,
+        live: Option<&C>,
+    ) -> Self {
         let mut c = Self::typed(Mode::Create, desired, live);
         c.needed = live.is_none();
         c
     }
 
-    fn typed<C: Resource<DynamicType = (), Scope: KindScope> + Serialize>(mode: Mode, desired: &C, live: Option<&C>) -> Self {
+    fn typed<C: Resource<DynamicType = (), Scope: KindScope> + Serialize>(
+        mode: Mode,
+        desired: &C,
+        live: Option<&C>,
+    ) -> Self {
         let body = serde_json::to_value(desired).unwrap_or_default();
         Self::new(mode, desired.namespace(), desired.name_any(), body, live)
     }

@@ -127,7 +127,10 @@ impl<C: Resource<DynamicType = ()> + Clone> Index<C> {
 }
 
 /// Feeds every index of a cache one watch event.
-pub(crate) fn observe_all<C: Resource<DynamicType = ()> + Clone>(indexes: &Indexes<C>, ev: &watcher::Event<C>) {
+pub(crate) fn observe_all<C: Resource<DynamicType = ()> + Clone>(
+    indexes: &Indexes<C>,
+    ev: &watcher::Event<C>,
+) {
     let indexes = indexes.read().unwrap_or_else(|p| p.into_inner());
     for index in indexes.values() {
         index.observe(ev);
@@ -231,7 +234,11 @@ impl<C: Resource<DynamicType = ()> + Clone + 'static> Cache<C> {
     /// The object `name` in `namespace` (empty for a cluster-scoped kind), if cached.
     pub fn get(&self, namespace: &str, name: &str) -> Option<Arc<C>> {
         let r = ObjectRef::new(name);
-        self.store.get(&if namespace.is_empty() { r } else { r.within(namespace) })
+        self.store.get(&if namespace.is_empty() {
+            r
+        } else {
+            r.within(namespace)
+        })
     }
 
     /// Every cached object (of every namespace this cache covers).
@@ -363,7 +370,14 @@ impl KindScope for ClusterResourceScope {
 /// cluster-scoped (Namespaces, Nodes, cluster-scoped custom kinds): what every watch, cache,
 /// child and primary needs.
 pub trait Watchable:
-    Resource<DynamicType = (), Scope: KindScope> + Clone + Debug + DeserializeOwned + Serialize + Send + Sync + 'static
+    Resource<DynamicType = (), Scope: KindScope>
+    + Clone
+    + Debug
+    + DeserializeOwned
+    + Serialize
+    + Send
+    + Sync
+    + 'static
 {
 }
 
@@ -419,7 +433,10 @@ mod tests {
         let i = Index::new(Arc::new(owners));
         i.observe(&watcher::Event::Apply(pod("a", "m1")));
         i.observe(&watcher::Event::Apply(pod("b", "m1.m2")));
-        assert_eq!((keyed(&i, "m1"), keyed(&i, "m2")), (vec!["a".into(), "b".into()], vec!["b".into()]));
+        assert_eq!(
+            (keyed(&i, "m1"), keyed(&i, "m2")),
+            (vec!["a".into(), "b".into()], vec!["b".into()])
+        );
         i.observe(&watcher::Event::Apply(pod("b", "m2")));
         assert_eq!(
             (keyed(&i, "m1"), keyed(&i, "m2")),
@@ -450,11 +467,18 @@ mod tests {
         assert_eq!(cache.len(), 2);
         let a = cache.get("ns", "a").expect("a is cached");
         assert!(a.metadata.annotations.is_none(), "the watch's trim applies");
-        let mut names: Vec<String> = cache.indexed("owner", "m1").iter().map(|p| p.name_any()).collect();
+        let mut names: Vec<String> = cache
+            .indexed("owner", "m1")
+            .iter()
+            .map(|p| p.name_any())
+            .collect();
         names.sort();
         assert_eq!(names, ["a", "b"]);
         assert_eq!(cache.indexed("name", "b").len(), 1);
         assert!(cache.indexed("no-such-index", "m1").is_empty());
-        assert_eq!(cache.indexed_refs("owner", "m2"), [ObjectRef::new("b").within("ns")]);
+        assert_eq!(
+            cache.indexed_refs("owner", "m2"),
+            [ObjectRef::new("b").within("ns")]
+        );
     }
 }

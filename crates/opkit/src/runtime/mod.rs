@@ -16,8 +16,8 @@ pub mod watches;
 mod write;
 
 pub use cache::{Cache, KindScope, Watch, Watchable};
-pub use driver::{CLEANUP_FAILED, DELETING};
 pub(crate) use driver::run;
+pub use driver::{CLEANUP_FAILED, DELETING};
 pub(crate) use watches::Synced;
 pub use watches::Watches;
 

@@ -110,7 +110,10 @@ impl Echoes {
         if w.len() > 4096 {
             w.retain(|_, (_, at)| at.elapsed() < ECHO_TTL);
         }
-        w.insert(echo_key(kind, namespace, name), (resource_version, Instant::now()));
+        w.insert(
+            echo_key(kind, namespace, name),
+            (resource_version, Instant::now()),
+        );
     }
 
     /// Whether `obj` is exactly what this process last wrote of it (and forgets that write).
@@ -217,12 +220,15 @@ where
         let indexes = primary.indexes().clone();
         let stream = reflector::reflector(
             writer,
-            watcher(api::<K>(&client, namespace.as_deref()), watcher::Config::default())
-                .default_backoff()
-                .modify(move |o| {
-                    o.managed_fields_mut().clear();
-                    reconciler.trim(o);
-                }),
+            watcher(
+                api::<K>(&client, namespace.as_deref()),
+                watcher::Config::default(),
+            )
+            .default_backoff()
+            .modify(move |o| {
+                o.managed_fields_mut().clear();
+                reconciler.trim(o);
+            }),
         )
         .inspect(move |ev| {
             if let Ok(ev) = ev {
@@ -345,7 +351,9 @@ where
                 .owner_references()
                 .iter()
                 .filter(|o| {
-                    o.controller == Some(true) && o.kind == K::kind(&()) && o.api_version == K::api_version(&())
+                    o.controller == Some(true)
+                        && o.kind == K::kind(&())
+                        && o.api_version == K::api_version(&())
                 })
                 .map(|o| {
                     let r = ObjectRef::new(&o.name);
@@ -425,11 +433,23 @@ mod tests {
     fn a_filter_triggers_on_changes_of_its_key_and_on_deletions_only() {
         let data: Filter<ConfigMap> = Arc::new(|c: &ConfigMap| hash(&c.data));
         let mut f = triggers(Some(data), Echoes::default());
-        assert!(fire(&mut f, watcher::Event::InitApply(cm("a", "1", "x"))), "first sight");
-        assert!(!fire(&mut f, watcher::Event::Apply(cm("a", "2", "x"))), "same data");
-        assert!(fire(&mut f, watcher::Event::Apply(cm("a", "3", "y"))), "changed data");
+        assert!(
+            fire(&mut f, watcher::Event::InitApply(cm("a", "1", "x"))),
+            "first sight"
+        );
+        assert!(
+            !fire(&mut f, watcher::Event::Apply(cm("a", "2", "x"))),
+            "same data"
+        );
+        assert!(
+            fire(&mut f, watcher::Event::Apply(cm("a", "3", "y"))),
+            "changed data"
+        );
         assert!(fire(&mut f, watcher::Event::Delete(cm("a", "4", "y"))), "deleted");
-        assert!(fire(&mut f, watcher::Event::Apply(cm("a", "5", "y"))), "recreated");
+        assert!(
+            fire(&mut f, watcher::Event::Apply(cm("a", "5", "y"))),
+            "recreated"
+        );
     }
 
     #[test]
@@ -437,10 +457,22 @@ mod tests {
         let echoes = Echoes::default();
         let mut f = triggers(None, echoes.clone());
         echoes.record("ConfigMap", Some("ns"), "a", "7".into());
-        assert!(fire(&mut f, watcher::Event::Apply(cm("a", "6", "x"))), "an older version");
-        assert!(!fire(&mut f, watcher::Event::Apply(cm("a", "7", "x"))), "the echo");
-        assert!(fire(&mut f, watcher::Event::Apply(cm("a", "7", "x"))), "seen once only");
-        assert!(fire(&mut f, watcher::Event::Apply(cm("b", "7", "x"))), "another object");
+        assert!(
+            fire(&mut f, watcher::Event::Apply(cm("a", "6", "x"))),
+            "an older version"
+        );
+        assert!(
+            !fire(&mut f, watcher::Event::Apply(cm("a", "7", "x"))),
+            "the echo"
+        );
+        assert!(
+            fire(&mut f, watcher::Event::Apply(cm("a", "7", "x"))),
+            "seen once only"
+        );
+        assert!(
+            fire(&mut f, watcher::Event::Apply(cm("b", "7", "x"))),
+            "another object"
+        );
     }
 
     #[test]

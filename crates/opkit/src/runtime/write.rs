@@ -131,7 +131,12 @@ impl Writer {
 
     /// Applies `desired` through the status subresource unless the live status (read as `S`)
     /// has all of it. Returns whether it wrote. With `echo`, its watch event triggers nothing.
-    pub(crate) async fn status<K, S>(&self, obj: &K, desired: serde_json::Value, echo: bool) -> Result<bool, Error>
+    pub(crate) async fn status<K, S>(
+        &self,
+        obj: &K,
+        desired: serde_json::Value,
+        echo: bool,
+    ) -> Result<bool, Error>
     where
         K: Watchable,
         S: Serialize + DeserializeOwned + Default,
@@ -169,9 +174,12 @@ impl Writer {
             Ok(written) => {
                 if let Some(to) = written.resource_version() {
                     if echo {
-                        self.ctx
-                            .echoes()
-                            .record(&K::kind(&()), obj.namespace().as_deref(), &obj.name_any(), to.clone());
+                        self.ctx.echoes().record(
+                            &K::kind(&()),
+                            obj.namespace().as_deref(),
+                            &obj.name_any(),
+                            to.clone(),
+                        );
                     }
                     self.status
                         .record(&uid, &precondition, to, status_hash(&body["status"]));
@@ -217,7 +225,12 @@ impl Writer {
 
     /// Adds (`present`) or removes this controller's `finalizer` on `obj` with a server-side
     /// apply of that one entry: other finalizers and fields are untouched.
-    pub(crate) async fn finalizer<K: Watchable>(&self, obj: &K, finalizer: &str, present: bool) -> Result<(), Error> {
+    pub(crate) async fn finalizer<K: Watchable>(
+        &self,
+        obj: &K,
+        finalizer: &str,
+        present: bool,
+    ) -> Result<(), Error> {
         let mut metadata = serde_json::json!({"name": obj.name_any(), "finalizers": []});
         if let Some(ns) = obj.namespace().filter(|_| namespaced::<K>()) {
             metadata["namespace"] = ns.into();
