@@ -161,6 +161,10 @@ struct RunArgs<A: Args> {
     /// Seconds between renewals.
     #[arg(long, default_value_t = 2)]
     leader_elect_retry_period: u64,
+    /// A standby fills its caches while it waits, so a takeover starts reconciling without a
+    /// relist; `false` keeps a standby's memory and watch traffic near zero.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    leader_elect_warm_standby: bool,
     /// Where to serve the admission webhooks (HTTPS); "0" disables them.
     #[arg(long, default_value = "0")]
     webhook_bind_address: String,
@@ -300,6 +304,7 @@ async fn run<S, A: Args>(
         shutdown_timeout: Duration::from_secs(args.shutdown_timeout),
         handle_signals: true,
         leader_election: leader_election(&args, op.lease())?,
+        warm_standby: args.leader_elect_warm_standby,
     };
     let config = client_config(&args).await?;
     let client = Client::try_from(config.clone())?;

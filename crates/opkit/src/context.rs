@@ -27,6 +27,7 @@ pub(crate) struct ControllerContext {
     gate: WriteGate,
     tuning: Tuning,
     echoes: Echoes,
+    leading: tokio::sync::watch::Receiver<bool>,
 }
 
 impl Debug for ControllerContext {
@@ -56,6 +57,7 @@ impl ControllerContext {
         shutdown: CancellationToken,
         gate: WriteGate,
         tuning: Tuning,
+        leading: tokio::sync::watch::Receiver<bool>,
     ) -> Self {
         let reporter = Reporter {
             controller: format!("opkit-{name}"),
@@ -72,6 +74,7 @@ impl ControllerContext {
             gate,
             tuning,
             echoes: Echoes::default(),
+            leading,
         }
     }
 
@@ -93,6 +96,12 @@ impl ControllerContext {
             self.metrics.write_refused();
             Error::NotLeader
         })
+    }
+
+    /// Resolves once this replica leads (at once without leader election).
+    pub(crate) async fn leading(&self) {
+        let mut leading = self.leading.clone();
+        let _ = leading.wait_for(|l| *l).await;
     }
 
     pub(crate) fn tuning(&self) -> &Tuning {

@@ -112,6 +112,11 @@ pub struct ManagerOptions {
     pub handle_signals: bool,
     /// Run controllers only while holding this Lease; `None` runs them at once.
     pub leader_election: Option<LeaderElectionConfig>,
+    /// With leader election: a standby fills its caches while it waits for the Lease, so
+    /// that after a takeover reconciles start without a relist (controller-runtime's warm
+    /// replicas). Costs a standby the memory and watch traffic of the leader; off, a standby
+    /// holds nothing until it leads.
+    pub warm_standby: bool,
 }
 
 impl Default for ManagerOptions {
@@ -122,6 +127,7 @@ impl Default for ManagerOptions {
             shutdown_timeout: Duration::from_secs(30),
             handle_signals: true,
             leader_election: None,
+            warm_standby: true,
         }
     }
 }
@@ -147,6 +153,7 @@ pub enum ManagerError {
 pub(crate) struct Registered {
     pub name: &'static str,
     pub ready: Arc<AtomicBool>,
+    synced: Synced,
     run: BoxFuture<'static, ()>,
 }
 
@@ -160,6 +167,7 @@ pub struct Manager {
     overrides: Vec<(String, String, String)>,
     controllers: Vec<Registered>,
     gate: WriteGate,
+    leading: tokio::sync::watch::Sender<bool>,
     election_client: Option<Client>,
 }
 
@@ -176,6 +184,7 @@ impl Manager {
             overrides: Vec::new(),
             controllers: Vec::new(),
             gate: WriteGate::new(),
+            leading: tokio::sync::watch::channel(false).0,
             election_client: None,
         }
     }
@@ -285,20 +294,28 @@ impl Manager {
             self.shutdown.clone(),
             self.gate.clone(),
             tuning,
+            self.leading.subscribe(),
         );
         let namespaces = match self.scope.list() {
             None => vec![None],
             Some(list) => list.iter().cloned().map(Some).collect(),
         };
-        let run = runtime::run(reconciler, ctx, namespaces, Synced::new(ready.clone()));
-        self.controllers.push(Registered { name, ready, run });
+        let synced = Synced::new(ready.clone());
+        let run = runtime::run(reconciler, ctx, namespaces, synced.clone());
+        self.controllers.push(Registered {
+            name,
+            ready,
+            synced,
+            run,
+        });
         self
     }
 
     /// Serves the HTTP endpoints and runs every controller until SIGTERM, SIGINT or the
     /// shutdown token; then lets in-flight reconciles finish (bounded by the timeout). With
     /// leader election, controllers start only once the Lease is held and every write passes
-    /// the [`WriteGate`]; if the Lease is lost the controllers are aborted at once (no drain:
+    /// the [`WriteGate`] (with `warm_standby`, their caches fill before, and only the
+    /// reconciles wait); if the Lease is lost the controllers are aborted at once (no drain:
     /// another replica may already lead) and the manager returns the error; on a normal stop
     /// the Lease is released.
     pub async fn run(self, opts: ManagerOptions) -> Result<(), ManagerError> {
@@ -309,6 +326,7 @@ impl Manager {
             controllers,
             gate,
             election_client,
+            leading,
             ..
         } = self;
         let readiness: Vec<(&'static str, Arc<AtomicBool>)> =
@@ -337,19 +355,42 @@ impl Manager {
             .map(|cfg| LeaderElector::new(election_client.unwrap_or(client.clone()), cfg, gate.clone()));
         let mut renewal = None;
         let lost = CancellationToken::new();
+        let readiness: Vec<(Arc<AtomicBool>, Synced)> = controllers
+            .iter()
+            .map(|c| (c.ready.clone(), c.synced.clone()))
+            .collect();
+        let mut running = futures::stream::FuturesUnordered::new();
+        let mut aborts = Vec::new();
+        let mut pending = Some(controllers);
+        let mut start = |controllers: Vec<Registered>| {
+            for c in controllers {
+                tracing::info!(controller = c.name, "starting controller");
+                let name = c.name;
+                let task = tokio::spawn(c.run);
+                aborts.push(task.abort_handle());
+                running.push(task.map(move |r| (name, r)));
+            }
+        };
         if let Some(e) = &elector {
             // A standby is healthy and ready (to take over); readiness then tracks the
             // controllers' caches once this replica leads.
-            set_all(&controllers, true);
+            set_all(&readiness, true);
             gate.enforce();
+            if opts.warm_standby {
+                // Caches fill now; every reconcile waits until this replica leads.
+                start(pending.take().unwrap_or_default());
+            }
             tracing::info!(identity = e.identity(), "waiting to become the leader");
             let Some(deadline) = e.acquire(&shutdown).await? else {
                 tracing::info!("manager stopped before becoming the leader");
+                shutdown.cancel();
                 stop(signals, http);
                 return Ok(());
             };
             tracing::info!(identity = e.identity(), "became the leader");
-            set_all(&controllers, false);
+            for (ready, synced) in &readiness {
+                ready.store(synced.is_synced(), std::sync::atomic::Ordering::SeqCst);
+            }
             let (shutdown, lost) = (shutdown.clone(), lost.clone());
             let e = e.clone();
             renewal = Some(tokio::spawn(async move {
@@ -362,15 +403,9 @@ impl Manager {
                 r
             }));
         }
-
-        let mut running = futures::stream::FuturesUnordered::new();
-        let mut aborts = Vec::new();
-        for c in controllers {
-            tracing::info!(controller = c.name, "starting controller");
-            let name = c.name;
-            let task = tokio::spawn(c.run);
-            aborts.push(task.abort_handle());
-            running.push(task.map(move |r| (name, r)));
+        leading.send_replace(true);
+        if let Some(controllers) = pending.take() {
+            start(controllers);
         }
         let mut result = Ok(());
         let drain = async {
@@ -412,9 +447,9 @@ impl Manager {
     }
 }
 
-fn set_all(controllers: &[Registered], ready: bool) {
-    for c in controllers {
-        c.ready.store(ready, std::sync::atomic::Ordering::SeqCst);
+fn set_all(readiness: &[(Arc<AtomicBool>, Synced)], ready: bool) {
+    for (r, _) in readiness {
+        r.store(ready, std::sync::atomic::Ordering::SeqCst);
     }
 }
 

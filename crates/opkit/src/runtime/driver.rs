@@ -101,6 +101,8 @@ impl<R: Reconciler> Runner<R> {
         // No decision on a half-filled cache: a missing child would look deleted.
         let mut synced = self.synced.clone();
         let _ = synced.wait_for(|s| *s).await;
+        // A warm standby holds its caches, not its reconciles, until it leads.
+        self.ctx.leading().await;
         let _permit = match &self.limit {
             Some(s) => s.clone().acquire_owned().await.ok(),
             None => None,

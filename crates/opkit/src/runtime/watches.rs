@@ -62,6 +62,11 @@ impl Synced {
         }
     }
 
+    /// Whether every stream has delivered its initial list.
+    pub(crate) fn is_synced(&self) -> bool {
+        *self.tx.borrow()
+    }
+
     pub(crate) fn subscribe(&self) -> watch::Receiver<bool> {
         self.tx.subscribe()
     }
