@@ -271,6 +271,20 @@ impl ControllerMetrics {
         self.totals.writes.fetch_add(1, Ordering::SeqCst);
     }
 
+    /// This controller's writes so far by verb (`apply 3, event 1`), for test failures.
+    pub fn describe_writes(&self) -> String {
+        let mut out: Vec<String> = self
+            .metrics
+            .encode()
+            .lines()
+            .filter(|l| l.starts_with("opkit_api_writes_total{"))
+            .filter(|l| l.contains(&format!("controller=\"{}\"", self.controller)))
+            .map(|l| l.to_string())
+            .collect();
+        out.sort();
+        out.join(", ")
+    }
+
     /// Writes made so far by this controller, over all verbs (for tests and benchmarks).
     pub fn writes_total(&self) -> u64 {
         self.totals.writes.load(Ordering::SeqCst)

@@ -145,8 +145,9 @@ where
     let (writes_after, rv_after) = (m.writes_total(), api.get(name).await?.resource_version());
     ensure!(
         writes_after == writes,
-        "{} writes during the quiet window",
-        writes_after - writes
+        "{} writes during the quiet window: {}",
+        writes_after - writes,
+        m.describe_writes()
     );
     ensure!(
         rv_after == rv,

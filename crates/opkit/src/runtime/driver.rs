@@ -257,15 +257,26 @@ impl<R: Reconciler> Runner<R> {
         Ok((Action::await_change(), "cleaned_up"))
     }
 
-    /// The deletions, then the outside steps in order; the first failure stops them.
+    /// Every deletion (one failing does not keep the others from being tried), then — once
+    /// they all succeeded — the outside steps in order, up to the first that fails.
     async fn cleanup_steps(
         &self,
         obj: &R::Object,
         deletes: &[Deletion],
         calls: &[&'static str],
     ) -> Result<(), Error> {
+        let mut failed = Vec::new();
         for d in deletes {
-            self.writer.delete(d).await?;
+            match self.writer.delete(d).await {
+                Ok(()) => {}
+                Err(Error::NotLeader) => return Err(Error::NotLeader),
+                Err(e) => failed.push(e.to_string()),
+            }
+        }
+        if !failed.is_empty() {
+            return Err(Error::Cleanup {
+                message: format!("cleanup failed: {}", failed.join("; ")),
+            });
         }
         for step in calls {
             self.ctx.may_call()?;
