@@ -26,7 +26,24 @@ async fn start(client: &Client, ns: &str) -> anyhow::Result<Operator> {
 async fn an_annotated_deployment_gets_an_eru_and_rolls_on_schedule() {
     shared()
         .in_namespace("eru-roll", |client, ns| async move {
-            let _op = start(&client, &ns).await?;
+            let op = start(&client, &ns).await?;
+            // The schedule loop watches Deployments exactly as the annotation controller's
+            // primary does: one cache between them, reported once.
+            let caches = |controller: &str| {
+                op.sample(&format!(
+                    r#"opkit_cache_objects{{controller="{controller}",kind="Deployment"}}"#
+                ))
+            };
+            let deployment_caches = |text: String| {
+                text.lines()
+                    .filter(|l| l.starts_with("opkit_cache_objects{") && l.contains(r#"kind="Deployment""#))
+                    .count()
+            };
+            ensure!(
+                deployment_caches(op.encoded()) == 1,
+                "two Deployment caches: {:?}",
+                (caches(eru::NAME), caches(eru::ANNOTATIONS))
+            );
             let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
             let erus: Api<Eru> = Api::namespaced(client.clone(), &ns);
             let d = deployment(

@@ -12,7 +12,7 @@ use crate::manager::Tuning;
 use crate::metrics::ControllerMetrics;
 use crate::reconciler::Event;
 use crate::runtime::Error;
-use crate::runtime::watches::Echoes;
+use crate::runtime::watches::{Echoes, SharedWatches};
 
 /// Everything one controller's runtime needs from its manager. Cheap to clone.
 #[derive(Clone)]
@@ -28,6 +28,7 @@ pub(crate) struct ControllerContext {
     tuning: Tuning,
     echoes: Echoes,
     leading: tokio::sync::watch::Receiver<bool>,
+    shared: SharedWatches,
 }
 
 impl Debug for ControllerContext {
@@ -58,6 +59,7 @@ impl ControllerContext {
         gate: WriteGate,
         tuning: Tuning,
         leading: tokio::sync::watch::Receiver<bool>,
+        shared: SharedWatches,
     ) -> Self {
         let reporter = Reporter {
             controller: format!("opkit-{name}"),
@@ -75,6 +77,7 @@ impl ControllerContext {
             tuning,
             echoes: Echoes::default(),
             leading,
+            shared,
         }
     }
 
@@ -102,6 +105,10 @@ impl ControllerContext {
     pub(crate) async fn leading(&self) {
         let mut leading = self.leading.clone();
         let _ = leading.wait_for(|l| *l).await;
+    }
+
+    pub(crate) fn shared(&self) -> &SharedWatches {
+        &self.shared
     }
 
     pub(crate) fn tuning(&self) -> &Tuning {

@@ -14,6 +14,7 @@ use crate::context::ControllerContext;
 use crate::leader::{LeaderElectionConfig, LeaderElector, LeaderError, WriteGate};
 use crate::metrics::Metrics;
 use crate::reconciler::Reconciler;
+use crate::runtime::watches::SharedWatches;
 use crate::runtime::{self, Synced};
 use crate::scope::Scope;
 use crate::server;
@@ -168,6 +169,7 @@ pub struct Manager {
     controllers: Vec<Registered>,
     gate: WriteGate,
     leading: tokio::sync::watch::Sender<bool>,
+    shared: SharedWatches,
     election_client: Option<Client>,
 }
 
@@ -185,6 +187,7 @@ impl Manager {
             controllers: Vec::new(),
             gate: WriteGate::new(),
             leading: tokio::sync::watch::channel(false).0,
+            shared: SharedWatches::default(),
             election_client: None,
         }
     }
@@ -295,6 +298,7 @@ impl Manager {
             self.gate.clone(),
             tuning,
             self.leading.subscribe(),
+            self.shared.clone(),
         );
         let namespaces = match self.scope.list() {
             None => vec![None],
@@ -327,6 +331,7 @@ impl Manager {
             gate,
             election_client,
             leading,
+            shared,
             ..
         } = self;
         let readiness: Vec<(&'static str, Arc<AtomicBool>)> =
@@ -363,6 +368,16 @@ impl Manager {
         let mut aborts = Vec::new();
         let mut pending = Some(controllers);
         let mut start = |controllers: Vec<Registered>| {
+            // The watches first: the controllers' streams are fed by them.
+            for driver in shared.take_drivers() {
+                let shutdown = shutdown.clone();
+                tokio::spawn(async move {
+                    tokio::select! {
+                        _ = driver => {},
+                        _ = shutdown.cancelled() => {},
+                    }
+                });
+            }
             for c in controllers {
                 tracing::info!(controller = c.name, "starting controller");
                 let name = c.name;

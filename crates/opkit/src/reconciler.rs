@@ -54,9 +54,13 @@ pub trait Reconciler: Send + Sync + 'static {
         defaults
     }
 
-    /// Drops from a cached primary object what the plan never reads (managed fields are
-    /// always dropped); memory scales with the number of objects, so this matters.
-    fn trim(&self, _obj: &mut Self::Object) {}
+    /// How the primary kind is watched: every object in scope by default; a label selector,
+    /// a trim of what the plan never reads (memory scales with the number of objects), an
+    /// event filter ([`crate::Watch::on_change`]) or indexes narrow it. A controller whose
+    /// primary watch equals another controller's watch of that kind shares its cache.
+    fn primary(&self) -> crate::Watch<Self::Object> {
+        crate::Watch::all()
+    }
 
     /// Declares the secondary watches and returns the caches they fill. Called once per
     /// watched namespace; no reconcile starts before every cache declared here has synced.

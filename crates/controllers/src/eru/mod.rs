@@ -333,8 +333,9 @@ impl Reconciler for AnnotationController {
         rbac_rules()
     }
 
-    fn trim(&self, d: &mut Deployment) {
-        trim(d);
+    // The same watch as the schedule loop's: the two controllers share one Deployment cache.
+    fn primary(&self) -> Watch<Deployment> {
+        Watch::all().trim(trim)
     }
 
     fn watch(&self, w: &mut Watches<Deployment>) -> Cache<Eru> {

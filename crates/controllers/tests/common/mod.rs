@@ -34,6 +34,11 @@ impl Operator {
         self.metrics.for_controller(self.name)
     }
 
+    /// The Prometheus exposition of every controller of this run.
+    pub fn encoded(&self) -> String {
+        self.metrics.encode()
+    }
+
     /// One sample of the Prometheus exposition, e.g.
     /// `opkit_cache_objects{controller="memcached",kind="Memcached"}` (0 when absent).
     pub fn sample(&self, series: &str) -> f64 {

@@ -145,14 +145,19 @@ impl<C: Resource<DynamicType = ()> + Clone + 'static> Cache<C> {
         Cache { store, indexes }
     }
 
+    pub(crate) fn store(&self) -> Store<C> {
+        self.store.clone()
+    }
+
     pub(crate) fn indexes(&self) -> &Indexes<C> {
         &self.indexes
     }
 
-    /// Adds an index; only before the watch filling this cache starts.
+    /// Adds an index; only before the watch filling this cache starts. A cache shared by
+    /// several controllers shares its indexes too: the first declaration of a name wins.
     pub(crate) fn add_index(&self, name: &'static str, key: KeyFn<C>) {
         let mut indexes = self.indexes.write().unwrap_or_else(|p| p.into_inner());
-        indexes.insert(name, Arc::new(Index::new(key)));
+        indexes.entry(name).or_insert_with(|| Arc::new(Index::new(key)));
     }
 
     /// A cache holding `objects` as `watch` would keep them (trimmed, projected, indexed; its

@@ -204,6 +204,44 @@ where
     metrics: crate::metrics::ControllerMetrics,
     field_manager: String,
     echoes: Echoes,
+    shared: SharedWatches,
+}
+
+/// The watches of one manager, by what they watch: controllers that declare the same watch
+/// get one reflector and one store between them, each with its own feed of the events (its
+/// own filter, echoes and sync count).
+#[derive(Clone, Default)]
+pub(crate) struct SharedWatches {
+    inner: Arc<Mutex<SharedInner>>,
+}
+
+#[derive(Default)]
+struct SharedInner {
+    entries: HashMap<ShareKey, Box<dyn std::any::Any + Send>>,
+    /// The reflectors to run, each feeding its store, indexes and subscribers.
+    drivers: Vec<BoxFuture<'static, ()>>,
+}
+
+/// What makes two watches the same: kind, namespace, selector and projection.
+#[derive(Hash, PartialEq, Eq)]
+struct ShareKey {
+    kind: std::any::TypeId,
+    namespace: Option<String>,
+    labels: Option<String>,
+    trim: usize,
+    applied: Option<String>,
+}
+
+struct Shared<C: Resource<DynamicType = ()> + Clone + 'static> {
+    cache: Cache<C>,
+    subscribers: Arc<Mutex<Vec<futures::channel::mpsc::UnboundedSender<watcher::Event<C>>>>>,
+}
+
+impl SharedWatches {
+    /// The reflectors declared so far, to run until shutdown.
+    pub(crate) fn take_drivers(&self) -> Vec<BoxFuture<'static, ()>> {
+        std::mem::take(&mut self.inner.lock().unwrap_or_else(|p| p.into_inner()).drivers)
+    }
 }
 
 impl<K> Watches<K>
@@ -218,46 +256,32 @@ where
         synced: Synced,
         concurrency: u16,
     ) -> Self {
-        let client = ctx.client().clone();
-        let (store, writer) = reflector::store();
-        let primary = Cache::new(store.clone(), Indexes::default());
-        primary.add_index(UID_INDEX, Arc::new(|o: &K| o.uid().into_iter().collect()));
-        let indexes = primary.indexes().clone();
-        let stream = reflector::reflector(
-            writer,
-            watcher(
-                api::<K>(&client, namespace.as_deref()),
-                watcher::Config::default(),
-            )
-            .default_backoff()
-            .modify(move |o| {
-                o.managed_fields_mut().clear();
-                reconciler.trim(o);
-            }),
-        )
-        .inspect(move |ev| {
-            if let Ok(ev) = ev {
-                observe_all(&indexes, ev);
-            }
-        })
-        .inspect(synced.track())
-        .filter(triggers(None, ctx.echoes().clone()))
-        .applied_objects();
-        let controller = Controller::for_stream(stream, store)
-            .with_config(ControllerConfig::default().concurrency(concurrency));
-        primary.report(ctx.metrics());
-        Watches {
-            client,
+        let mut w = Watches {
+            client: ctx.client().clone(),
             namespace,
-            controller: Some(controller),
-            primary,
+            controller: None,
+            primary: Cache::new(reflector::store().0, Indexes::default()),
             synced,
             pruners: Vec::new(),
             background: Vec::new(),
             metrics: ctx.metrics().clone(),
             field_manager: ctx.field_manager().to_string(),
             echoes: ctx.echoes().clone(),
-        }
+            shared: ctx.shared().clone(),
+        };
+        let watch = reconciler.primary();
+        let (primary, events) = w.subscribe(&watch);
+        primary.add_index(UID_INDEX, Arc::new(|o: &K| o.uid().into_iter().collect()));
+        let stream = events
+            .inspect(w.synced.track())
+            .filter(triggers(watch.filter, w.echoes.clone()))
+            .applied_objects();
+        w.controller = Some(
+            Controller::for_stream(stream, primary.store())
+                .with_config(ControllerConfig::default().concurrency(concurrency)),
+        );
+        w.primary = primary;
+        w
     }
 
     /// The cache of the primary kind (e.g. to map a watched object to the primaries that
@@ -276,6 +300,96 @@ where
             .add_index(name, Arc::new(move |k: &K| key(k).into_iter().collect()));
     }
 
+    /// The cache `w` describes, and this controller's feed of its watch events: shared with
+    /// every controller of the manager that declared the same kind, namespace, selector and
+    /// projection, so that one watch and one store serve them all.
+    fn subscribe<C: Watchable>(
+        &mut self,
+        w: &Watch<C>,
+    ) -> (
+        Cache<C>,
+        impl Stream<Item = Result<watcher::Event<C>, watcher::Error>> + Send + use<K, C>,
+    ) {
+        let applied = w.applied.as_ref().map(|_| self.field_manager.clone());
+        let key = ShareKey {
+            kind: std::any::TypeId::of::<C>(),
+            namespace: self.namespace.clone().filter(|_| namespaced::<C>()),
+            labels: w.labels.clone(),
+            trim: w.trim as usize,
+            applied: applied.clone(),
+        };
+        let (tx, rx) = futures::channel::mpsc::unbounded();
+        let mut shared = self.shared.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let cache = match shared
+            .entries
+            .get(&key)
+            .and_then(|e| e.downcast_ref::<Shared<C>>())
+        {
+            Some(existing) => {
+                existing
+                    .subscribers
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(tx);
+                existing.cache.clone()
+            }
+            None => {
+                let mut cfg = watcher::Config::default();
+                if let Some(l) = &w.labels {
+                    cfg = cfg.labels(l);
+                }
+                let trim = w.trim;
+                let (store, writer) = reflector::store();
+                let cache = Cache::new(store, Indexes::default());
+                let subscribers = Arc::new(Mutex::new(vec![tx]));
+                let (indexes, subs) = (cache.indexes().clone(), subscribers.clone());
+                let kind = C::kind(&()).to_string();
+                let driver = reflector::reflector(
+                    writer,
+                    watcher(api::<C>(&self.client, self.namespace.as_deref()), cfg)
+                        .default_backoff()
+                        .modify(move |o| {
+                            if let Some(manager) = &applied {
+                                keep_applied(o, manager);
+                            }
+                            o.managed_fields_mut().clear();
+                            trim(o);
+                        }),
+                )
+                .for_each(move |ev| {
+                    match ev {
+                        Ok(ev) => {
+                            // The indexes are complete before any subscriber counts the watch
+                            // as synced.
+                            observe_all(&indexes, &ev);
+                            let mut subs = subs.lock().unwrap_or_else(|p| p.into_inner());
+                            subs.retain(|s| s.unbounded_send(ev.clone()).is_ok());
+                        }
+                        Err(e) => tracing::warn!(kind, error = %e, "watch failed; retrying with backoff"),
+                    }
+                    futures::future::ready(())
+                })
+                .boxed();
+                // Reported under the controller that declared it first.
+                cache.report(&self.metrics);
+                shared.drivers.push(driver);
+                shared.entries.insert(
+                    key,
+                    Box::new(Shared {
+                        cache: cache.clone(),
+                        subscribers,
+                    }),
+                );
+                cache
+            }
+        };
+        drop(shared);
+        for (name, key) in &w.indexes {
+            cache.add_index(name, key.clone());
+        }
+        (cache, rx.map(Ok))
+    }
+
     fn reflect<C>(
         &mut self,
         w: Watch<C>,
@@ -286,44 +400,15 @@ where
     where
         C: Watchable,
     {
-        let mut cfg = watcher::Config::default();
-        if let Some(l) = &w.labels {
-            cfg = cfg.labels(l);
-        }
-        let trim = w.trim;
-        let applied = w.applied.map(|_| self.field_manager.clone());
-        let (store, writer) = reflector::store();
-        let cache = Cache::new(store, Indexes::default());
-        for (name, key) in w.indexes {
-            cache.add_index(name, key);
-        }
+        let (cache, events) = self.subscribe(&w);
         if w.prune {
             cache.add_index(OWNER_INDEX, Arc::new(owner_uids::<C>) as KeyFn<C>);
             self.add_pruner(&cache);
         }
-        let indexes = cache.indexes().clone();
-        let stream = reflector::reflector(
-            writer,
-            watcher(api::<C>(&self.client, self.namespace.as_deref()), cfg)
-                .default_backoff()
-                .modify(move |o| {
-                    if let Some(manager) = &applied {
-                        keep_applied(o, manager);
-                    }
-                    o.managed_fields_mut().clear();
-                    trim(o);
-                }),
-        )
-        // The indexes are complete before the watch counts as synced.
-        .inspect(move |ev| {
-            if let Ok(ev) = ev {
-                observe_all(&indexes, ev);
-            }
-        })
-        .inspect(self.synced.track())
-        .filter(triggers(w.filter, self.echoes.clone()))
-        .touched_objects();
-        cache.report(&self.metrics);
+        let stream = events
+            .inspect(self.synced.track())
+            .filter(triggers(w.filter, self.echoes.clone()))
+            .touched_objects();
         (cache, stream)
     }
 
