@@ -49,7 +49,8 @@ async fn the_generated_deployment_and_rbac_run_every_sample_and_nothing_more() {
             for args in [
                 vec!["get", "secrets", "-n", ns.as_str()],
                 vec!["delete", "pod", "anything", "-n", ns.as_str()],
-                vec!["create", "configmap", "x", "-n", ns.as_str()],
+                // ConfigMaps are ConfigMirror's children; Services belong to no controller.
+                vec!["create", "service", "clusterip", "x", "--tcp", "80", "-n", ns.as_str()],
             ] {
                 let out = kubectl_with(Some(&kubeconfig), &args)?;
                 let err = String::from_utf8_lossy(&out.stderr);

@@ -39,6 +39,17 @@ impl Debug for ControllerContext {
     }
 }
 
+/// What every controller of one manager shares.
+#[derive(Clone)]
+pub(crate) struct Common {
+    pub client: Client,
+    pub shutdown: CancellationToken,
+    pub gate: WriteGate,
+    /// True once this replica leads (at once without leader election).
+    pub leading: tokio::sync::watch::Receiver<bool>,
+    pub shared: SharedWatches,
+}
+
 /// Backoff and log key: kind, namespace and name, so two controllers (or two kinds with
 /// objects of the same name) never share a failure count.
 fn key<K: Resource<DynamicType = ()>>(obj: &K) -> String {
@@ -53,14 +64,17 @@ fn key<K: Resource<DynamicType = ()>>(obj: &K) -> String {
 impl ControllerContext {
     pub(crate) fn new(
         name: &'static str,
-        client: Client,
         metrics: ControllerMetrics,
-        shutdown: CancellationToken,
-        gate: WriteGate,
         tuning: Tuning,
-        leading: tokio::sync::watch::Receiver<bool>,
-        shared: SharedWatches,
+        common: Common,
     ) -> Self {
+        let Common {
+            client,
+            shutdown,
+            gate,
+            leading,
+            shared,
+        } = common;
         let reporter = Reporter {
             controller: format!("opkit-{name}"),
             instance: std::env::var("POD_NAME").ok(),

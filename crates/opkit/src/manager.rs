@@ -10,7 +10,7 @@ use futures::{FutureExt, StreamExt};
 use kube::Client;
 use tokio_util::sync::CancellationToken;
 
-use crate::context::ControllerContext;
+use crate::context::{Common, ControllerContext};
 use crate::leader::{LeaderElectionConfig, LeaderElector, LeaderError, WriteGate};
 use crate::metrics::Metrics;
 use crate::reconciler::Reconciler;
@@ -290,16 +290,14 @@ impl Manager {
             tracing::error!(controller = name, error = %e, "ignoring the controller's settings");
             self.tuning.clone()
         });
-        let ctx = ControllerContext::new(
-            name,
-            self.client.clone(),
-            self.metrics.for_controller(name),
-            self.shutdown.clone(),
-            self.gate.clone(),
-            tuning,
-            self.leading.subscribe(),
-            self.shared.clone(),
-        );
+        let common = Common {
+            client: self.client.clone(),
+            shutdown: self.shutdown.clone(),
+            gate: self.gate.clone(),
+            leading: self.leading.subscribe(),
+            shared: self.shared.clone(),
+        };
+        let ctx = ControllerContext::new(name, self.metrics.for_controller(name), tuning, common);
         let namespaces = match self.scope.list() {
             None => vec![None],
             Some(list) => list.iter().cloned().map(Some).collect(),
