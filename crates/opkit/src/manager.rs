@@ -474,3 +474,54 @@ fn stop(signals: Option<tokio::task::JoinHandle<()>>, http: Vec<tokio::task::Joi
         h.abort();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_parse_and_refuse_what_does_not_hold_together() {
+        let mut t = Tuning::default();
+        t.set("concurrency", "4").unwrap();
+        t.set("timeout", "90s").unwrap();
+        t.set("backoff-base", "250ms").unwrap();
+        t.set("backoff-max", "2m").unwrap();
+        assert_eq!(
+            t,
+            Tuning {
+                concurrency: 4,
+                backoff_base: Duration::from_millis(250),
+                backoff_max: Duration::from_secs(120),
+                timeout: Duration::from_secs(90),
+            }
+        );
+        assert!(t.set("timeout", "soon").unwrap_err().contains("not a duration"));
+        assert!(t.set("timeout", "0s").unwrap_err().contains("longer than 0"));
+        assert!(
+            t.set("backoff-base", "5m")
+                .unwrap_err()
+                .contains("longer than backoff-max")
+        );
+        assert!(t.set("colour", "blue").unwrap_err().contains("unknown setting"));
+    }
+
+    #[tokio::test]
+    async fn tune_takes_name_key_value_only() {
+        let client =
+            kube::Client::try_from(kube::Config::new("http://127.0.0.1:1".parse().unwrap())).unwrap();
+        let mut m = Manager::new(client);
+        assert!(m.tune("memcached.timeout=30s").is_ok());
+        assert!(m.tune("memcached=30s").unwrap_err().contains("NAME.KEY=VALUE"));
+        assert!(
+            m.tune("memcached.timeout=later")
+                .unwrap_err()
+                .contains("not a duration")
+        );
+        // No controller called memcached was added.
+        assert!(
+            m.check_tuning()
+                .unwrap_err()
+                .contains("no controller \"memcached\"")
+        );
+    }
+}

@@ -22,7 +22,8 @@ use kube::{Client, Resource, ResourceExt};
 use opkit::conditions::{self, Desired};
 use opkit::rbac::{events, rule};
 use opkit::{
-    Cache, Child, Cleanup, Deletion, Event, Invalid, Plan, Reconciler, Requeue, Watch, Watches, changed,
+    Cache, Child, Cleanup, Deletion, Event, Invalid, Plan, Reconciler, Requeue, Tuning, Watch, Watches,
+    changed,
 };
 use opkit_api::MANAGED_BY;
 use opkit_api::config_mirror::{ConfigMirror, ConfigMirrorStatus};
@@ -149,6 +150,17 @@ impl Reconciler for ConfigMirrorController {
 
     fn rbac() -> Vec<PolicyRule> {
         rbac_rules()
+    }
+
+    /// One reconcile writes a copy into every selected namespace, one request after another:
+    /// fewer at once than the default keeps a burst of new mirrors from crowding out the other
+    /// controllers' requests, and a longer timeout lets one mirror reach hundreds of namespaces.
+    fn tuning(&self, defaults: Tuning) -> Tuning {
+        Tuning {
+            concurrency: 4,
+            timeout: Duration::from_secs(180),
+            ..defaults
+        }
     }
 
     fn watch(&self, w: &mut Watches<ConfigMirror>) -> Caches {
