@@ -235,7 +235,14 @@ impl<R: Reconciler> Runner<R> {
                 other => format!("cleanup failed: {other}"),
             };
             let desired = vec![Desired::yes(DELETING, CLEANUP_FAILED, message.clone())];
-            if self.writer.conditions::<_, R::Status>(obj, desired, now).await? {
+            // A kind without a status (a ConfigMap) still gets the Event, on every failure.
+            let news = self
+                .writer
+                .conditions::<_, R::Status>(obj, desired, now)
+                .await
+                .inspect_err(|e| tracing::debug!(error = %e, "no condition for the failed cleanup"))
+                .unwrap_or(true);
+            if news {
                 let e = Event::warning(CLEANUP_FAILED, "Cleanup", message);
                 self.ctx.event(obj, &e).await;
             }

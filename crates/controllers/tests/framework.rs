@@ -1,0 +1,225 @@
+//! opkit's runtime with a controller written here, of a built-in kind (ConfigMaps labelled
+//! `opkit-probe`): a hung reconcile is cancelled, counted and retried; a cleanup step outside
+//! the cluster that fails keeps the finalizer and warns, and the object goes once it succeeds.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use anyhow::{anyhow, ensure};
+use k8s_openapi::api::core::v1::ConfigMap;
+use k8s_openapi::api::events::v1::Event as KubeEvent;
+use k8s_openapi::api::rbac::v1::PolicyRule;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+use opkit::{
+    Cleanup, Invalid, Manager, ManagerOptions, Plan, Reconciler, Requeue, Scope, Tuning, Watch, Watches,
+};
+use opkit_testenv::{shared, wait_for};
+use serde_json::json;
+
+mod common;
+use common::T;
+
+/// Hangs in `observe` once for a ConfigMap annotated `hang`; its cleanup step `release` fails
+/// while the ConfigMap is annotated `refuse-release`.
+struct Probe {
+    hung: Arc<AtomicBool>,
+}
+
+impl Reconciler for Probe {
+    type Object = ConfigMap;
+    type Cache = ();
+    type World = ();
+    type Status = serde_json::Value;
+
+    fn name(&self) -> &'static str {
+        "probe"
+    }
+
+    fn rbac() -> Vec<PolicyRule> {
+        Vec::new()
+    }
+
+    fn tuning(&self, defaults: Tuning) -> Tuning {
+        Tuning {
+            timeout: Duration::from_secs(1),
+            backoff_base: Duration::from_millis(100),
+            ..defaults
+        }
+    }
+
+    fn primary(&self) -> Watch<ConfigMap> {
+        Watch::labels("opkit-probe")
+    }
+
+    fn watch(&self, _: &mut Watches<ConfigMap>) {}
+
+    async fn observe(&self, cm: &ConfigMap, _: &(), _: &Client) -> kube::Result<()> {
+        if cm.annotations().contains_key("hang") && !self.hung.swap(true, Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
+        Ok(())
+    }
+
+    fn plan(&self, _: &ConfigMap, _: &(), _: Timestamp) -> Result<Plan<serde_json::Value>, Invalid> {
+        Ok(Plan {
+            children: Vec::new(),
+            status: None,
+            events: Vec::new(),
+            requeue: Requeue::OnChange,
+            delete: false,
+        })
+    }
+
+    fn cleans_up(&self) -> bool {
+        true
+    }
+
+    fn cleanup(&self, _: &ConfigMap, _: &(), _: Timestamp) -> Cleanup<serde_json::Value> {
+        Cleanup::done().call("release")
+    }
+
+    async fn call(&self, cm: &ConfigMap, step: &'static str) -> Result<(), String> {
+        match cm.annotations().contains_key("refuse-release") {
+            true => Err(format!("{step}: the outside service said no")),
+            false => Ok(()),
+        }
+    }
+}
+
+fn start(client: &Client, ns: &str) -> (opkit::metrics::Metrics, tokio_util::sync::CancellationToken) {
+    let mut m = Manager::new(client.clone()).with_scope(Scope::namespaces(vec![ns.to_string()]));
+    m.add(Probe { hung: Arc::default() });
+    let (metrics, stop) = (m.metrics().clone(), m.shutdown_token());
+    let opts = ManagerOptions {
+        handle_signals: false,
+        ..Default::default()
+    };
+    tokio::spawn(async move { m.run(opts).await });
+    (metrics, stop)
+}
+
+fn sample(metrics: &opkit::metrics::Metrics, series: &str) -> f64 {
+    metrics
+        .encode()
+        .lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+async fn probe(client: &Client, ns: &str, name: &str, annotations: serde_json::Value) -> anyhow::Result<()> {
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), ns);
+    let cm =
+        json!({"metadata": {"name": name, "labels": {"opkit-probe": "yes"}, "annotations": annotations}});
+    api.create(&PostParams::default(), &serde_json::from_value(cm)?)
+        .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_hung_reconcile_is_cancelled_counted_and_retried() {
+    shared()
+        .in_namespace("hung", |client, ns| async move {
+            let (metrics, stop) = start(&client, &ns);
+            let _stop = stop.drop_guard();
+            probe(&client, &ns, "stuck", json!({"hang": ""})).await?;
+            let api: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
+            // The first reconcile adds the finalizer; the next (its watch event) hangs in observe
+            // and is cancelled after the controller's 1 s timeout; the retry plans to the end.
+            let timeouts = r#"opkit_reconcile_errors_total{controller="probe",category="timeout"}"#;
+            let planned = r#"opkit_reconcile_total{controller="probe",result="success"}"#;
+            wait_for("a timeout, then a plan to the end", T, || async {
+                let (t, p) = (sample(&metrics, timeouts), sample(&metrics, planned));
+                if t == 1.0 && p >= 1.0 {
+                    Ok(())
+                } else {
+                    Err(anyhow!("timeouts {t}, planned {p}"))
+                }
+            })
+            .await?;
+            ensure!(api.get("stuck").await?.finalizers() == ["opkit.dev/probe"]);
+            api.delete("stuck", &DeleteParams::default()).await?;
+            wait_for("the probe to be gone", T, || async {
+                match api.get_opt("stuck").await? {
+                    None => Ok(()),
+                    Some(cm) => Err(anyhow!("finalizers {:?}", cm.finalizers())),
+                }
+            })
+            .await
+        })
+        .await;
+}
+
+#[tokio::test]
+async fn a_failing_step_outside_the_cluster_keeps_the_finalizer_warns_and_is_retried() {
+    shared()
+        .in_namespace("release", |client, ns| async move {
+            let (metrics, stop) = start(&client, &ns);
+            let _stop = stop.drop_guard();
+            probe(&client, &ns, "held", json!({"refuse-release": ""})).await?;
+            let api: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
+            wait_for("the finalizer", T, || async {
+                let cm = api.get("held").await?;
+                if cm.finalizers().is_empty() {
+                    Err(anyhow!("none yet"))
+                } else {
+                    Ok(())
+                }
+            })
+            .await?;
+            api.delete("held", &DeleteParams::default()).await?;
+            let events: Api<KubeEvent> = Api::namespaced(client.clone(), &ns);
+            let warning = wait_for("a CleanupFailed Warning", T, || async {
+                let found = events
+                    .list(&ListParams::default())
+                    .await?
+                    .items
+                    .into_iter()
+                    .find(|e| {
+                        e.reason.as_deref() == Some("CleanupFailed")
+                            && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("held")
+                    });
+                found.ok_or_else(|| anyhow!("none yet"))
+            })
+            .await?;
+            let note = warning.note.unwrap_or_default();
+            ensure!(note.contains("release: the outside service said no"), "{note}");
+            let failed = r#"opkit_calls_total{controller="probe",step="release",result="error"}"#;
+            wait_for("retries", T, || async {
+                let n = sample(&metrics, failed);
+                if n >= 2.0 { Ok(()) } else { Err(anyhow!("{n}")) }
+            })
+            .await?;
+            ensure!(
+                api.get_opt("held").await?.is_some(),
+                "deleted although its cleanup failed"
+            );
+            // The outside service agrees: the next retry releases and the object goes.
+            api.patch(
+                "held",
+                &PatchParams::default(),
+                &Patch::Json::<()>(json_patch::Patch(vec![json_patch::PatchOperation::Remove(
+                    json_patch::RemoveOperation {
+                        path: json_patch::jsonptr::PointerBuf::parse("/metadata/annotations/refuse-release")?,
+                    },
+                )])),
+            )
+            .await?;
+            wait_for("the object to go", T, || async {
+                match api.get_opt("held").await? {
+                    None => Ok(()),
+                    Some(_) => Err(anyhow!("still there")),
+                }
+            })
+            .await?;
+            let ok = sample(
+                &metrics,
+                r#"opkit_calls_total{controller="probe",step="release",result="ok"}"#,
+            );
+            ensure!(ok == 1.0, "{ok} successful releases");
+            Ok(())
+        })
+        .await;
+}
