@@ -43,6 +43,15 @@ async fn the_generated_deployment_and_rbac_run_every_sample_and_nothing_more() {
             })
             .await?;
 
+            // kwok runs no container, so nothing answers behind the webhook Service, and At's and
+            // ConfigMirror's webhooks fail closed: this test is about RBAC, so they go. The
+            // webhooks are served in-cluster in in_cluster.rs (real node) and from a local URL
+            // in webhooks.rs.
+            kubectl(&[
+                "delete",
+                "validatingwebhookconfiguration/opkit-validating-webhook-configuration",
+                "mutatingwebhookconfiguration/opkit-mutating-webhook-configuration",
+            ])?;
             let kubeconfig = service_account_kubeconfig(&client, "opkit-system", "opkit-controller-manager").await?;
 
             // Outside the rules: refused.
@@ -85,6 +94,18 @@ async fn the_generated_deployment_and_rbac_run_every_sample_and_nothing_more() {
                     "True",
                 )
                 .await?;
+                // The cluster-scoped mirror: its finalizer and status need the generated rules
+                // (its source is in `default`, the samples went into the test namespace).
+                jsonpath_is(
+                    &["configmirror", "app-settings"],
+                    &ns,
+                    "{.status.conditions[?(@.type==\"Ready\")].reason}",
+                    "SourceNotFound",
+                )
+                .await?;
+                jsonpath_is(&["configmirror", "app-settings"], &ns, "{.metadata.finalizers[0]}", "opkit.dev/configmirror")
+                    .await?;
+                kubectl(&["delete", "configmirror", "app-settings", "--wait=true", "--timeout=60s"])?;
                 // A restart needs `patch` on Deployments: make one happen.
                 kubectl(&[
                     "annotate", "deployment", "web", "-n", &ns, "--overwrite",
