@@ -122,6 +122,25 @@ async fn the_apiserver_calls_the_webhooks_and_kubectl_shows_their_answers() {
                 ok && out.contains("Warning:") && out.contains("Deployment nope does not exist"),
                 "{out}"
             );
+            // A cluster-scoped kind: the ConfigMirror webhook refuses a selector the apiserver
+            // would not accept, naming the field, and admits a valid one.
+            let mirror = |name: &str, selector: &str| {
+                format!(
+                    "{{\"apiVersion\":\"mirror.opkit.dev/v1alpha1\",\"kind\":\"ConfigMirror\",\"metadata\":{{\"name\":\"{name}\"}},\"spec\":{{\"source\":{{\"namespace\":\"{ns}\",\"name\":\"s\"}},\"namespaceSelector\":{selector}}}}}"
+                )
+            };
+            let bad = mirror(&format!("{ns}-bad"), r#"{"matchExpressions":[{"key":"env","operator":"In"}]}"#);
+            let (ok, out) = apply(&ns, &bad)?;
+            ensure!(
+                !ok && out.contains("spec.namespaceSelector.matchExpressions[0].values: must be non-empty"),
+                "{out}"
+            );
+            let good = mirror(&format!("{ns}-good"), r#"{"matchLabels":{"team":"a"}}"#);
+            let (ok, out) = apply(&ns, &good)?;
+            ensure!(ok, "{out}");
+            // Only the memcached controller runs here: nothing put a finalizer on it.
+            kubectl(&["delete", "configmirror", &format!("{ns}-good")])?;
+
             // Immutable once started: pretend the At ran (status is the operator's to write).
             kubectl(&[
                 "patch",
