@@ -716,7 +716,9 @@ pub fn create_webhook(args: &WebhookArgs) -> anyhow::Result<Report> {
         res.kind,
         res.kind_snake
     );
-    let vars = vars_of(&project, &res);
+    let mut vars = vars_of(&project, &res);
+    let scope = if entry.namespaced { "Namespaced" } else { "Cluster" };
+    vars.insert("rule_scope", scope.into());
     let (mut chain, mut handlers) = (String::new(), String::new());
     if args.defaulting {
         chain.push_str(&render(
@@ -738,7 +740,6 @@ pub fn create_webhook(args: &WebhookArgs) -> anyhow::Result<Report> {
             &vars,
         ));
     }
-    let mut vars = vars;
     vars.insert("webhook_chain", chain.trim_end().to_string());
     vars.insert("webhook_handlers", handlers);
     let module = format!("{}_webhook", res.kind_snake);
@@ -848,6 +849,7 @@ mod tests {
             "webhook_handlers",
             "opkit_version",
             "patch",
+            "rule_scope",
         ] {
             vars.insert(k, String::new());
         }
