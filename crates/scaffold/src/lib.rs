@@ -60,20 +60,22 @@ pub enum Create {
     Webhook(WebhookArgs),
 }
 
-/// `opkit create api`.
+/// `opkit create api`. The flags take Kubebuilder's forms: `--namespaced=false`,
+/// `--controller false`, `--controller` (true).
 #[derive(clap::Args, Debug)]
 pub struct ApiArgs {
     /// The group, version and kind.
     #[command(flatten)]
     pub gvk: Gvk,
-    /// Objects of the kind live in namespaces (false: cluster-scoped).
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
-    pub namespaced: bool,
+    /// Objects of the kind live in namespaces (false: cluster-scoped). Default: true for a new
+    /// kind, the kind's scope for a new version of it.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set)]
+    pub namespaced: Option<bool>,
     /// Generate the types and the CRD.
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set)]
     pub resource: bool,
     /// Generate a controller.
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set)]
     pub controller: bool,
     /// The project directory.
     #[arg(long, default_value = ".")]
@@ -522,11 +524,6 @@ pub fn create_api(args: &ApiArgs) -> anyhow::Result<Report> {
         args.resource,
         "--resource false (a controller for a kind defined elsewhere) is not scaffolded yet: create the api with --controller true and delete its types, or write the controller by hand"
     );
-    ensure!(
-        args.namespaced || !args.controller,
-        "opkit controllers reconcile namespaced kinds; serve a cluster-scoped {} without one (--controller false)",
-        res.kind
-    );
     if project.find(&res).is_some() {
         bail!(
             "{} {}/{} already exists in this project (see PROJECT); nothing was changed",
@@ -540,9 +537,14 @@ pub fn create_api(args: &ApiArgs) -> anyhow::Result<Report> {
         .iter()
         .find(|e| e.group == res.group && e.kind == res.kind)
         .cloned();
+    // A new version of a kind has the kind's scope unless the flag says otherwise.
+    let namespaced = args
+        .namespaced
+        .or(existing.as_ref().map(|e| e.namespaced))
+        .unwrap_or(true);
     if let Some(e) = &existing {
         ensure!(
-            e.namespaced == args.namespaced,
+            e.namespaced == namespaced,
             "{} is {} in {}; every version of a kind has the same scope",
             res.kind,
             if e.namespaced {
@@ -556,7 +558,7 @@ pub fn create_api(args: &ApiArgs) -> anyhow::Result<Report> {
     let mut vars = vars_of(&project, &res);
     vars.insert(
         "namespaced_attr",
-        if args.namespaced {
+        if namespaced {
             "\n    namespaced,".into()
         } else {
             String::new()
@@ -618,10 +620,15 @@ pub fn create_api(args: &ApiArgs) -> anyhow::Result<Report> {
                     &format!("crates/controllers/src/{}.rs", res.kind_snake),
                     &render(include_str!("../templates/controller.rs.tmpl"), &vars),
                 )?;
+                let test = if namespaced {
+                    include_str!("../templates/controller-test.rs.tmpl")
+                } else {
+                    include_str!("../templates/controller-test-cluster.rs.tmpl")
+                };
                 r.create(
                     dir,
                     &format!("crates/controllers/tests/{}.rs", res.kind_snake),
-                    &render(include_str!("../templates/controller-test.rs.tmpl"), &vars),
+                    &render(test, &vars),
                 )?;
                 (
                     Some(format!("pub mod {};\n", res.kind_snake)),
@@ -662,7 +669,7 @@ pub fn create_api(args: &ApiArgs) -> anyhow::Result<Report> {
         group: res.group.clone(),
         version: res.version.clone(),
         kind: res.kind.clone(),
-        namespaced: args.namespaced,
+        namespaced,
         controller: args.controller && existing.is_none(),
         defaulting: false,
         validation: false,
@@ -833,6 +840,104 @@ mod tests {
         assert!(r.to_string().contains("set `new,` yourself"), "{r}");
     }
 
+    /// `opkit <args>` as the operator binary parses it.
+    fn parse(args: &str) -> Command {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(subcommand)]
+            command: Command,
+        }
+        let cli: Cli = clap::Parser::try_parse_from(std::iter::once("opkit").chain(args.split_whitespace()))
+            .unwrap_or_else(|e| panic!("{args}: {e}"));
+        cli.command
+    }
+
+    fn api_args(args: &str) -> ApiArgs {
+        match parse(&format!("create api {args}")) {
+            Command::Create(Create::Api(a)) => a,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn api_flags_take_kubebuilders_forms() {
+        let gvk = "--group infra --version v1 --kind Tenant";
+        let a = api_args(&format!("{gvk} --namespaced=false --controller=true"));
+        assert_eq!(
+            (a.resource, a.controller, a.namespaced),
+            (true, true, Some(false))
+        );
+        let a = api_args(&format!("{gvk} --controller false --namespaced"));
+        assert_eq!(
+            (a.resource, a.controller, a.namespaced),
+            (true, false, Some(true))
+        );
+        let a = api_args(&format!("{gvk} --controller"));
+        assert_eq!((a.resource, a.controller, a.namespaced), (true, true, None));
+    }
+
+    /// A fresh project in a scratch directory; `commands` are `create api` argument lines.
+    fn scaffolded(name: &str, commands: &[&str]) -> PathBuf {
+        let d = scratch(name);
+        init(&InitArgs {
+            domain: "my.domain".into(),
+            project_name: Some("demo".into()),
+            opkit_path: Some("-".into()),
+            dir: d.clone(),
+        })
+        .unwrap();
+        for c in commands {
+            let mut a = api_args(c);
+            a.dir = d.clone();
+            create_api(&a).unwrap_or_else(|e| panic!("{c}: {e:#}"));
+        }
+        d
+    }
+
+    fn read(d: &Path, rel: &str) -> String {
+        std::fs::read_to_string(d.join(rel)).unwrap_or_else(|e| panic!("{rel}: {e}"))
+    }
+
+    #[test]
+    fn a_cluster_scoped_kind_gets_a_controller_a_cluster_wide_test_and_cluster_webhooks() {
+        let d = scaffolded(
+            "cluster",
+            &["--group infra --version v1 --kind Tenant --namespaced=false"],
+        );
+        let types = read(&d, "crates/api/src/infra_v1/tenant.rs");
+        assert!(!types.contains("namespaced"), "{types}");
+        assert!(read(&d, "crates/controllers/src/lib.rs").contains("m.add(tenant::TenantController)"));
+        let test = read(&d, "crates/controllers/tests/tenant.rs");
+        assert!(
+            test.contains("Api::all(") && !test.contains("Api::namespaced("),
+            "{test}"
+        );
+        let sample = read(&d, "config/samples/infra_v1_tenant.yaml");
+        assert!(!sample.contains("namespace"), "{sample}");
+        create_webhook(&WebhookArgs {
+            gvk: Gvk {
+                group: "infra".into(),
+                version: "v1".into(),
+                kind: "Tenant".into(),
+            },
+            defaulting: true,
+            programmatic_validation: true,
+            dir: d.clone(),
+        })
+        .unwrap();
+        let hooks = read(&d, "crates/controllers/src/tenant_webhook.rs");
+        assert_eq!(hooks.matches("scope: RuleScope::Cluster,").count(), 2, "{hooks}");
+        // A second version keeps the kind's scope without the flag; a contradiction is refused.
+        let mut a = api_args("--group infra --version v2 --kind Tenant");
+        a.dir = d.clone();
+        create_api(&a).unwrap();
+        assert!(!read(&d, "crates/api/src/infra_v2/tenant.rs").contains("namespaced"));
+        let mut a = api_args("--group infra --version v3 --kind Tenant --namespaced");
+        a.dir = d.clone();
+        let e = create_api(&a).unwrap_err().to_string();
+        assert!(e.contains("cluster-scoped in v1"), "{e}");
+    }
+
     #[test]
     fn every_placeholder_of_every_template_is_filled() {
         let res = Resource::new("webapp", "v1", "Guestbook", "my.domain").unwrap();
@@ -861,7 +966,10 @@ mod tests {
             include_str!("../templates/api.kind-crd.rs.tmpl"),
             include_str!("../templates/controller.rs.tmpl"),
             include_str!("../templates/controller-test.rs.tmpl"),
+            include_str!("../templates/controller-test-cluster.rs.tmpl"),
             include_str!("../templates/registration.rs.tmpl"),
+            include_str!("../templates/registration-crd-only.rs.tmpl"),
+            include_str!("../templates/sample.yaml.tmpl"),
             include_str!("../templates/webhook.rs.tmpl"),
             include_str!("../templates/webhook-chain-defaulting.rs.tmpl"),
             include_str!("../templates/webhook-chain-validation.rs.tmpl"),
