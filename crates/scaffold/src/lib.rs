@@ -15,7 +15,9 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, bail, ensure};
 use serde::{Deserialize, Serialize};
 
+mod builtin;
 mod names;
+pub use builtin::{BUILTINS, Builtin};
 pub use names::{Resource, plural};
 
 /// The version of the opkit crates a new project depends on.
@@ -53,7 +55,7 @@ pub struct InitArgs {
 #[derive(clap::Subcommand, Debug)]
 pub enum Create {
     /// Add a kind (or a version of one): types, CRD, controller, registry entry, RBAC, sample
-    /// and a controller test.
+    /// and a controller test; with `--resource=false`, a controller of a built-in kind.
     Api(ApiArgs),
     /// Add admission webhooks for a kind: handlers wired into the operator and its webhook
     /// configurations.
@@ -61,17 +63,18 @@ pub enum Create {
 }
 
 /// `opkit create api`. The flags take Kubebuilder's forms: `--namespaced=false`,
-/// `--controller false`, `--controller` (true).
+/// `--resource false`, `--controller` (true).
 #[derive(clap::Args, Debug)]
 pub struct ApiArgs {
     /// The group, version and kind.
     #[command(flatten)]
     pub gvk: Gvk,
     /// Objects of the kind live in namespaces (false: cluster-scoped). Default: true for a new
-    /// kind, the kind's scope for a new version of it.
+    /// kind; a built-in kind has the scope Kubernetes gives it.
     #[arg(long, num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set)]
     pub namespaced: Option<bool>,
-    /// Generate the types and the CRD.
+    /// Generate the types and the CRD. false: a controller for a built-in kind (`--group apps
+    /// --version v1 --kind Deployment`, `--group core --version v1 --kind ConfigMap`, ...).
     #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set)]
     pub resource: bool,
     /// Generate a controller.
@@ -102,7 +105,8 @@ pub struct WebhookArgs {
 /// Group, version and kind, as Kubebuilder takes them.
 #[derive(clap::Args, Debug, Clone)]
 pub struct Gvk {
-    /// The API group without the domain, e.g. `webapp`.
+    /// The API group without the domain, e.g. `webapp`; for a built-in kind `core`, `apps`,
+    /// `batch` or `networking`.
     #[arg(long)]
     pub group: String,
     /// The version, e.g. `v1`, `v1alpha1`.
@@ -159,6 +163,9 @@ pub struct ResourceEntry {
     /// A validating webhook exists.
     #[serde(default)]
     pub validation: bool,
+    /// A kind built into Kubernetes (`--resource=false`): a controller, no types or CRD.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub builtin: bool,
 }
 
 const LAYOUT: &str = "opkit.dev/v1";
@@ -193,10 +200,16 @@ impl Project {
         Ok(())
     }
 
+    /// The entry of a kind of the project (not a built-in one).
     fn find(&self, r: &Resource) -> Option<usize> {
         self.resources
             .iter()
-            .position(|e| e.group == r.group && e.version == r.version && e.kind == r.kind)
+            .position(|e| !e.builtin && e.group == r.group && e.version == r.version && e.kind == r.kind)
+    }
+
+    /// The entry whose controller lives in `crates/controllers/src/<kind_snake>.rs`, if any.
+    fn controller_of(&self, kind: &str) -> Option<&ResourceEntry> {
+        self.resources.iter().find(|e| e.controller && e.kind == kind)
     }
 }
 
@@ -514,16 +527,15 @@ fn vars_of(p: &Project, r: &Resource) -> BTreeMap<&'static str, String> {
 pub fn create_api(args: &ApiArgs) -> anyhow::Result<Report> {
     let dir = &args.dir;
     let mut project = Project::load(dir)?;
+    if !args.resource {
+        return create_builtin_controller(args, &mut project);
+    }
     let res = Resource::new(
         &args.gvk.group,
         &args.gvk.version,
         &args.gvk.kind,
         &project.domain,
     )?;
-    ensure!(
-        args.resource,
-        "--resource false (a controller for a kind defined elsewhere) is not scaffolded yet: create the api with --controller true and delete its types, or write the controller by hand"
-    );
     if project.find(&res).is_some() {
         bail!(
             "{} {}/{} already exists in this project (see PROJECT); nothing was changed",
@@ -535,7 +547,7 @@ pub fn create_api(args: &ApiArgs) -> anyhow::Result<Report> {
     let existing = project
         .resources
         .iter()
-        .find(|e| e.group == res.group && e.kind == res.kind)
+        .find(|e| !e.builtin && e.group == res.group && e.kind == res.kind)
         .cloned();
     // A new version of a kind has the kind's scope unless the flag says otherwise.
     let namespaced = args
@@ -554,6 +566,9 @@ pub fn create_api(args: &ApiArgs) -> anyhow::Result<Report> {
             },
             e.version
         );
+    }
+    if args.controller && existing.is_none() {
+        no_controller_yet(&project, &res.kind, &res.kind_snake)?;
     }
     let mut vars = vars_of(&project, &res);
     vars.insert(
@@ -673,6 +688,7 @@ pub fn create_api(args: &ApiArgs) -> anyhow::Result<Report> {
         controller: args.controller && existing.is_none(),
         defaulting: false,
         validation: false,
+        builtin: false,
     });
     project.save(dir)?;
     r.lines.push("updated   PROJECT".into());
@@ -683,6 +699,125 @@ pub fn create_api(args: &ApiArgs) -> anyhow::Result<Report> {
     }
     next.push_str(", then `make manifests` and `make test`");
     r.notes.push(next);
+    Ok(r)
+}
+
+/// Refuses a second controller module named `kind_snake` (the same kind in another group, or
+/// built in and in this project).
+fn no_controller_yet(project: &Project, kind: &str, kind_snake: &str) -> anyhow::Result<()> {
+    match project.controller_of(kind) {
+        Some(e) => bail!(
+            "crates/controllers/src/{kind_snake}.rs is the controller of {kind} in group {:?} already (see PROJECT); nothing was changed. Scaffold this one with --controller false and write its controller by hand under another name",
+            e.group
+        ),
+        None => Ok(()),
+    }
+}
+
+/// `opkit create api --resource=false --controller`: a controller for a kind Kubernetes
+/// serves (Kubebuilder's `--resource=false` for `--group apps --kind Deployment`): no types,
+/// no CRD; the controller, its registry entry and RBAC, a sample and a test.
+fn create_builtin_controller(args: &ApiArgs, project: &mut Project) -> anyhow::Result<Report> {
+    let dir = &args.dir;
+    ensure!(
+        args.controller,
+        "--resource=false --controller=false scaffolds nothing: --resource=false makes a controller for a built-in kind"
+    );
+    let b = builtin::find(&args.gvk.group, &args.gvk.version, &args.gvk.kind)?;
+    if let Some(n) = args.namespaced {
+        let scope = if b.namespaced {
+            "namespaced"
+        } else {
+            "cluster-scoped"
+        };
+        ensure!(
+            n == b.namespaced,
+            "{} is {scope} in Kubernetes; drop --namespaced",
+            b.kind
+        );
+    }
+    if project
+        .resources
+        .iter()
+        .any(|e| e.builtin && e.group == b.flag && e.kind == b.kind)
+    {
+        bail!(
+            "a controller for the built-in {} ({}) already exists in this project (see PROJECT); nothing was changed",
+            b.kind,
+            b.api_version()
+        );
+    }
+    let kind_snake = names::snake(b.kind);
+    no_controller_yet(project, b.kind, &kind_snake)?;
+    let vars = BTreeMap::from([
+        ("project", project.project_name.clone()),
+        ("project_snake", project.project_name.replace('-', "_")),
+        ("group", b.flag.to_string()),
+        ("group_domain", b.group.to_string()),
+        ("version", b.version.to_string()),
+        ("api_version", b.api_version()),
+        ("kind", b.kind.to_string()),
+        ("kind_lower", b.kind.to_lowercase()),
+        ("kind_snake", kind_snake.clone()),
+        ("plural", b.plural.to_string()),
+        ("rust_path", b.rust_path()),
+    ]);
+    let mut r = Report::default();
+    r.create(
+        dir,
+        &format!("crates/controllers/src/{kind_snake}.rs"),
+        &render(include_str!("../templates/controller-builtin.rs.tmpl"), &vars),
+    )?;
+    let test = if b.namespaced {
+        include_str!("../templates/controller-builtin-test.rs.tmpl")
+    } else {
+        include_str!("../templates/controller-builtin-test-cluster.rs.tmpl")
+    };
+    r.create(
+        dir,
+        &format!("crates/controllers/tests/{kind_snake}.rs"),
+        &render(test, &vars),
+    )?;
+    r.insert(
+        dir,
+        "crates/controllers/src/lib.rs",
+        "// +opkit:scaffold:modules",
+        &format!("pub mod {kind_snake};\n"),
+        &format!("pub mod {kind_snake};"),
+    )?;
+    r.insert(
+        dir,
+        "crates/controllers/src/lib.rs",
+        "// +opkit:scaffold:registrations",
+        &render(include_str!("../templates/registration-builtin.rs.tmpl"), &vars),
+        &format!("m.add({kind_snake}::{}Controller)", b.kind),
+    )?;
+    r.create(
+        dir,
+        &format!(
+            "config/samples/{}_{}_{}.yaml",
+            b.flag,
+            b.version,
+            b.kind.to_lowercase()
+        ),
+        &b.sample(),
+    )?;
+    project.resources.push(ResourceEntry {
+        group: b.flag.to_string(),
+        version: b.version.to_string(),
+        kind: b.kind.to_string(),
+        namespaced: b.namespaced,
+        controller: true,
+        defaulting: false,
+        validation: false,
+        builtin: true,
+    });
+    project.save(dir)?;
+    r.lines.push("updated   PROJECT".into());
+    r.format();
+    r.notes.push(format!(
+        "next: edit crates/controllers/src/{kind_snake}.rs (its plan writes nothing yet), then `make manifests` and `make test`"
+    ));
     Ok(r)
 }
 
@@ -699,6 +834,14 @@ pub fn create_webhook(args: &WebhookArgs) -> anyhow::Result<Report> {
     ensure!(
         args.defaulting || args.programmatic_validation,
         "say which webhooks: --defaulting and/or --programmatic-validation"
+    );
+    ensure!(
+        !project
+            .resources
+            .iter()
+            .any(|e| e.builtin && e.group == res.group && e.version == res.version && e.kind == res.kind),
+        "{} is built into Kubernetes: webhooks for it are not scaffolded (the handlers would read a spec of this project's types); write them by hand with `Webhooks::mutating` / `validating`",
+        res.kind
     );
     let Some(i) = project.find(&res) else {
         bail!(
@@ -861,7 +1004,9 @@ mod tests {
 
     #[test]
     fn api_flags_take_kubebuilders_forms() {
-        let gvk = "--group infra --version v1 --kind Tenant";
+        let gvk = "--group apps --version v1 --kind Deployment";
+        let a = api_args(&format!("{gvk} --resource=false --controller"));
+        assert_eq!((a.resource, a.controller, a.namespaced), (false, true, None));
         let a = api_args(&format!("{gvk} --namespaced=false --controller=true"));
         assert_eq!(
             (a.resource, a.controller, a.namespaced),
@@ -872,8 +1017,8 @@ mod tests {
             (a.resource, a.controller, a.namespaced),
             (true, false, Some(true))
         );
-        let a = api_args(&format!("{gvk} --controller"));
-        assert_eq!((a.resource, a.controller, a.namespaced), (true, true, None));
+        let a = api_args(&format!("{gvk} --resource false"));
+        assert_eq!((a.resource, a.controller, a.namespaced), (false, true, None));
     }
 
     /// A fresh project in a scratch directory; `commands` are `create api` argument lines.
@@ -939,6 +1084,64 @@ mod tests {
     }
 
     #[test]
+    fn a_builtin_kind_gets_a_controller_without_types_or_crd() {
+        let d = scaffolded(
+            "builtin",
+            &[
+                "--group apps --version v1 --kind Deployment --resource=false --controller",
+                "--group core --version v1 --kind Namespace --resource=false",
+            ],
+        );
+        let controller = read(&d, "crates/controllers/src/deployment.rs");
+        assert!(
+            controller.contains("use k8s_openapi::api::apps::v1::Deployment;"),
+            "{controller}"
+        );
+        assert!(
+            controller.contains("&[\"apps\"]") && controller.contains("&[\"deployments\"]"),
+            "{controller}"
+        );
+        let lib = read(&d, "crates/controllers/src/lib.rs");
+        assert!(
+            lib.contains("crds: Vec::new,") && lib.contains("m.add(namespace::NamespaceController)"),
+            "{lib}"
+        );
+        assert!(!d.join("crates/api/src/apps_v1").exists());
+        assert!(read(&d, "crates/controllers/src/namespace.rs").contains("&[\"namespaces\"]"));
+        assert!(read(&d, "crates/controllers/tests/namespace.rs").contains("Api::all("));
+        assert!(read(&d, "config/samples/apps_v1_deployment.yaml").contains("kind: Deployment\n"));
+        let project = read(&d, "PROJECT");
+        assert_eq!(project.matches("builtin: true").count(), 2, "{project}");
+
+        let refused = |args: &str| {
+            let mut a = api_args(args);
+            a.dir = d.clone();
+            create_api(&a).unwrap_err().to_string()
+        };
+        let e = refused("--group apps --version v1 --kind Deployment --resource=false");
+        assert!(e.contains("already exists"), "{e}");
+        let e = refused("--group apps --version v1 --kind Deploymnet --resource=false");
+        assert!(e.contains("Deployment, StatefulSet"), "{e}");
+        let e = refused("--group core --version v1 --kind Namespace --resource=false --namespaced");
+        assert!(e.contains("cluster-scoped in Kubernetes"), "{e}");
+        let e = refused("--group web --version v1 --kind Deployment");
+        assert!(e.contains("deployment.rs is the controller of Deployment"), "{e}");
+        let e = create_webhook(&WebhookArgs {
+            gvk: Gvk {
+                group: "apps".into(),
+                version: "v1".into(),
+                kind: "Deployment".into(),
+            },
+            defaulting: true,
+            programmatic_validation: false,
+            dir: d.clone(),
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("built into Kubernetes"), "{e}");
+    }
+
+    #[test]
     fn every_placeholder_of_every_template_is_filled() {
         let res = Resource::new("webapp", "v1", "Guestbook", "my.domain").unwrap();
         let p = Project {
@@ -955,6 +1158,8 @@ mod tests {
             "opkit_version",
             "patch",
             "rule_scope",
+            "rust_path",
+            "api_version",
         ] {
             vars.insert(k, String::new());
         }
@@ -967,7 +1172,11 @@ mod tests {
             include_str!("../templates/controller.rs.tmpl"),
             include_str!("../templates/controller-test.rs.tmpl"),
             include_str!("../templates/controller-test-cluster.rs.tmpl"),
+            include_str!("../templates/controller-builtin.rs.tmpl"),
+            include_str!("../templates/controller-builtin-test.rs.tmpl"),
+            include_str!("../templates/controller-builtin-test-cluster.rs.tmpl"),
             include_str!("../templates/registration.rs.tmpl"),
+            include_str!("../templates/registration-builtin.rs.tmpl"),
             include_str!("../templates/registration-crd-only.rs.tmpl"),
             include_str!("../templates/sample.yaml.tmpl"),
             include_str!("../templates/webhook.rs.tmpl"),

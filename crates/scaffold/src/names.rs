@@ -68,7 +68,7 @@ pub fn plural(lower: &str) -> String {
     format!("{lower}s")
 }
 
-fn snake(kind: &str) -> String {
+pub(crate) fn snake(kind: &str) -> String {
     let mut out = String::new();
     let chars: Vec<char> = kind.chars().collect();
     for (i, c) in chars.iter().enumerate() {
