@@ -1,9 +1,13 @@
 //! `opkit init` / `create api` / `create webhook` end to end: seed 001's Guestbook scaffolded in
-//! a temporary directory, then, inside the generated project, `make manifests`, `cargo fmt
-//! --check`, `cargo clippy -D warnings` and its own `make test` (its controller test converges
-//! the sample to `Available=True` on the local control plane); its operator binary then serves
-//! the scaffolded webhooks to the apiserver, and seed 000's CronTab (no controller) answers
-//! `kubectl get ct`.
+//! a temporary directory with, in the same project, a cluster-scoped kind with a controller and
+//! a webhook (`--namespaced=false`) and a controller of the built-in Deployment
+//! (`--resource=false`); then, inside the generated project, `make manifests`, `cargo fmt
+//! --check`, `cargo clippy -D warnings` and its own `make test` (its controller tests converge
+//! the Guestbook and cluster-scoped samples to `Available=True` and see the Deployment sample
+//! reconciled with nothing written, on the local control plane); its operator binary then
+//! serves the scaffolded webhooks to the apiserver, for the namespaced and the cluster-scoped
+//! kind, and seed 000's CronTab (no controller) answers `kubectl get ct`. One project for every
+//! shape, so its dependencies are compiled once.
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -134,6 +138,18 @@ async fn a_scaffolded_guestbook_builds_lints_and_passes_its_own_tests() -> anyho
         &dir,
         "create api --group stable --version v1 --kind CronTab --controller false",
     )?;
+    // A cluster-scoped kind with a controller and a validating webhook.
+    let tenant = "--group infra --version v1 --kind Tenant";
+    opkit_ok(&dir, &format!("create api {tenant} --namespaced=false"))?;
+    opkit_ok(
+        &dir,
+        &format!("create webhook {tenant} --programmatic-validation"),
+    )?;
+    // A controller of a built-in kind, in Kubebuilder's words.
+    opkit_ok(
+        &dir,
+        "create api --group apps --version v1 --kind Deployment --resource=false --controller",
+    )?;
 
     // Re-running is safe: refused with a reason, nothing changed.
     let snapshot = |d: &Path| -> anyhow::Result<String> {
@@ -152,6 +168,16 @@ async fn a_scaffolded_guestbook_builds_lints_and_passes_its_own_tests() -> anyho
         &dir,
         "create api --group webapp --version v1 --kind guest-book",
         "--kind",
+    )?;
+    opkit_refused(
+        &dir,
+        "create api --group apps --version v1 --kind Deploymnet --resource=false",
+        "--group apps --version v1: Deployment, StatefulSet",
+    )?;
+    opkit_refused(
+        &dir,
+        "create webhook --group apps --version v1 --kind Deployment --defaulting",
+        "built into Kubernetes",
     )?;
     ensure!(snapshot(&dir)? == before, "a refused command changed the project");
 
@@ -183,8 +209,21 @@ async fn a_scaffolded_guestbook_builds_lints_and_passes_its_own_tests() -> anyho
     ] {
         ensure!(hooks.contains(path), "{path} not in config/webhook:\n{hooks}");
     }
+    ensure!(
+        hooks.contains("/validate-infra-my-domain-v1-tenant") && hooks.contains("scope: Cluster"),
+        "the Tenant webhook, for cluster-scoped objects, not in config/webhook:\n{hooks}"
+    );
     let role = std::fs::read_to_string(dir.join("config/rbac/role.yaml"))?;
-    ensure!(role.contains("guestbooks/status"), "{role}");
+    for rule in [
+        "guestbooks/status",
+        "tenants/status",
+        "  - apps\n  resources:\n  - deployments\n  verbs:\n  - get\n  - list\n  - watch\n  - patch\n",
+    ] {
+        ensure!(
+            role.contains(rule),
+            "{rule:?} not in config/rbac/role.yaml:\n{role}"
+        );
+    }
     project(&dir, "cargo", &["fmt", "--all", "--check"])?;
     project(
         &dir,
@@ -193,8 +232,9 @@ async fn a_scaffolded_guestbook_builds_lints_and_passes_its_own_tests() -> anyho
     )?;
     let tests = project(&dir, "make", &["test"])?;
     ensure!(
-        tests.contains("test the_sample_becomes_available ... ok"),
-        "the generated controller test did not run:\n{tests}"
+        tests.matches("test the_sample_becomes_available ... ok").count() == 2
+            && tests.contains("test the_sample_is_reconciled_and_left_as_it_is ... ok"),
+        "the generated controller tests (Guestbook, Tenant, Deployment) did not all run:\n{tests}"
     );
     eprintln!(
         "opkit init → green `make test` in the generated project: {:.0} s; {} lines of Rust",
@@ -292,6 +332,37 @@ async fn a_scaffolded_guestbook_builds_lints_and_passes_its_own_tests() -> anyho
     ensure!(ok, "{out}");
     let ct = kubectl(&["get", "ct", "-n", &ns, "-o", "name"])?;
     ensure!(ct.trim() == "crontab.stable.my.domain/my-new-cron-object", "{ct}");
+    // The cluster-scoped Tenant: its webhook is called for it, and the operator reconciles it.
+    let tenant = |name: &str, foo: &str| {
+        format!(
+            "{{\"apiVersion\":\"infra.my.domain/v1\",\"kind\":\"Tenant\",\"metadata\":{{\"name\":\"{name}\"}},\"spec\":{{\"foo\":\"{foo}\"}}}}"
+        )
+    };
+    let (ok, out) = kubectl_stdin(
+        &["apply", "-f", "-"],
+        tenant(&format!("{ns}-empty"), "").as_bytes(),
+    )?;
+    ensure!(!ok && out.contains("spec.foo must not be empty"), "{out}");
+    let name = format!("{ns}-tenant");
+    let (ok, out) = kubectl_stdin(&["apply", "-f", "-"], tenant(&name, "bar").as_bytes())?;
+    ensure!(ok, "{out}");
+    let available = wait_for("the Tenant to be Available", Duration::from_secs(60), || async {
+        let s = kubectl(&[
+            "get",
+            "tenant",
+            &name,
+            "-o",
+            "jsonpath={.status.conditions[?(@.type==\"Available\")].status}",
+        ])?;
+        if s == "True" {
+            Ok(())
+        } else {
+            Err(anyhow!("Available={s:?}"))
+        }
+    })
+    .await;
+    kubectl(&["delete", "tenant", &name, "--wait=false"])?;
+    available?;
 
     drop(_operator);
     kubectl(&["delete", "namespace", &ns, "--wait=false"])?;
