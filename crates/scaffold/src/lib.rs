@@ -1081,6 +1081,7 @@ mod tests {
         a.dir = d.clone();
         let e = create_api(&a).unwrap_err().to_string();
         assert!(e.contains("cluster-scoped in v1"), "{e}");
+        let _ = std::fs::remove_dir_all(&d);
     }
 
     #[test]
@@ -1139,6 +1140,7 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("built into Kubernetes"), "{e}");
+        let _ = std::fs::remove_dir_all(&d);
     }
 
     #[test]
