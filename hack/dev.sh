@@ -29,6 +29,11 @@ if "$kubectl" get node opkit-real-node >/dev/null 2>&1; then
     'scheduler.alpha.kubernetes.io/defaultTolerations=[{"key":"opkit.dev/real-node","operator":"Exists","effect":"NoSchedule"}]' >/dev/null
 fi
 
+# Webhook configurations left by an earlier run point at a server that is not up yet, and At's
+# and ConfigMirror's fail closed: they go, and the operator writes them again as it starts.
+"$kubectl" delete --ignore-not-found mutatingwebhookconfiguration/opkit-mutating-webhook-configuration \
+  validatingwebhookconfiguration/opkit-validating-webhook-configuration >/dev/null
+
 echo ">> applying samples"
 for f in config/samples/*.yaml; do "$kubectl" apply -f "$f"; done
 
@@ -42,6 +47,8 @@ cat <<EOT
      kubectl scale deployment memcached-sample --replicas=7   # reverted by opkit
      kubectl describe memcached memcached-sample # conditions and events
      kubectl get at,eru,foo                      # the cnat, Eru and sample-controller samples
+     kubectl label namespace kube-public mirror.opkit.dev/app-settings=true
+     kubectl get configmirror                    # app-settings copied to kube-public
      kubectl logs example-at-pod                 # YAY (from a container with the real node)
      kubectl apply -f - <<< '{"apiVersion":"cache.example.com/v1","kind":"Memcached","metadata":{"name":"nosize"},"spec":{}}'
                                                  # defaulted to size 1 by opkit's webhook
@@ -49,7 +56,7 @@ cat <<EOT
    Ctrl-C stops the operator; 'make testenv-down' stops the local control plane.
 
 EOT
-# The apiserver reaches the webhooks at 127.0.0.1:9443 (failurePolicy Ignore: harmless when
-# the operator is not running).
+# The apiserver reaches the webhooks at 127.0.0.1:9443; while the operator is stopped, At and
+# ConfigMirror objects are refused (failurePolicy Fail), Memcacheds and Erus are not (Ignore).
 exec "$opkit" run --metrics-bind-address 127.0.0.1:8080 --health-probe-bind-address 127.0.0.1:8081 \
   --webhook-bind-address 127.0.0.1:9443 --webhook-url https://127.0.0.1:9443
