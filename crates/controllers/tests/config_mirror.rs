@@ -9,7 +9,6 @@ use std::collections::BTreeMap;
 
 use anyhow::{anyhow, bail, ensure};
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
-use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use opkit::ManagerOptions;
@@ -337,21 +336,8 @@ async fn a_failing_cleanup_keeps_the_finalizer_says_why_and_finishes_after_a_res
                 "{}",
                 deleting.message
             );
-            let events: Api<Event> = Api::all(client.clone());
-            wait_for("a CleanupFailed Warning Event", T, || async {
-                let found = events
-                    .list(&ListParams::default())
-                    .await?
-                    .items
-                    .into_iter()
-                    .any(|e| {
-                        e.reason.as_deref() == Some("CleanupFailed")
-                            && e.type_.as_deref() == Some("Warning")
-                            && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name.as_str())
-                    });
-                if found { Ok(()) } else { Err(anyhow!("none yet")) }
-            })
-            .await?;
+            let warning = common::event(&client, None, &name, "CleanupFailed").await?;
+            ensure!(warning.type_.as_deref() == Some("Warning"), "{warning:?}");
             // The copy that could be deleted is gone, the protected one stays, and so does the
             // mirror, with its finalizer.
             wait_copies(&client, &name, &[(&b, "debug")]).await?;

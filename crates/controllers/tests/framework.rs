@@ -8,10 +8,9 @@ use std::time::Duration;
 
 use anyhow::{anyhow, ensure};
 use k8s_openapi::api::core::v1::ConfigMap;
-use k8s_openapi::api::events::v1::Event as KubeEvent;
 use k8s_openapi::api::rbac::v1::PolicyRule;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use opkit::{
     Cleanup, Invalid, Manager, ManagerOptions, Plan, Reconciler, Requeue, Scope, Tuning, Watch, Watches,
@@ -170,20 +169,7 @@ async fn a_failing_step_outside_the_cluster_keeps_the_finalizer_warns_and_is_ret
             })
             .await?;
             api.delete("held", &DeleteParams::default()).await?;
-            let events: Api<KubeEvent> = Api::namespaced(client.clone(), &ns);
-            let warning = wait_for("a CleanupFailed Warning", T, || async {
-                let found = events
-                    .list(&ListParams::default())
-                    .await?
-                    .items
-                    .into_iter()
-                    .find(|e| {
-                        e.reason.as_deref() == Some("CleanupFailed")
-                            && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("held")
-                    });
-                found.ok_or_else(|| anyhow!("none yet"))
-            })
-            .await?;
+            let warning = common::event(&client, Some(&ns), "held", "CleanupFailed").await?;
             let note = warning.note.unwrap_or_default();
             ensure!(note.contains("release: the outside service said no"), "{note}");
             let failed = r#"opkit_calls_total{controller="probe",step="release",result="error"}"#;

@@ -1,9 +1,8 @@
 //! Fixtures and waits for the Eru tests.
 use anyhow::{Context, anyhow};
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::events::v1::Event;
 use kube::Client;
-use kube::api::{Api, ListParams};
+use kube::api::Api;
 use opkit_api::eru::{Eru, EruStatus};
 use opkit_controllers::eru;
 use opkit_testenv::wait_for;
@@ -97,24 +96,7 @@ pub fn condition(s: &EruStatus, type_: &str) -> Option<(String, String)> {
 }
 
 pub async fn has_event(client: &Client, ns: &str, name: &str, reason: &str) -> anyhow::Result<()> {
-    let events: Api<Event> = Api::namespaced(client.clone(), ns);
-    wait_for(&format!("a {reason} Event about {name}"), T, || async {
-        let found = events
-            .list(&ListParams::default())
-            .await?
-            .items
-            .into_iter()
-            .any(|e| {
-                e.reason.as_deref() == Some(reason)
-                    && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)
-            });
-        if found {
-            Ok(())
-        } else {
-            Err(anyhow!("no such Event yet"))
-        }
-    })
-    .await
+    super::event(client, Some(ns), name, reason).await.map(|_| ())
 }
 
 /// A Deployment with no replicas: cheap for the control plane, but cached all the same.

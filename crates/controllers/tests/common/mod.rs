@@ -161,6 +161,33 @@ where
     Ok(())
 }
 
+/// Waits for an Event with `reason` about the object `name` (in `namespace`; `None`: any,
+/// as the Events about a cluster-scoped object land in `default`) and returns it.
+pub async fn event(
+    client: &Client,
+    namespace: Option<&str>,
+    name: &str,
+    reason: &str,
+) -> anyhow::Result<k8s_openapi::api::events::v1::Event> {
+    let events: Api<k8s_openapi::api::events::v1::Event> = match namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    };
+    wait_for(&format!("a {reason} Event about {name}"), T, || async {
+        events
+            .list(&kube::api::ListParams::default())
+            .await?
+            .items
+            .into_iter()
+            .find(|e| {
+                e.reason.as_deref() == Some(reason)
+                    && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)
+            })
+            .ok_or_else(|| anyhow!("no such Event yet"))
+    })
+    .await
+}
+
 /// A file under `config/samples/`.
 pub fn sample(file: &str) -> String {
     std::fs::read_to_string(format!(
