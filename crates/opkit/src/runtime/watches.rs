@@ -363,7 +363,14 @@ where
                             // as synced.
                             observe_all(&indexes, &ev);
                             let mut subs = subs.lock().unwrap_or_else(|p| p.into_inner());
-                            subs.retain(|s| s.unbounded_send(ev.clone()).is_ok());
+                            subs.retain(|s| !s.is_closed());
+                            // A copy for every subscriber but the last, which takes the event.
+                            if let Some((last, others)) = subs.split_last() {
+                                for s in others {
+                                    let _ = s.unbounded_send(ev.clone());
+                                }
+                                let _ = last.unbounded_send(ev);
+                            }
                         }
                         Err(e) => tracing::warn!(kind, error = %e, "watch failed; retrying with backoff"),
                     }
