@@ -33,6 +33,13 @@ struct Namespaces {
 }
 
 impl Namespaces {
+    fn new(client: &Client) -> Self {
+        Namespaces {
+            client: client.clone(),
+            names: Vec::new(),
+        }
+    }
+
     async fn create(&mut self, name: &str, labels: BTreeMap<String, String>) -> anyhow::Result<()> {
         let api: Api<Namespace> = Api::all(self.client.clone());
         let mut n = Namespace::default();
@@ -154,10 +161,7 @@ async fn copies_follow_selected_namespaces_the_source_and_hand_edits() {
     let _turn = TURN.lock().await;
     shared()
         .in_namespace("mirror-follow", |client, ns| async move {
-            let mut spaces = Namespaces {
-                client: client.clone(),
-                names: Vec::new(),
-            };
+            let mut spaces = Namespaces::new(&client);
             let (a, b, c) = (format!("{ns}-a"), format!("{ns}-b"), format!("{ns}-c"));
             spaces.create(&a, team(&ns)).await?;
             spaces.create(&b, BTreeMap::new()).await?;
@@ -302,10 +306,7 @@ async fn a_failing_cleanup_keeps_the_finalizer_says_why_and_finishes_after_a_res
     let _turn = TURN.lock().await;
     shared()
         .in_namespace("mirror-cleanup", |client, ns| async move {
-            let mut spaces = Namespaces {
-                client: client.clone(),
-                names: Vec::new(),
-            };
+            let mut spaces = Namespaces::new(&client);
             let (a, b) = (format!("{ns}-a"), format!("{ns}-b"));
             spaces.create(&a, team(&ns)).await?;
             spaces.create(&b, team(&ns)).await?;

@@ -100,14 +100,6 @@ fn start(client: &Client, ns: &str) -> (opkit::metrics::Metrics, tokio_util::syn
     (metrics, stop)
 }
 
-fn sample(metrics: &opkit::metrics::Metrics, series: &str) -> f64 {
-    metrics
-        .encode()
-        .lines()
-        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
-        .unwrap_or(0.0)
-}
-
 async fn probe(client: &Client, ns: &str, name: &str, annotations: serde_json::Value) -> anyhow::Result<()> {
     let api: Api<ConfigMap> = Api::namespaced(client.clone(), ns);
     let cm =
@@ -130,7 +122,7 @@ async fn a_hung_reconcile_is_cancelled_counted_and_retried() {
             let timeouts = r#"opkit_reconcile_errors_total{controller="probe",category="timeout"}"#;
             let planned = r#"opkit_reconcile_total{controller="probe",result="success"}"#;
             wait_for("a timeout, then a plan to the end", T, || async {
-                let (t, p) = (sample(&metrics, timeouts), sample(&metrics, planned));
+                let (t, p) = (metrics.sample(timeouts), metrics.sample(planned));
                 if t == 1.0 && p >= 1.0 {
                     Ok(())
                 } else {
@@ -174,7 +166,7 @@ async fn a_failing_step_outside_the_cluster_keeps_the_finalizer_warns_and_is_ret
             ensure!(note.contains("release: the outside service said no"), "{note}");
             let failed = r#"opkit_calls_total{controller="probe",step="release",result="error"}"#;
             wait_for("retries", T, || async {
-                let n = sample(&metrics, failed);
+                let n = metrics.sample(failed);
                 if n >= 2.0 { Ok(()) } else { Err(anyhow!("{n}")) }
             })
             .await?;
@@ -200,10 +192,7 @@ async fn a_failing_step_outside_the_cluster_keeps_the_finalizer_warns_and_is_ret
                 }
             })
             .await?;
-            let ok = sample(
-                &metrics,
-                r#"opkit_calls_total{controller="probe",step="release",result="ok"}"#,
-            );
+            let ok = metrics.sample(r#"opkit_calls_total{controller="probe",step="release",result="ok"}"#);
             ensure!(ok == 1.0, "{ok} successful releases");
             Ok(())
         })

@@ -5,7 +5,8 @@ use std::hash::{Hash, Hasher};
 
 use kube::Resource;
 
-fn hash(h: &impl Hash) -> u64 {
+/// One hash of a key, for filters and their tests.
+pub(crate) fn hash(h: &impl Hash) -> u64 {
     let mut s = std::collections::hash_map::DefaultHasher::new();
     h.hash(&mut s);
     s.finish()

@@ -186,6 +186,16 @@ impl Metrics {
         }
     }
 
+    /// The value of one series of the exposition, e.g.
+    /// `opkit_cache_objects{controller="memcached",kind="Memcached"}` (0 when absent): for
+    /// tests and benchmarks that wait on a metric.
+    pub fn sample(&self, series: &str) -> f64 {
+        self.encode()
+            .lines()
+            .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+            .unwrap_or(0.0)
+    }
+
     /// The handle one controller records through.
     pub fn for_controller(&self, controller: &str) -> ControllerMetrics {
         let totals = self

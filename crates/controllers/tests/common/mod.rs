@@ -42,11 +42,7 @@ impl Operator {
     /// One sample of the Prometheus exposition, e.g.
     /// `opkit_cache_objects{controller="memcached",kind="Memcached"}` (0 when absent).
     pub fn sample(&self, series: &str) -> f64 {
-        self.metrics
-            .encode()
-            .lines()
-            .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
-            .unwrap_or(0.0)
+        self.metrics.sample(series)
     }
 
     /// The metrics of the reconciler called `name`.

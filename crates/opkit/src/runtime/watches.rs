@@ -3,7 +3,9 @@
 //! its filter ignores and for the echoes of opkit's own writes.
 use std::collections::HashMap;
 use std::fmt::Debug;
-use std::hash::{Hash, Hasher};
+use std::hash::Hash;
+
+use crate::changed::hash;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -84,12 +86,6 @@ impl<C> Watch<C> {
         self.filter = Some(Arc::new(move |c: &C| hash(&key(c))));
         self
     }
-}
-
-fn hash(h: &impl Hash) -> u64 {
-    let mut s = std::collections::hash_map::DefaultHasher::new();
-    h.hash(&mut s);
-    s.finish()
 }
 
 /// The resourceVersions opkit's own writes produced, until their watch events arrive: those
