@@ -182,14 +182,14 @@ impl<R: Reconciler> Runner<R> {
         }
         if let Some(uid) = obj.uid() {
             for pruner in &self.pruners {
-                for owned in pruner(&uid) {
+                for child in pruner(&uid) {
                     let key = (
-                        owned.resource.kind.clone(),
-                        owned.namespace.clone(),
-                        owned.name.clone(),
+                        child.resource.kind.clone(),
+                        child.namespace.clone(),
+                        child.name.clone(),
                     );
                     if !produced.contains(&key) {
-                        self.writer.prune(&owned).await?;
+                        self.writer.prune(&child).await?;
                     }
                 }
             }

@@ -12,7 +12,6 @@ use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
 use futures::{FutureExt, Stream, StreamExt};
-use kube::core::ApiResource;
 use kube::runtime::controller::{Config as ControllerConfig, Controller};
 use kube::runtime::reflector::{self, ObjectRef};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -24,7 +23,7 @@ use tokio::sync::watch;
 use super::cache::{Indexes, KeyFn, OWNER_INDEX, api, namespaced, observe_all};
 use super::{Cache, Watch, Watchable};
 use crate::OWNER_LABEL;
-use crate::reconciler::Reconciler;
+use crate::reconciler::{Deletion, Reconciler};
 
 /// The index of the primary cache by uid, so that [`OWNER_LABEL`] leads back to its owner.
 const UID_INDEX: &str = "opkit.dev/uid";
@@ -161,15 +160,9 @@ fn triggers<C: Resource<DynamicType = ()>>(
     }
 }
 
-/// A child a primary object controls, as found in a cache: what pruning may delete.
-pub(crate) struct Owned {
-    pub resource: ApiResource,
-    pub namespace: Option<String>,
-    pub name: String,
-}
-
-/// Lists the cached children controlled by the object of a uid, for pruning.
-pub(crate) type Pruner = Box<dyn Fn(&str) -> Vec<Owned> + Send + Sync>;
+/// Lists the cached children controlled by the object of a uid: what pruning may delete (by
+/// name, as it always has: no uid precondition).
+pub(crate) type Pruner = Box<dyn Fn(&str) -> Vec<Deletion> + Send + Sync>;
 
 /// The uids of the primary objects that control `obj`: its controller owner reference and
 /// its [`OWNER_LABEL`].
@@ -421,10 +414,9 @@ where
             cache
                 .indexed(OWNER_INDEX, uid)
                 .iter()
-                .map(|c| Owned {
-                    resource: ApiResource::erase::<C>(&()),
-                    namespace: c.namespace().filter(|_| namespaced::<C>()),
-                    name: c.name_any(),
+                .map(|c| Deletion {
+                    uid: None,
+                    ..Deletion::of(c.as_ref())
                 })
                 .collect()
         }));

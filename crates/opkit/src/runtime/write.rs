@@ -11,7 +11,6 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::cache::{api, namespaced};
-use super::watches::Owned;
 use super::{Error, Watchable};
 use crate::conditions::{self, Desired};
 use crate::context::ControllerContext;
@@ -86,20 +85,12 @@ impl Writer {
     }
 
     /// Deletes a child the plan no longer produces.
-    pub(crate) async fn prune(&self, owned: &Owned) -> Result<(), Error> {
+    pub(crate) async fn prune(&self, child: &Deletion) -> Result<(), Error> {
         tracing::info!(
-            kind = owned.resource.kind,
-            namespace = owned.namespace,
-            name = owned.name,
+            child = child.describe(),
             "deleting a child the plan no longer produces"
         );
-        self.delete(&Deletion {
-            resource: owned.resource.clone(),
-            namespace: owned.namespace.clone(),
-            name: owned.name.clone(),
-            uid: None,
-        })
-        .await
+        self.delete(child).await
     }
 
     /// Deletes an object (background propagation); one already gone, or replaced by another
