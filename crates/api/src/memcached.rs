@@ -1,5 +1,8 @@
 //! `Memcached` (`cache.example.com`): `spec.size` memcached Pods behind one Deployment, as in
 //! the Operator SDK tutorial. `v1alpha1` and `v1` are served with one schema; `v1` is stored.
+//!
+//! A missing `spec.size` (or `spec`) is a schema default, applied by the apiserver itself: no
+//! webhook has to be reachable for a Memcached without a size to be admitted.
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::CustomResourceExt;
@@ -8,6 +11,13 @@ use serde::{Deserialize, Serialize};
 
 /// The largest `spec.size` accepted; more memcached Pods per object is almost certainly a typo.
 pub const MAX_SIZE: i32 = 100;
+
+/// `spec.size` of a Memcached created without one.
+pub const DEFAULT_SIZE: i32 = 1;
+
+fn default_size() -> i32 {
+    DEFAULT_SIZE
+}
 
 /// Observed state, written only by the operator through the status subresource.
 #[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
@@ -53,8 +63,9 @@ macro_rules! memcached_version {
             )]
             #[serde(rename_all = "camelCase")]
             pub struct MemcachedSpec {
-                /// Number of memcached Pods (0 to 100).
+                /// Number of memcached Pods (0 to 100; 1 when left out).
                 #[schemars(range(min = 0, max = 100))]
+                #[serde(default = "default_size")]
                 pub size: i32,
             }
         }
@@ -69,10 +80,27 @@ pub use v1::{Memcached, MemcachedSpec};
 /// Why a Memcached's name is limited: its Pods carry it as a label value.
 pub const NAME_LIMIT_REASON: &str = "it labels the memcached Pods";
 
-/// The CRD with both versions; `v1` is the storage version.
+/// The CRD with both versions; `v1` is the storage version. `spec` defaults to `{}`, so a
+/// Memcached without one gets the default size too.
 pub fn crd() -> CustomResourceDefinition {
-    let crd = kube::core::crd::merge_crds(vec![v1alpha1::Memcached::crd(), v1::Memcached::crd()], "v1")
+    let mut crd = kube::core::crd::merge_crds(vec![v1alpha1::Memcached::crd(), v1::Memcached::crd()], "v1")
         .expect("both Memcached versions share group, kind and scope");
+    for version in &mut crd.spec.versions {
+        let root = version
+            .schema
+            .as_mut()
+            .and_then(|s| s.open_api_v3_schema.as_mut());
+        if let Some(spec) = root
+            .and_then(|r| r.properties.as_mut())
+            .and_then(|p| p.get_mut("spec"))
+        {
+            spec.default = Some(
+                k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::JSON(serde_json::json!(
+                    {}
+                )),
+            );
+        }
+    }
     crate::limit_name(crd, crate::MAX_LABEL_VALUE, NAME_LIMIT_REASON)
 }
 
@@ -95,10 +123,13 @@ mod tests {
         let size = &spec["openAPIV3Schema"]["properties"]["spec"]["properties"]["size"];
         assert_eq!(size["minimum"], 0.0);
         assert_eq!(size["maximum"], f64::from(MAX_SIZE));
+        // Defaults the apiserver applies: no webhook needed for a Memcached without a size.
+        assert_eq!(size["default"], DEFAULT_SIZE);
         assert_eq!(
-            spec["openAPIV3Schema"]["properties"]["spec"]["required"],
-            serde_json::json!(["size"])
+            spec["openAPIV3Schema"]["properties"]["spec"]["default"],
+            serde_json::json!({})
         );
+        assert!(spec["openAPIV3Schema"]["properties"]["spec"]["required"].is_null());
         assert_eq!(crd.spec.names.short_names, Some(vec!["mc".to_string()]));
     }
 }

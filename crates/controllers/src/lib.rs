@@ -44,7 +44,8 @@ pub fn registry() -> Registry<Settings> {
             name: memcached::NAME,
             crds: || vec![opkit_api::memcached::crd()],
             rbac: memcached::rbac_rules,
-            webhooks: memcached::webhooks,
+            // A missing size is a schema default: nothing left for a webhook to do.
+            webhooks: |w, _| w,
             add: |m, s| {
                 m.add(memcached::MemcachedController {
                     image: s.memcached_image.clone(),

@@ -69,6 +69,7 @@ impl Reconciler for Probe {
             events: Vec::new(),
             requeue: Requeue::OnChange,
             delete: false,
+            in_progress: false,
         })
     }
 

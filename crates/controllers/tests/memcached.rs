@@ -1,5 +1,7 @@
 //! The Memcached controller on the real local control plane.
 
+use std::time::Duration;
+
 use anyhow::{Context, anyhow, bail, ensure};
 use k8s_openapi::api::apps::v1::Deployment;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
@@ -154,7 +156,7 @@ async fn deleting_the_memcached_garbage_collects_its_deployment() {
 }
 
 #[tokio::test]
-async fn invalid_sizes_are_refused_by_the_apiserver_with_its_message() {
+async fn sizes_are_checked_and_defaulted_by_the_apiserver() {
     shared()
         .in_namespace("mc-invalid", |client, ns| async move {
             install_crd(&client, opkit_api::memcached::crd()).await?;
@@ -166,7 +168,6 @@ async fn invalid_sizes_are_refused_by_the_apiserver_with_its_message() {
                 (json!({"size": 101}), "should be less than or equal to 100"),
                 (json!({"size": 1.5}), "must be of type integer"),
                 (json!({"size": "three"}), "must be of type integer"),
-                (json!({}), "Required value"),
             ] {
                 let obj = json!({"apiVersion": "cache.example.com/v1", "kind": "Memcached",
                     "metadata": {"name": "bad"}, "spec": spec});
@@ -177,6 +178,21 @@ async fn invalid_sizes_are_refused_by_the_apiserver_with_its_message() {
                     Err(kube::Error::Api(s)) if s.code == 422 && s.message.contains(expected) => {}
                     other => bail!("spec {spec}: expected a 422 mentioning {expected:?}, got {other:?}"),
                 }
+            }
+            // A missing size, or spec, is the apiserver's own default: no webhook runs here.
+            for (name, obj) in [("no-size", json!({"spec": {}})), ("no-spec", json!({}))] {
+                let mut obj = obj;
+                obj["apiVersion"] = json!("cache.example.com/v1");
+                obj["kind"] = json!("Memcached");
+                obj["metadata"] = json!({"name": name});
+                let stored = api
+                    .create(&PostParams::default(), &serde_json::from_value(obj)?)
+                    .await?;
+                ensure!(
+                    stored.data["spec"]["size"] == json!(opkit_api::memcached::DEFAULT_SIZE),
+                    "{name}: stored as {}",
+                    stored.data
+                );
             }
             Ok(())
         })
@@ -358,6 +374,97 @@ async fn an_operator_restart_leaves_a_converged_memcached_untouched() {
             ensure!(
                 event_versions().await? == events_before,
                 "Events changed after the restart"
+            );
+            Ok(())
+        })
+        .await;
+}
+
+/// A status of a rollout under way is held back: a Memcached that settles within the
+/// progress delay costs one status write, and one whose rollout cannot finish (a quota stops
+/// its Pods) still shows its progress once the delay has passed.
+#[tokio::test]
+async fn progress_is_written_once_settled_or_once_it_takes_long() {
+    shared()
+        .in_namespace("mc-progress", |client, ns| async move {
+            const DELAY: Duration = Duration::from_secs(15);
+            let tune = format!("memcached.progress-delay={}s", DELAY.as_secs());
+            let op = common::start_tuned(&client, &ns, memcached::NAME, ManagerOptions::default(), &[&tune])
+                .await?;
+            let status_writes =
+                || op.sample(r#"opkit_api_writes_total{controller="memcached",verb="apply_status"}"#);
+            let mcs: Api<Memcached> = Api::namespaced(client.clone(), &ns);
+            let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+            let memcached = |name: &str, size: i32| -> anyhow::Result<Memcached> {
+                Ok(serde_json::from_value(json!({
+                    "apiVersion": "cache.example.com/v1", "kind": "Memcached",
+                    "metadata": {"name": name}, "spec": {"size": size},
+                }))?)
+            };
+
+            // Settles quickly (kwok Pods are Ready at once): one status write, the settled one.
+            mcs.create(&PostParams::default(), &memcached("quick", 2)?)
+                .await?;
+            wait_for("quick to settle", T, || async {
+                let mc = mcs.get("quick").await?;
+                let s = mc.status.clone().unwrap_or_default();
+                let done = s.observed_generation == mc.metadata.generation
+                    && opkit::conditions::is_true(&s.conditions, "Available")
+                    && !opkit::conditions::is_true(&s.conditions, "Progressing");
+                if done { Ok(()) } else { Err(anyhow!("{s:?}")) }
+            })
+            .await?;
+            common::settled(&op.metrics()).await?;
+            ensure!(
+                status_writes() == 1.0,
+                "{} status writes for one settled change",
+                status_writes()
+            );
+
+            // Stuck: the quota leaves room for one of its three Pods.
+            let quotas: Api<k8s_openapi::api::core::v1::ResourceQuota> = Api::namespaced(client.clone(), &ns);
+            quotas
+                .create(
+                    &PostParams::default(),
+                    &serde_json::from_value(
+                        json!({"metadata": {"name": "pods"}, "spec": {"hard": {"pods": "3"}}}),
+                    )?,
+                )
+                .await?;
+            let created = std::time::Instant::now();
+            mcs.create(&PostParams::default(), &memcached("stuck", 3)?)
+                .await?;
+            wait_for("the one Pod the quota allows to be Ready", T, || async {
+                let ready = deploys
+                    .get_opt("stuck")
+                    .await?
+                    .and_then(|d| d.status?.ready_replicas)
+                    .unwrap_or(0);
+                if ready == 1 {
+                    Ok(())
+                } else {
+                    Err(anyhow!("{ready} ready"))
+                }
+            })
+            .await?;
+            common::settled(&op.metrics()).await?;
+            if created.elapsed() < DELAY - Duration::from_secs(2) {
+                let s = mcs.get("stuck").await?.status;
+                ensure!(s.is_none(), "progress written before the delay: {s:?}");
+            }
+            let shown = wait_for("the progress to be shown", T, || async {
+                let s = mcs.get("stuck").await?.status.unwrap_or_default();
+                let progressing = opkit::conditions::is_true(&s.conditions, "Progressing");
+                if progressing && s.ready_replicas == Some(1) {
+                    Ok(created.elapsed())
+                } else {
+                    Err(anyhow!("{s:?}"))
+                }
+            })
+            .await?;
+            ensure!(
+                shown >= DELAY,
+                "progress shown after {shown:?}, before the {DELAY:?} delay"
             );
             Ok(())
         })

@@ -250,7 +250,11 @@ async fn the_csv_installed_as_olm_does_runs_its_examples_with_only_its_permissio
                         h
                     })
                     .collect();
-                ensure!(!hooks.is_empty(), "the CSV defines no {kind}");
+                if hooks.is_empty() {
+                    // Our operator has no mutating webhook (defaults are schema defaults).
+                    ensure!(kind == "MutatingAdmissionWebhook", "the CSV defines no {kind}");
+                    continue;
+                }
                 apply_json(&json!({
                     "apiVersion": "admissionregistration.k8s.io/v1", "kind": config,
                     "metadata": {"name": format!("{ns}-{}", config.to_lowercase())},
@@ -320,8 +324,8 @@ async fn the_csv_installed_as_olm_does_runs_its_examples_with_only_its_permissio
                     "True",
                 )
                 .await?;
-                // The webhooks OLM would configure answer: a Memcached without a size is
-                // defaulted (the schema alone would refuse it), an impossible schedule refused.
+                // A Memcached without a size is defaulted by its schema, and the webhooks OLM
+                // would configure answer: an impossible schedule is refused.
                 wait_for("a Memcached without size to be defaulted", T, || async {
                     let (ok, out) = kubectl_stdin(
                         &["apply", "-n", &ns, "-f", "-"],

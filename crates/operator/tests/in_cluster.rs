@@ -152,15 +152,25 @@ async fn docker_build_load_and_make_deploy_run_the_operator_in_the_cluster() {
                 "no JSON log lines:\n{log}"
             );
 
-            // The webhook, reached by the apiserver through opkit-webhook-service, defaults the
-            // size the schema requires: without it the create is refused.
-            let no_size = r#"{"apiVersion":"cache.example.com/v1","kind":"Memcached",
-                "metadata":{"name":"defaulted"},"spec":{}}"#;
-            wait_for("a Memcached without size to be admitted", T, || async {
-                let (ok, out) = kubectl_stdin(&["create", "-n", &ns, "-f", "-"], no_size.as_bytes())?;
-                if ok { Ok(()) } else { Err(anyhow!("{out}")) }
+            // The webhooks, reached by the apiserver through opkit-webhook-service: an At
+            // scheduled in 2010 is refused with the At webhook's message (until the server
+            // answers, the apiserver reports failing to call it).
+            let ancient = r#"{"apiVersion":"cnat.programming-kubernetes.info/v1alpha1","kind":"At",
+                "metadata":{"name":"ancient"},"spec":{"schedule":"2010-01-01T00:00:00Z","command":"echo"}}"#;
+            wait_for("the At webhook to refuse an ancient At", T, || async {
+                let (ok, out) = kubectl_stdin(
+                    &["create", "--dry-run=server", "-n", &ns, "-f", "-"],
+                    ancient.as_bytes(),
+                )?;
+                ensure!(!ok && out.contains("more than 10 years in the past"), "{out}");
+                Ok(())
             })
             .await?;
+            // A Memcached without a size gets the schema's default...
+            let no_size = r#"{"apiVersion":"cache.example.com/v1","kind":"Memcached",
+                "metadata":{"name":"defaulted"},"spec":{}}"#;
+            let (ok, out) = kubectl_stdin(&["create", "-n", &ns, "-f", "-"], no_size.as_bytes())?;
+            ensure!(ok, "{out}");
             let size = jsonpath(&["memcached", "defaulted"], &ns, "{.spec.size}")?;
             ensure!(size == "1", "size {size:?}");
             // ...and the operator in the cluster reconciles it into a running memcached.

@@ -39,6 +39,10 @@ pub struct Tuning {
     /// A reconcile running longer is cancelled, counted (category `timeout`) and retried with
     /// backoff, so one hung request cannot hold a slot forever; key `timeout`.
     pub timeout: Duration,
+    /// How long a status marked in progress ([`crate::Plan::in_progress`]) is held back
+    /// before it is written anyway (a slow rollout is shown), and the least time between two
+    /// such writes; key `progress-delay`.
+    pub progress_delay: Duration,
 }
 
 impl Default for Tuning {
@@ -48,12 +52,14 @@ impl Default for Tuning {
             backoff_base: Duration::from_millis(500),
             backoff_max: Duration::from_secs(300),
             timeout: Duration::from_secs(60),
+            progress_delay: Duration::from_secs(30),
         }
     }
 }
 
 impl Tuning {
-    /// Sets `key` (`concurrency`, `backoff-base`, `backoff-max`, `timeout`) from `value`
+    /// Sets `key` (`concurrency`, `backoff-base`, `backoff-max`, `timeout`,
+    /// `progress-delay`) from `value`
     /// (a count, or a duration such as `500ms`, `30s`, `5m`).
     pub fn set(&mut self, key: &str, value: &str) -> Result<(), String> {
         let duration = || {
@@ -68,9 +74,10 @@ impl Tuning {
             "backoff-base" => self.backoff_base = duration()?,
             "backoff-max" => self.backoff_max = duration()?,
             "timeout" => self.timeout = duration()?,
+            "progress-delay" => self.progress_delay = duration()?,
             _ => {
                 return Err(format!(
-                    "unknown setting {key:?}; known: concurrency, backoff-base, backoff-max, timeout"
+                    "unknown setting {key:?}; known: concurrency, backoff-base, backoff-max, timeout, progress-delay"
                 ));
             }
         }
@@ -486,6 +493,7 @@ mod tests {
         t.set("timeout", "90s").unwrap();
         t.set("backoff-base", "250ms").unwrap();
         t.set("backoff-max", "2m").unwrap();
+        t.set("progress-delay", "10s").unwrap();
         assert_eq!(
             t,
             Tuning {
@@ -493,6 +501,7 @@ mod tests {
                 backoff_base: Duration::from_millis(250),
                 backoff_max: Duration::from_secs(120),
                 timeout: Duration::from_secs(90),
+                progress_delay: Duration::from_secs(10),
             }
         );
         assert!(t.set("timeout", "soon").unwrap_err().contains("not a duration"));

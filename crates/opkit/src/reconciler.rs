@@ -234,6 +234,8 @@ pub struct Plan<S> {
     /// Delete the object itself once the rest is done (a finished run past its time to
     /// live); its owned children go with it through garbage collection.
     pub delete: bool,
+    /// The status describes work still under way (see [`Plan::in_progress`]).
+    pub in_progress: bool,
 }
 
 impl<S> Plan<S> {
@@ -245,6 +247,7 @@ impl<S> Plan<S> {
             events: Vec::new(),
             requeue,
             delete: false,
+            in_progress: false,
         }
     }
 
@@ -256,6 +259,7 @@ impl<S> Plan<S> {
             events: Vec::new(),
             requeue: Requeue::OnChange,
             delete: true,
+            in_progress: false,
         }
     }
 
@@ -268,6 +272,20 @@ impl<S> Plan<S> {
     /// Adds an Event.
     pub fn event(mut self, event: Event) -> Self {
         self.events.push(event);
+        self
+    }
+
+    /// Marks the status as describing work still under way (a rollout, Pods starting) when
+    /// `yes`. opkit then holds it back: it is written only once the object has been in
+    /// progress for the controller's `progress-delay` ([`crate::Tuning::progress_delay`]), and
+    /// again at most once per delay, while the first status without the mark (settled) is
+    /// written at once. A change that settles quickly costs one status write instead of one
+    /// per step, and a slow one is still shown. Until then the stored status keeps the last
+    /// settled one, and `status.observedGeneration` below `metadata.generation` says the
+    /// change is in progress (the convention `kubectl wait` and kstatus read). Children and
+    /// Events are never held.
+    pub fn in_progress(mut self, yes: bool) -> Self {
+        self.in_progress = yes;
         self
     }
 }

@@ -150,6 +150,7 @@ fn expire(at: &At, now: Timestamp) -> Plan<AtStatus> {
             events: Vec::new(),
             requeue: Requeue::OnChange,
             delete: false,
+            in_progress: false,
         };
     };
     let expires = done
@@ -166,6 +167,7 @@ fn expire(at: &At, now: Timestamp) -> Plan<AtStatus> {
         events: Vec::new(),
         requeue: Requeue::After(wait.min(MAX_WAIT) + Duration::from_millis(1)),
         delete: false,
+        in_progress: false,
     }
 }
 
@@ -284,6 +286,7 @@ pub fn plan(at: &At, pod: Option<&Pod>, now: Timestamp) -> Result<Plan<AtStatus>
             events: Vec::new(),
             requeue: Requeue::After(MAX_WAIT),
             delete: false,
+            in_progress: false,
         },
         Next::Finish(f) => {
             let (succeeded, why, note) = match (f.outcome, f.reason.as_str()) {

@@ -302,6 +302,7 @@ pub fn plan(eru: &Eru, deployment: Option<&Deployment>, now: Timestamp) -> Resul
         events,
         requeue: requeue.unwrap_or(Requeue::OnChange),
         delete: false,
+        in_progress: false,
     })
 }
 
@@ -370,6 +371,7 @@ pub fn plan_annotation(d: &Deployment, existing: Option<&Eru>) -> Plan<serde_jso
         events: Vec::new(),
         requeue: Requeue::OnChange,
         delete: false,
+        in_progress: false,
     };
     if wants_eru(d) {
         if let Some(e) = existing

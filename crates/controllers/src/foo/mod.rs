@@ -201,6 +201,7 @@ impl Reconciler for FooController {
                 events: Vec::new(),
                 requeue: hourly,
                 delete: false,
+                in_progress: false,
             });
         };
         if !controlled_by(live, foo) {
@@ -215,6 +216,7 @@ impl Reconciler for FooController {
                 events: vec![Event::warning(ERR_RESOURCE_EXISTS, "Reconcile", note)],
                 requeue: hourly,
                 delete: false,
+                in_progress: false,
             });
         }
         // The cache drops the pod template, so compare what upstream compares: replicas.

@@ -4,7 +4,6 @@
 //! observe (caches) → plan (pure: validate → build → status); opkit applies the Deployment,
 //! writes the status and publishes the Events.
 mod build;
-mod webhook;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,7 +20,6 @@ use opkit::{Cache, Child, Event, Invalid, Plan, Reconciler, Requeue, Watch, Watc
 use opkit_api::memcached::{MAX_SIZE, Memcached, MemcachedStatus};
 
 pub use build::{build_deployment, labels, pod_labels, selector};
-pub use webhook::{DEFAULT_SIZE, default_memcached, webhooks};
 
 /// The controller's name (`--controllers memcached`) and metrics label.
 pub const NAME: &str = "memcached";
@@ -45,7 +43,7 @@ pub mod reason {
     pub const COMPLETE: &str = "Complete";
     pub const AS_EXPECTED: &str = "AsExpected";
     pub const INVALID_SPEC: &str = "InvalidSpec";
-    pub const DEPLOYMENT_APPLIED: &str = "DeploymentApplied";
+    pub const DEPLOYMENT_RESTORED: &str = "DeploymentRestored";
 }
 
 /// The Memcached reconciler.
@@ -179,16 +177,18 @@ impl Reconciler for MemcachedController {
         let live = world.deployment.as_deref();
         let child = Child::apply(&desired, live);
         let status = build::status(mc, size, live, &world.pods, &Time(now));
+        // Until the rollout completes the status is progress: held back, so a change that
+        // settles quickly costs one status write (observedGeneration says it is under way).
+        let rolling = opkit::conditions::is_true(&status.conditions, condition::PROGRESSING);
         // Watches on the Deployment and its Pods bring us back; the hourly resync is a safety net.
-        let mut plan = Plan::status(status, Requeue::After(Duration::from_secs(3600)));
-        if child.is_needed() {
-            let name = mc.name_any();
-            let note = match live.and_then(|d| d.spec.as_ref()?.replicas) {
-                None => format!("Created Deployment {name} with {size} replicas"),
-                Some(r) if r != size => format!("Scaled Deployment {name} from {r} to {size} replicas"),
-                Some(_) => format!("Restored Deployment {name} to its desired state"),
-            };
-            plan = plan.event(Event::normal(reason::DEPLOYMENT_APPLIED, "Apply", note));
+        let mut plan = Plan::status(status, Requeue::After(Duration::from_secs(3600))).in_progress(rolling);
+        // Creating and scaling for a new spec are routine (the Deployment controller records
+        // its own scaling); undoing someone's change to the Deployment of a settled spec is
+        // worth telling.
+        let settled_spec = mc.status.as_ref().and_then(|s| s.observed_generation) == mc.metadata.generation;
+        if child.is_needed() && live.is_some() && settled_spec {
+            let note = format!("Restored Deployment {} to its desired state", mc.name_any());
+            plan = plan.event(Event::normal(reason::DEPLOYMENT_RESTORED, "Apply", note));
         }
         Ok(plan.child(child))
     }
@@ -212,18 +212,15 @@ mod tests {
     }
 
     #[test]
-    fn a_new_memcached_gets_its_deployment_and_a_created_event() {
+    fn a_new_memcached_gets_its_deployment_and_a_status_held_as_progress() {
         let p = MemcachedController::default()
             .plan(&mc(3), &World::default(), now())
             .unwrap();
         assert_eq!(p.children.len(), 1);
         assert!(p.children[0].is_needed());
-        assert_eq!(p.events.len(), 1);
-        assert!(
-            p.events[0].note.contains("Created Deployment m with 3 replicas"),
-            "{:?}",
-            p.events
-        );
+        // Creating is routine: no Event.
+        assert!(p.events.is_empty(), "{:?}", p.events);
+        assert!(p.in_progress);
         assert_eq!(p.status.unwrap().ready_replicas, Some(0));
     }
 
@@ -241,16 +238,41 @@ mod tests {
     }
 
     #[test]
-    fn a_scaled_deployment_is_reported_as_scaled() {
+    fn scaling_is_routine_and_undoing_a_change_is_told() {
         let c = MemcachedController::default();
         let d = build_deployment(&mc(2), 2, DEFAULT_IMAGE).unwrap();
         let world = World {
-            deployment: Some(Arc::new(d)),
+            deployment: Some(Arc::new(d.clone())),
             pods: Vec::new(),
         };
-        let p = c.plan(&mc(5), &world, now()).unwrap();
+        let settled = |size| {
+            let mut m = mc(size);
+            m.status = Some(MemcachedStatus {
+                observed_generation: m.metadata.generation,
+                ..Default::default()
+            });
+            m
+        };
+        // A new size (generation not yet observed): routine.
+        let mut rescaled = settled(5);
+        rescaled.metadata.generation = Some(2);
+        let p = c.plan(&rescaled, &world, now()).unwrap();
         assert!(p.children[0].is_needed());
-        assert!(p.events[0].note.contains("from 2 to 5"), "{:?}", p.events);
+        assert!(p.events.is_empty(), "{:?}", p.events);
+        // Someone scaled the Deployment of a settled Memcached: put back, with an Event.
+        let mut changed = d;
+        changed.spec.as_mut().unwrap().replicas = Some(7);
+        let world = World {
+            deployment: Some(Arc::new(changed)),
+            pods: Vec::new(),
+        };
+        let p = c.plan(&settled(2), &world, now()).unwrap();
+        assert!(p.children[0].is_needed());
+        assert!(
+            p.events[0].note.contains("Restored Deployment m"),
+            "{:?}",
+            p.events
+        );
     }
 
     #[test]

@@ -81,6 +81,17 @@ pub async fn start(
     name: &'static str,
     opts: ManagerOptions,
 ) -> anyhow::Result<Operator> {
+    start_tuned(client, ns, name, opts, &[]).await
+}
+
+/// [`start`] with settings as `opkit run --tune` takes them (`NAME.KEY=VALUE`).
+pub async fn start_tuned(
+    client: &Client,
+    ns: &str,
+    name: &'static str,
+    opts: ManagerOptions,
+    tune: &[&str],
+) -> anyhow::Result<Operator> {
     let registry = registry();
     let entry = registry
         .select(&[name.to_string()])
@@ -91,6 +102,9 @@ pub async fn start(
     }
     let mut manager = Manager::new(client.clone()).with_scope(Scope::namespaces(vec![ns.to_string()]));
     (entry.add)(&mut manager, &Settings::default());
+    for t in tune {
+        manager.tune(t).map_err(anyhow::Error::msg)?;
+    }
     let metrics = manager.metrics().clone();
     let stop = manager.shutdown_token();
     let opts = ManagerOptions {

@@ -12,6 +12,7 @@ use kube::{Resource, ResourceExt};
 use tokio::sync::{Semaphore, watch};
 
 use super::Error;
+use super::hold::Hold;
 use super::watches::{Pruner, Synced, Watches};
 use super::write::Writer;
 use crate::conditions::Desired;
@@ -34,6 +35,7 @@ struct Runner<R: Reconciler> {
     limit: Option<Arc<Semaphore>>,
     writer: Arc<Writer>,
     finalizer: Option<String>,
+    hold: Hold,
 }
 
 /// Builds and runs a controller over `namespaces` (`None`: all; a cluster-scoped primary kind
@@ -75,6 +77,7 @@ pub(crate) fn run<R: Reconciler>(
             limit: limit.clone(),
             writer: writer.clone(),
             finalizer: finalizer.clone(),
+            hold: Hold::new(ctx.tuning().progress_delay),
         });
         let shutdown = ctx.shutdown_signal();
         let background = async move {
@@ -132,6 +135,9 @@ impl<R: Reconciler> Runner<R> {
             .finalizer
             .as_deref()
             .filter(|f| obj.finalizers().iter().any(|x| x == f));
+        if deleting {
+            self.hold.settled(&obj.uid().unwrap_or_else(|| obj.name_any()));
+        }
         if deleting && ours.is_none() {
             // Going away, and nothing of ours holds it: no plan for a terminating object.
             return Ok((Action::await_change(), "deleting"));
@@ -194,11 +200,27 @@ impl<R: Reconciler> Runner<R> {
                 }
             }
         }
-        if let Some(status) = plan.status {
-            let echo = plan.requeue != Requeue::Again;
-            self.writer
-                .status::<_, R::Status>(obj, serde_json::to_value(status)?, echo)
-                .await?;
+        let hold_key = obj.uid().unwrap_or_else(|| obj.name_any());
+        // A status still in progress waits (see Plan::in_progress); one that must be stored
+        // before the next step never does.
+        let held = match (plan.in_progress, plan.requeue) {
+            (true, Requeue::After(_) | Requeue::OnChange) => {
+                self.hold.in_progress(&hold_key, std::time::Instant::now())
+            }
+            _ => {
+                self.hold.settled(&hold_key);
+                None
+            }
+        };
+        match (plan.status, held) {
+            (Some(_), Some(wait)) => tracing::debug!(?wait, "status in progress, held back"),
+            (Some(status), None) => {
+                let echo = plan.requeue != Requeue::Again;
+                self.writer
+                    .status::<_, R::Status>(obj, serde_json::to_value(status)?, echo)
+                    .await?;
+            }
+            (None, _) => {}
         }
         for e in plan.events {
             self.ctx.event(obj, &e).await;
@@ -207,11 +229,13 @@ impl<R: Reconciler> Runner<R> {
             self.writer.delete_object(obj).await?;
             return Ok(Action::await_change());
         }
-        Ok(match plan.requeue {
-            Requeue::OnChange => Action::await_change(),
-            Requeue::After(d) => Action::requeue(d),
+        Ok(match (plan.requeue, held) {
+            (Requeue::After(d), Some(wait)) => Action::requeue(d.min(wait)),
+            (Requeue::OnChange, Some(wait)) => Action::requeue(wait),
+            (Requeue::OnChange, None) => Action::await_change(),
+            (Requeue::After(d), None) => Action::requeue(d),
             // The stored status's watch event brings the object back.
-            Requeue::Again => Action::await_change(),
+            (Requeue::Again, _) => Action::await_change(),
         })
     }
 

@@ -5,13 +5,15 @@
 //!   triggering reconciles, and how opkit knows they have all synced;
 //! - `driver`: one reconcile, from the sync gate through observe and plan to the outcome;
 //! - `write`: every write a plan asks for (apply, create, prune, status, delete), each through
-//!   the write gate.
+//!   the write gate;
+//! - `hold`: statuses of work still under way, held back until it settles or takes long.
 //!
 //! kube-runtime's `Controller` waits only for the primary store, and `Store::wait_until_ready`
 //! wakes just one of several concurrent waiters. So opkit never waits on a store: it watches
 //! every stream it builds for the watcher's `InitDone` and keeps its own count.
 pub mod cache;
 mod driver;
+mod hold;
 pub mod watches;
 mod write;
 

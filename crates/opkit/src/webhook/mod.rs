@@ -80,7 +80,7 @@ type Handler =
 /// Which requests the apiserver sends to one webhook: the webhook configuration entry.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Rule {
-    /// Unique webhook name, e.g. `mmemcached.opkit.dev`.
+    /// Unique webhook name, e.g. `vat.opkit.dev`.
     pub name: &'static str,
     /// HTTP path it is served at.
     pub path: &'static str,

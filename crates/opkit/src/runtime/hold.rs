@@ -1,0 +1,112 @@
+//! Holding back statuses that describe work still under way ([`crate::Plan::in_progress`]):
+//! per object, when it was first seen in progress (or last written while in progress), so
+//! that a change which settles quickly costs one status write, and a slow one is written
+//! once per delay.
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// When each object in progress started to be held; objects that settled are not in it.
+pub(crate) struct Hold {
+    delay: Duration,
+    inner: Mutex<Inner>,
+}
+
+struct Inner {
+    since: HashMap<String, Instant>,
+    swept: Instant,
+}
+
+impl Hold {
+    pub(crate) fn new(delay: Duration) -> Self {
+        Hold {
+            delay,
+            inner: Mutex::new(Inner {
+                since: HashMap::new(),
+                swept: Instant::now(),
+            }),
+        }
+    }
+
+    /// For an in-progress status of `key` at `now`: `Some(wait)` to hold it back and look
+    /// again after `wait`, `None` to write it (the hold starts over from `now`).
+    pub(crate) fn in_progress(&self, key: &str, now: Instant) -> Option<Duration> {
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        // Entries of objects deleted while in progress: a live one is refreshed at least once
+        // per delay (its look-again), so anything much older is gone. At most one sweep per
+        // delay keeps this O(1) per call on average.
+        if now.duration_since(inner.swept) > self.delay * 4 {
+            let keep = self.delay * 4;
+            inner.since.retain(|_, t| now.duration_since(*t) <= keep);
+            inner.swept = now;
+        }
+        let since = *inner.since.entry(key.to_string()).or_insert(now);
+        let held = now.duration_since(since);
+        if held >= self.delay {
+            inner.since.insert(key.to_string(), now);
+            None
+        } else {
+            Some(self.delay - held)
+        }
+    }
+
+    /// `key` settled (or went away): its next in-progress status is held from scratch.
+    pub(crate) fn settled(&self, key: &str) {
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        inner.since.remove(key);
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.inner.lock().unwrap().since.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const D: Duration = Duration::from_secs(30);
+
+    #[test]
+    fn an_in_progress_status_is_held_for_the_delay_then_written_once_per_delay() {
+        let h = Hold::new(D);
+        let t0 = Instant::now();
+        assert_eq!(h.in_progress("a", t0), Some(D));
+        assert_eq!(
+            h.in_progress("a", t0 + Duration::from_secs(10)),
+            Some(Duration::from_secs(20))
+        );
+        assert_eq!(h.in_progress("a", t0 + D), None);
+        // The hold starts over after a write.
+        assert_eq!(
+            h.in_progress("a", t0 + D + Duration::from_secs(1)),
+            Some(Duration::from_secs(29))
+        );
+        assert_eq!(h.in_progress("a", t0 + D * 2), None);
+    }
+
+    #[test]
+    fn settling_forgets_the_object_and_others_are_held_on_their_own() {
+        let h = Hold::new(D);
+        let t0 = Instant::now();
+        assert!(h.in_progress("a", t0).is_some());
+        assert!(h.in_progress("b", t0 + Duration::from_secs(20)).is_some());
+        h.settled("a");
+        assert_eq!(h.len(), 1);
+        assert_eq!(h.in_progress("a", t0 + D), Some(D));
+        assert_eq!(h.in_progress("b", t0 + D), Some(Duration::from_secs(20)));
+    }
+
+    #[test]
+    fn entries_of_objects_gone_while_in_progress_are_swept() {
+        let h = Hold::new(D);
+        let t0 = Instant::now();
+        for i in 0..100 {
+            h.in_progress(&format!("gone-{i}"), t0);
+        }
+        let later = t0 + D * 5;
+        assert!(h.in_progress("live", later).is_some());
+        assert_eq!(h.len(), 1);
+    }
+}
