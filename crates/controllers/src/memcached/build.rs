@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
 use k8s_openapi::api::core::v1::{
-    Container, ContainerPort, Pod, PodSpec, PodTemplateSpec, Probe, ResourceRequirements, SecurityContext,
+    Container, ContainerPort, PodSpec, PodTemplateSpec, Probe, ResourceRequirements, SecurityContext,
     TCPSocketAction,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -125,9 +125,10 @@ pub fn build_deployment(mc: &Memcached, size: i32, image: &str) -> Result<Deploy
     })
 }
 
-fn counts_as_node(p: &Pod) -> bool {
-    let phase = p.status.as_ref().and_then(|s| s.phase.as_deref());
-    p.metadata.deletion_timestamp.is_none() && !matches!(phase, Some("Succeeded") | Some("Failed"))
+/// A Pod being deleted is no longer a node (finished ones never reach the cache:
+/// [`super::LIVE_PODS`]).
+fn counts_as_node(p: &super::PodMeta) -> bool {
+    p.metadata.deletion_timestamp.is_none()
 }
 
 /// The status a `Memcached` should show, given its Deployment and Pods.
@@ -135,7 +136,7 @@ pub fn status(
     mc: &Memcached,
     size: i32,
     deployment: Option<&Deployment>,
-    pods: &[Arc<Pod>],
+    pods: &[Arc<super::PodMeta>],
     now: &Time,
 ) -> MemcachedStatus {
     let live = mc.status.clone().unwrap_or_default();
@@ -181,7 +182,6 @@ pub fn status(
 mod tests {
     use super::*;
     use k8s_openapi::api::apps::v1::DeploymentStatus;
-    use k8s_openapi::api::core::v1::PodStatus;
     use opkit_api::memcached::MemcachedSpec;
 
     fn memcached(name: &str, size: i32) -> Memcached {
@@ -192,13 +192,9 @@ mod tests {
         mc
     }
 
-    fn pod(name: &str, phase: &str, deleting: bool) -> Arc<Pod> {
-        let mut p = Pod::default();
+    fn pod(name: &str, deleting: bool) -> Arc<crate::memcached::PodMeta> {
+        let mut p = crate::memcached::PodMeta::default();
         p.metadata.name = Some(name.into());
-        p.status = Some(PodStatus {
-            phase: Some(phase.into()),
-            ..Default::default()
-        });
         if deleting {
             p.metadata.deletion_timestamp = Some(Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH));
         }
@@ -258,12 +254,7 @@ mod tests {
     #[test]
     fn nodes_are_sorted_live_pods_only() {
         let mc = memcached("m", 3);
-        let pods = vec![
-            pod("m-c", "Running", false),
-            pod("m-a", "Pending", false),
-            pod("m-x", "Running", true),
-            pod("m-f", "Failed", false),
-        ];
+        let pods = vec![pod("m-c", false), pod("m-a", false), pod("m-x", true)];
         let s = status(&mc, 3, None, &pods, &now());
         assert_eq!(s.nodes, vec!["m-a", "m-c"]);
     }

@@ -13,6 +13,7 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::rbac::v1::PolicyRule;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
+use kube::core::PartialObjectMeta;
 use kube::runtime::reflector::ObjectRef;
 use kube::{Client, ResourceExt};
 use opkit::rbac::{events, rule};
@@ -94,35 +95,35 @@ pub fn validate(mc: &Memcached) -> Result<i32, Invalid> {
 /// The caches: owned Deployments and their Pods, both selected by opkit's labels.
 pub struct Caches {
     deployments: Cache<Deployment>,
-    pods: Cache<Pod>,
+    pods: Cache<PodMeta>,
 }
 
 /// What the plan reads about one Memcached.
 #[derive(Clone, Debug, Default)]
 pub struct World {
     pub deployment: Option<Arc<Deployment>>,
-    pub pods: Vec<Arc<Pod>>,
+    pub pods: Vec<Arc<PodMeta>>,
 }
 
-/// Only names, labels and phase of the Pods matter here.
-fn trim_pod(p: &mut Pod) {
-    p.spec = None;
+/// A memcached Pod as cached: its metadata only (the apiserver sends nothing else).
+pub type PodMeta = PartialObjectMeta<Pod>;
+
+/// The Pods that can be nodes: the apiserver leaves out those that finished (they leave the
+/// watch as deletions), so metadata is all the status needs.
+pub const LIVE_PODS: &str = "status.phase!=Succeeded,status.phase!=Failed";
+
+/// Only names, labels and deletion of the Pods matter here.
+fn trim_pod(p: &mut PodMeta) {
     p.metadata.annotations = None;
     p.metadata.owner_references = None;
     p.metadata.generate_name = None;
-    if let Some(s) = p.status.as_mut() {
-        *s = k8s_openapi::api::core::v1::PodStatus {
-            phase: s.phase.take(),
-            ..Default::default()
-        };
-    }
 }
 
 /// The index of the Pods by the Memcached they belong to.
 const BY_OWNER: &str = "memcached";
 
 /// The Memcached a Pod belongs to, as `namespace/name`.
-fn pod_owner(p: &Pod) -> Option<String> {
+fn pod_owner(p: &PodMeta) -> Option<String> {
     Some(format!("{}/{}", p.namespace()?, p.labels().get(CR_LABEL)?))
 }
 
@@ -152,9 +153,10 @@ impl Reconciler for MemcachedController {
             deployments: w.owns(Watch::labels(&selector()).applied().trim(trim_deployment).prune()),
             pods: w.watches(
                 Watch::labels(&selector())
+                    .fields(LIVE_PODS)
                     .trim(trim_pod)
                     .index(BY_OWNER, pod_owner),
-                |pod: Pod| {
+                |pod: PodMeta| {
                     let name = pod.labels().get(CR_LABEL)?.clone();
                     Some(ObjectRef::<Memcached>::new(&name).within(&pod.namespace()?))
                 },

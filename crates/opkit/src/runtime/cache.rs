@@ -270,6 +270,7 @@ impl<C: Resource<DynamicType = ()> + Clone + 'static> Cache<C> {
 /// Which objects of kind `C` a watch caches and what it keeps of each.
 pub struct Watch<C> {
     pub(crate) labels: Option<String>,
+    pub(crate) fields: Option<String>,
     pub(crate) trim: fn(&mut C),
     pub(crate) prune: bool,
     /// The field manager whose applied fields are kept (see [`Watch::applied`]); filled in
@@ -284,6 +285,7 @@ impl<C> Watch<C> {
     pub fn all() -> Self {
         Watch {
             labels: None,
+            fields: None,
             trim: |_| {},
             prune: false,
             applied: None,
@@ -299,6 +301,15 @@ impl<C> Watch<C> {
             labels: Some(selector.into()),
             ..Self::all()
         }
+    }
+
+    /// Also a field selector (`status.phase!=Failed`): the apiserver filters, so objects that
+    /// leave it arrive as deletions, and a controller that only needed a field to filter on
+    /// can watch metadata alone (`kube::core::PartialObjectMeta<Pod>`: the apiserver then
+    /// sends and opkit decodes and caches only metadata).
+    pub fn fields(mut self, selector: &str) -> Self {
+        self.fields = Some(selector.into());
+        self
     }
 
     /// Drops what the controller never reads before the object is cached (managed fields are

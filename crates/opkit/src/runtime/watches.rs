@@ -93,7 +93,15 @@ impl<C> Watch<C> {
 /// change does.
 #[derive(Clone, Default)]
 pub(crate) struct Echoes {
-    written: Arc<Mutex<HashMap<String, (String, Instant)>>>,
+    written: Arc<Mutex<Written>>,
+}
+
+#[derive(Default)]
+struct Written {
+    by_key: HashMap<String, (String, Instant)>,
+    /// Size after the last sweep: the next sweep waits until it has doubled, so recording
+    /// stays O(1) on average with tens of thousands of writes in flight.
+    swept_at: usize,
 }
 
 /// Echoes not seen for this long are forgotten (their event was lost or merged into a relist).
@@ -107,10 +115,11 @@ impl Echoes {
     /// Remembers that this process wrote `resource_version` of the object.
     pub(crate) fn record(&self, kind: &str, namespace: Option<&str>, name: &str, resource_version: String) {
         let mut w = self.written.lock().unwrap_or_else(|p| p.into_inner());
-        if w.len() > 4096 {
-            w.retain(|_, (_, at)| at.elapsed() < ECHO_TTL);
+        if w.by_key.len() > 4096 && w.by_key.len() >= 2 * w.swept_at {
+            w.by_key.retain(|_, (_, at)| at.elapsed() < ECHO_TTL);
+            w.swept_at = w.by_key.len();
         }
-        w.insert(
+        w.by_key.insert(
             echo_key(kind, namespace, name),
             (resource_version, Instant::now()),
         );
@@ -120,9 +129,9 @@ impl Echoes {
     fn is_echo<C: Resource<DynamicType = ()>>(&self, obj: &C) -> bool {
         let key = echo_key(&C::kind(&()), obj.meta().namespace.as_deref(), &obj.name_any());
         let mut w = self.written.lock().unwrap_or_else(|p| p.into_inner());
-        match (w.get(&key), obj.resource_version()) {
+        match (w.by_key.get(&key), obj.resource_version()) {
             (Some((rv, _)), Some(seen)) if *rv == seen => {
-                w.remove(&key);
+                w.by_key.remove(&key);
                 true
             }
             _ => false,
@@ -217,6 +226,7 @@ struct ShareKey {
     kind: std::any::TypeId,
     namespace: Option<String>,
     labels: Option<String>,
+    fields: Option<String>,
     trim: usize,
     applied: Option<String>,
 }
@@ -304,6 +314,7 @@ where
             kind: std::any::TypeId::of::<C>(),
             namespace: self.namespace.clone().filter(|_| namespaced::<C>()),
             labels: w.labels.clone(),
+            fields: w.fields.clone(),
             trim: w.trim as usize,
             applied: applied.clone(),
         };
@@ -326,6 +337,9 @@ where
                 let mut cfg = watcher::Config::default();
                 if let Some(l) = &w.labels {
                     cfg = cfg.labels(l);
+                }
+                if let Some(f) = &w.fields {
+                    cfg = cfg.fields(f);
                 }
                 let trim = w.trim;
                 let (store, writer) = reflector::store();
