@@ -331,7 +331,13 @@ pub fn plan(at: &At, pod: Option<&Pod>, now: Timestamp) -> Result<Plan<AtStatus>
             } else {
                 Event::warning(why, "Finish", note)
             };
-            Plan::status(status, Requeue::OnChange).event(event)
+            // With a TTL the stored DONE status starts its clock: its watch event must bring
+            // the At back (opkit's own writes trigger nothing otherwise) to plan the expiry.
+            let requeue = match at.spec.ttl_seconds_after_finished {
+                Some(_) => Requeue::Again,
+                None => Requeue::OnChange,
+            };
+            Plan::status(status, requeue).event(event)
         }
     })
 }
@@ -471,7 +477,18 @@ mod tests {
         )
         .unwrap();
         assert!(done.children.is_empty());
+        assert_eq!(done.requeue, Requeue::OnChange, "nothing follows without a TTL");
         assert_eq!(done.status.unwrap().phase, Some(Phase::Done));
+        // With a TTL the stored DONE status must come back to plan the expiry.
+        let mut ttl = a.clone();
+        ttl.spec.ttl_seconds_after_finished = Some(2);
+        let done = plan(
+            &ttl,
+            Some(&pod(&ttl, "Succeeded", Some(0))),
+            ts("2026-01-01T10:00:02Z"),
+        )
+        .unwrap();
+        assert_eq!(done.requeue, Requeue::Again);
     }
 
     #[test]
