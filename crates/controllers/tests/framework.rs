@@ -63,14 +63,7 @@ impl Reconciler for Probe {
     }
 
     fn plan(&self, _: &ConfigMap, _: &(), _: Timestamp) -> Result<Plan<serde_json::Value>, Invalid> {
-        Ok(Plan {
-            children: Vec::new(),
-            status: None,
-            events: Vec::new(),
-            requeue: Requeue::OnChange,
-            delete: false,
-            in_progress: false,
-        })
+        Ok(Plan::nothing(Requeue::OnChange))
     }
 
     fn cleans_up(&self) -> bool {

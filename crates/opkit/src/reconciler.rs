@@ -251,6 +251,20 @@ impl<S> Plan<S> {
         }
     }
 
+    /// A plan that writes nothing and looks again as `requeue` says: a step with nothing to
+    /// do, or a controller of objects it only reads. Spelled as a constructor so that plans
+    /// keep compiling when `Plan` gains a field.
+    pub fn nothing(requeue: Requeue) -> Self {
+        Plan {
+            children: Vec::new(),
+            status: None,
+            events: Vec::new(),
+            requeue,
+            delete: false,
+            in_progress: false,
+        }
+    }
+
     /// A plan that deletes the object (its owned children follow) and writes nothing else.
     pub fn delete() -> Self {
         Plan {

@@ -144,14 +144,7 @@ fn expire(at: &At, now: Timestamp) -> Plan<AtStatus> {
         at.spec.ttl_seconds_after_finished,
         at.status.as_ref().and_then(|s| s.completion_time.as_ref()),
     ) else {
-        return Plan {
-            children: Vec::new(),
-            status: None,
-            events: Vec::new(),
-            requeue: Requeue::OnChange,
-            delete: false,
-            in_progress: false,
-        };
+        return Plan::nothing(Requeue::OnChange);
     };
     let expires = done
         .0
@@ -161,14 +154,7 @@ fn expire(at: &At, now: Timestamp) -> Plan<AtStatus> {
         return Plan::delete();
     }
     let wait = now.duration_until(expires).unsigned_abs();
-    Plan {
-        children: Vec::new(),
-        status: None,
-        events: Vec::new(),
-        requeue: Requeue::After(wait.min(MAX_WAIT) + Duration::from_millis(1)),
-        delete: false,
-        in_progress: false,
-    }
+    Plan::nothing(Requeue::After(wait.min(MAX_WAIT) + Duration::from_millis(1)))
 }
 
 /// Everything the At controller decides: the step from [`next`], and for it the status,
@@ -280,14 +266,7 @@ pub fn plan(at: &At, pod: Option<&Pod>, now: Timestamp) -> Result<Plan<AtStatus>
             p
         }
         // The Pod watch brings the end; the hourly look is a safety net.
-        Next::Running => Plan {
-            children: Vec::new(),
-            status: None,
-            events: Vec::new(),
-            requeue: Requeue::After(MAX_WAIT),
-            delete: false,
-            in_progress: false,
-        },
+        Next::Running => Plan::nothing(Requeue::After(MAX_WAIT)),
         Next::Finish(f) => {
             let (succeeded, why, note) = match (f.outcome, f.reason.as_str()) {
                 (Outcome::Succeeded, _) => (

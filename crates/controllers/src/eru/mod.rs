@@ -365,14 +365,7 @@ impl Reconciler for AnnotationController {
 /// and the plan no longer produces is deleted by opkit's pruning.
 pub fn plan_annotation(d: &Deployment, existing: Option<&Eru>) -> Plan<serde_json::Value> {
     let name = d.name_any();
-    let mut plan = Plan {
-        children: Vec::new(),
-        status: None,
-        events: Vec::new(),
-        requeue: Requeue::OnChange,
-        delete: false,
-        in_progress: false,
-    };
+    let mut plan = Plan::nothing(Requeue::OnChange);
     if wants_eru(d) {
         if let Some(e) = existing
             && !created_from(e, d)
