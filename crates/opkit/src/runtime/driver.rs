@@ -203,14 +203,11 @@ impl<R: Reconciler> Runner<R> {
         let hold_key = obj.uid().unwrap_or_else(|| obj.name_any());
         // A status still in progress waits (see Plan::in_progress); one that must be stored
         // before the next step never does.
-        let held = match (plan.in_progress, plan.requeue) {
-            (true, Requeue::After(_) | Requeue::OnChange) => {
-                self.hold.in_progress(&hold_key, std::time::Instant::now())
-            }
-            _ => {
-                self.hold.settled(&hold_key);
-                None
-            }
+        let held = if plan.in_progress && plan.status.is_some() && plan.requeue != Requeue::Again {
+            self.hold.in_progress(&hold_key, std::time::Instant::now())
+        } else {
+            self.hold.settled(&hold_key);
+            None
         };
         match (plan.status, held) {
             (Some(_), Some(wait)) => tracing::debug!(?wait, "status in progress, held back"),
