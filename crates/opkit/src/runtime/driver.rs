@@ -25,6 +25,11 @@ pub const DELETING: &str = "Deleting";
 /// Reason of the [`DELETING`] condition and of the Warning Event when a cleanup step fails.
 pub const CLEANUP_FAILED: &str = "CleanupFailed";
 
+/// What the progress hold knows an object by: its uid, so a recreated object starts afresh.
+fn hold_key<K: Resource>(obj: &K) -> String {
+    obj.uid().unwrap_or_else(|| obj.name_any())
+}
+
 /// One watch scope (namespace) of one controller.
 struct Runner<R: Reconciler> {
     reconciler: Arc<R>,
@@ -136,7 +141,7 @@ impl<R: Reconciler> Runner<R> {
             .as_deref()
             .filter(|f| obj.finalizers().iter().any(|x| x == f));
         if deleting {
-            self.hold.settled(&obj.uid().unwrap_or_else(|| obj.name_any()));
+            self.hold.settled(&hold_key(obj));
         }
         if deleting && ours.is_none() {
             // Going away, and nothing of ours holds it: no plan for a terminating object.
@@ -200,7 +205,7 @@ impl<R: Reconciler> Runner<R> {
                 }
             }
         }
-        let hold_key = obj.uid().unwrap_or_else(|| obj.name_any());
+        let hold_key = hold_key(obj);
         // A status still in progress waits (see Plan::in_progress); one that must be stored
         // before the next step never does.
         let held = if plan.in_progress && plan.status.is_some() && plan.requeue != Requeue::Again {
