@@ -89,13 +89,24 @@ if [[ ! -x "$bin/etcd" ]]; then
   go build -trimpath -ldflags "-s -w" -o "$bin/etcd.tmp" go.etcd.io/etcd/server/v3 && mv "$bin/etcd.tmp" "$bin/etcd"
 fi
 
-# --- kwok: no replace lines, so a plain module build works.
-if [[ ! -x "$bin/kwok" ]]; then
+# --- kwok: its CEL library (easycel v0.6.0, the newest) caches types in plain maps that kwok's
+# node and pod workers fill concurrently, so kwok can abort with "concurrent map writes" on
+# start. A copy patched to lock them (patches/, rebuilt when the patch changes) replaces it.
+kwok_patch="$here/patches/easycel-v0.6.0-concurrent-maps.patch"
+kwok_stamp="${KWOK_VERSION} $(sha256sum "$kwok_patch" | cut -d' ' -f1)"
+if [[ ! -x "$bin/kwok" || "$(cat "$bin/.kwok.stamp" 2>/dev/null)" != "$kwok_stamp" ]]; then
   log "building kwok ${KWOK_VERSION}"
   d="$work/kwok"; rm -rf "$d"; mkdir -p "$d"; cd "$d"
   go mod init opkit.local/testenv/kwok >/dev/null 2>&1
   go get "sigs.k8s.io/kwok@${KWOK_VERSION}" >&2
+  easycel=$(go list -m -f '{{.Path}}@{{.Version}}' github.com/wzshiming/easycel)
+  [[ "$easycel" == "github.com/wzshiming/easycel@v0.6.0" ]] \
+    || { log "error: kwok now uses $easycel; check whether patches/$(basename "$kwok_patch") is still needed"; exit 1; }
+  cp -r "$(go list -m -f '{{.Dir}}' github.com/wzshiming/easycel)" easycel && chmod -R u+w easycel
+  git apply --directory=easycel -p1 "$kwok_patch"
+  go mod edit -replace github.com/wzshiming/easycel=./easycel
   go build -trimpath -ldflags "-s -w" -o "$bin/kwok.tmp" sigs.k8s.io/kwok/cmd/kwok && mv "$bin/kwok.tmp" "$bin/kwok"
+  echo "$kwok_stamp" > "$bin/.kwok.stamp"
 fi
 
 # Builds a `main.go` kept in this repo as a Go module requiring `dep@version`, into
