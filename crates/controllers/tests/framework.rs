@@ -1,9 +1,11 @@
 //! opkit's runtime with a controller written here, of a built-in kind (ConfigMaps labelled
-//! `opkit-probe`): a hung reconcile is cancelled, counted and retried; a cleanup step outside
-//! the cluster that fails keeps the finalizer and warns, and the object goes once it succeeds.
+//! `opkit-probe`): a hung reconcile is cancelled, counted and retried; a reconcile that panics
+//! is counted and retried while the manager carries on; a cleanup step outside the cluster that
+//! fails keeps the finalizer and warns, and the object goes once it succeeds.
 
-use std::sync::Arc;
+use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{anyhow, ensure};
@@ -21,10 +23,14 @@ use serde_json::json;
 mod common;
 use common::T;
 
-/// Hangs in `observe` once for a ConfigMap annotated `hang`; its cleanup step `release` fails
-/// while the ConfigMap is annotated `refuse-release`.
+/// Hangs in `observe` once for a ConfigMap annotated `hang`; panics in `plan` once for one
+/// annotated `panic`; its cleanup step `release` fails while the ConfigMap is annotated
+/// `refuse-release`. `planned` lists the ConfigMaps planned without a panic.
+#[derive(Clone, Default)]
 struct Probe {
     hung: Arc<AtomicBool>,
+    panicked: Arc<AtomicBool>,
+    planned: Arc<Mutex<BTreeSet<String>>>,
 }
 
 impl Reconciler for Probe {
@@ -62,7 +68,14 @@ impl Reconciler for Probe {
         Ok(())
     }
 
-    fn plan(&self, _: &ConfigMap, _: &(), _: Timestamp) -> Result<Plan<serde_json::Value>, Invalid> {
+    fn plan(&self, cm: &ConfigMap, _: &(), _: Timestamp) -> Result<Plan<serde_json::Value>, Invalid> {
+        if cm.annotations().contains_key("panic") && !self.panicked.swap(true, Ordering::SeqCst) {
+            panic!("probe {} asked to panic", cm.name_any());
+        }
+        self.planned
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(cm.name_any());
         Ok(Plan::nothing(Requeue::OnChange))
     }
 
@@ -82,9 +95,13 @@ impl Reconciler for Probe {
     }
 }
 
-fn start(client: &Client, ns: &str) -> (opkit::metrics::Metrics, tokio_util::sync::CancellationToken) {
+fn start(
+    client: &Client,
+    ns: &str,
+    probe: Probe,
+) -> (opkit::metrics::Metrics, tokio_util::sync::CancellationToken) {
     let mut m = Manager::new(client.clone()).with_scope(Scope::namespaces(vec![ns.to_string()]));
-    m.add(Probe { hung: Arc::default() });
+    m.add(probe);
     let (metrics, stop) = (m.metrics().clone(), m.shutdown_token());
     let opts = ManagerOptions {
         handle_signals: false,
@@ -107,7 +124,7 @@ async fn probe(client: &Client, ns: &str, name: &str, annotations: serde_json::V
 async fn a_hung_reconcile_is_cancelled_counted_and_retried() {
     shared()
         .in_namespace("hung", |client, ns| async move {
-            let (metrics, stop) = start(&client, &ns);
+            let (metrics, stop) = start(&client, &ns, Probe::default());
             let _stop = stop.drop_guard();
             probe(&client, &ns, "stuck", json!({"hang": ""})).await?;
             let api: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
@@ -138,10 +155,58 @@ async fn a_hung_reconcile_is_cancelled_counted_and_retried() {
 }
 
 #[tokio::test]
+async fn a_reconcile_that_panics_is_counted_and_retried_and_the_manager_carries_on() {
+    shared()
+        .in_namespace("panic", |client, ns| async move {
+            let reconciler = Probe::default();
+            let planned = reconciler.planned.clone();
+            let (metrics, stop) = start(&client, &ns, reconciler);
+            let _stop = stop.drop_guard();
+            probe(&client, &ns, "boom", json!({"panic": ""})).await?;
+            probe(&client, &ns, "calm", json!({})).await?;
+            let panics = r#"opkit_reconcile_panics_total{controller="probe"}"#;
+            let errors = r#"opkit_reconcile_errors_total{controller="probe",category="panic"}"#;
+            let all = |names: &[&str]| {
+                let p = planned.lock().unwrap_or_else(|p| p.into_inner());
+                names.iter().all(|n| p.contains(*n))
+            };
+            wait_for(
+                "boom planned on its retry after the panic, calm planned",
+                T,
+                || async {
+                    let (p, e) = (metrics.sample(panics), metrics.sample(errors));
+                    if p == 1.0 && e == 1.0 && all(&["boom", "calm"]) {
+                        Ok(())
+                    } else {
+                        Err(anyhow!(
+                            "panics {p}, errors {e}, planned {:?}",
+                            planned.lock().unwrap_or_else(|p| p.into_inner())
+                        ))
+                    }
+                },
+            )
+            .await?;
+            // The manager is still running: an object created after the panic is reconciled.
+            probe(&client, &ns, "late", json!({})).await?;
+            wait_for("late planned", T, || async {
+                if all(&["late"]) {
+                    Ok(())
+                } else {
+                    Err(anyhow!("{:?}", planned.lock().unwrap_or_else(|p| p.into_inner())))
+                }
+            })
+            .await?;
+            ensure!(metrics.sample(panics) == 1.0, "one panic only");
+            Ok(())
+        })
+        .await;
+}
+
+#[tokio::test]
 async fn a_failing_step_outside_the_cluster_keeps_the_finalizer_warns_and_is_retried() {
     shared()
         .in_namespace("release", |client, ns| async move {
-            let (metrics, stop) = start(&client, &ns);
+            let (metrics, stop) = start(&client, &ns, Probe::default());
             let _stop = stop.drop_guard();
             probe(&client, &ns, "held", json!({"refuse-release": ""})).await?;
             let api: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);

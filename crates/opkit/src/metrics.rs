@@ -64,6 +64,7 @@ pub struct Metrics {
     duration: Family<ControllerLabel, Histogram, fn() -> Histogram>,
     writes: Family<WriteLabels, Counter>,
     refused: Family<ControllerLabel, Counter>,
+    panics: Family<ControllerLabel, Counter>,
     cache_objects: Family<CacheLabels, Gauge>,
     cache_bytes: Family<CacheLabels, Gauge>,
     calls: Family<CallLabels, Counter>,
@@ -95,6 +96,7 @@ impl Default for Metrics {
         );
         let writes = Family::<WriteLabels, Counter>::default();
         let refused = Family::<ControllerLabel, Counter>::default();
+        let panics = Family::<ControllerLabel, Counter>::default();
         let cache_objects = Family::<CacheLabels, Gauge>::default();
         let cache_bytes = Family::<CacheLabels, Gauge>::default();
         let calls = Family::<CallLabels, Counter>::default();
@@ -107,6 +109,11 @@ impl Default for Metrics {
             "reconcile",
             "Reconciles finished, by result (success, invalid, error)",
             reconciles.clone(),
+        );
+        registry.register(
+            "reconcile_panics",
+            "Reconciles that panicked (caught; the object is retried with backoff)",
+            panics.clone(),
         );
         registry.register("reconcile_active", "Reconciles running now", active.clone());
         registry.register(
@@ -147,6 +154,7 @@ impl Default for Metrics {
             duration,
             writes,
             refused,
+            panics,
             cache_objects,
             cache_bytes,
             calls,
@@ -264,6 +272,11 @@ impl ControllerMetrics {
             result: if ok { "ok" } else { "error" }.to_string(),
         };
         self.metrics.calls.get_or_create(&l).inc();
+    }
+
+    /// Counts a reconcile that panicked; the caller also counts it as failed.
+    pub(crate) fn reconcile_panicked(&self) {
+        self.metrics.panics.get_or_create(&self.label()).inc();
     }
 
     /// Counts a write the leader-election gate refused.

@@ -30,6 +30,15 @@ fn hold_key<K: Resource>(obj: &K) -> String {
     obj.uid().unwrap_or_else(|| obj.name_any())
 }
 
+/// The text a panic was raised with (`panic!("...")` gives a `&str` or a `String`).
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    match (panic.downcast_ref::<&str>(), panic.downcast_ref::<String>()) {
+        (Some(s), _) => s.to_string(),
+        (_, Some(s)) => s.clone(),
+        _ => "a panic without a message".to_string(),
+    }
+}
+
 /// One watch scope (namespace) of one controller.
 struct Runner<R: Reconciler> {
     reconciler: Arc<R>,
@@ -117,8 +126,17 @@ impl<R: Reconciler> Runner<R> {
         };
         let timer = self.ctx.metrics().reconcile_started();
         let timeout = self.ctx.tuning().timeout;
-        let result = match tokio::time::timeout(timeout, self.reconcile_synced(&obj)).await {
-            Ok(r) => r,
+        // A panic (in a plan, an observe, a mapper) fails this object's reconcile only: it is
+        // counted, logged and retried with backoff while the other objects carry on.
+        let run = std::panic::AssertUnwindSafe(self.reconcile_synced(&obj)).catch_unwind();
+        let result = match tokio::time::timeout(timeout, run).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(panic)) => {
+                self.ctx.metrics().reconcile_panicked();
+                Err(Error::Panic {
+                    message: panic_message(panic.as_ref()),
+                })
+            }
             Err(_) => Err(Error::Timeout { after: timeout }),
         };
         match &result {

@@ -49,6 +49,8 @@ pub enum Error {
     Cleanup { message: String },
     #[error("the reconcile took longer than {after:?} and was cancelled")]
     Timeout { after: std::time::Duration },
+    #[error("the reconcile panicked: {message}")]
+    Panic { message: String },
 }
 
 impl Error {
@@ -66,6 +68,7 @@ impl Error {
             Error::Finalizer { .. } => "finalizer",
             Error::Cleanup { .. } => "cleanup",
             Error::Timeout { .. } => "timeout",
+            Error::Panic { .. } => "panic",
         }
     }
 }
