@@ -1,5 +1,6 @@
 //! Two replicas on one Lease, in one process: a warm standby fills its caches but neither
-//! reconciles nor writes until it leads, and then starts from them.
+//! reconciles nor writes until it leads, and then starts from them; a Lease deleted under a
+//! leader closes its gate, and a standby waits out the deleted Lease's duration.
 
 use std::time::{Duration, Instant};
 
@@ -76,6 +77,73 @@ async fn a_warm_standby_caches_but_neither_reconciles_nor_writes_until_it_leads(
             );
             leader.stop().await;
             wait_leading(&standby, "the standby to take over").await?;
+            Ok(())
+        })
+        .await;
+}
+
+#[tokio::test]
+async fn a_deleted_lease_closes_the_leaders_gate_before_a_standby_takes_it() {
+    use k8s_openapi::api::coordination::v1::Lease;
+    use opkit::leader::{LeaderElector, LeaderError, WriteGate};
+    use tokio_util::sync::CancellationToken;
+    shared()
+        .in_namespace("lease-deleted", |client, ns| async move {
+            let cfg = |identity: &str| {
+                let mut c = LeaderElectionConfig::new(&ns, "deleted-test");
+                c.identity = identity.into();
+                (c.lease_duration, c.renew_deadline, c.retry_period) = (
+                    Duration::from_secs(6),
+                    Duration::from_secs(4),
+                    Duration::from_secs(1),
+                );
+                c
+            };
+            let (gate_a, gate_b) = (WriteGate::new(), WriteGate::new());
+            gate_a.enforce();
+            gate_b.enforce();
+            let a = LeaderElector::new(client.clone(), cfg("a"), gate_a.clone());
+            let b = LeaderElector::new(client.clone(), cfg("b"), gate_b.clone());
+            let cancel = CancellationToken::new();
+            let _cancel = cancel.clone().drop_guard();
+            let deadline = a
+                .acquire(&cancel)
+                .await?
+                .ok_or_else(|| anyhow!("a did not acquire"))?;
+            let (c, c2) = (cancel.clone(), cancel.clone());
+            let renewing = tokio::spawn(async move { a.renew(&c, deadline).await });
+            let b2 = b.clone();
+            let taking = tokio::spawn(async move {
+                let got = b2.acquire(&c2).await;
+                (got, Instant::now())
+            });
+            wait_for("the standby to see the leader", T, || async {
+                match b.holder_seen() {
+                    Some(h) if h == "a" => Ok(()),
+                    h => Err(anyhow!("holder seen {h:?}")),
+                }
+            })
+            .await?;
+            ensure!(gate_a.check().is_ok() && gate_b.check().is_err());
+            let leases: Api<Lease> = Api::namespaced(client.clone(), &ns);
+            leases.delete("deleted-test", &Default::default()).await?;
+            let deleted = Instant::now();
+            let ended = tokio::time::timeout(Duration::from_secs(5), renewing).await??;
+            let gate_closed = Instant::now();
+            ensure!(
+                matches!(&ended, Err(LeaderError::TakenOver { holder, .. }) if holder.is_empty()),
+                "the leader's renewals ended with {ended:?}"
+            );
+            ensure!(gate_a.check().is_err(), "the old leader's gate is still open");
+            let (got, took_at) = tokio::time::timeout(T, taking).await??;
+            ensure!(got?.is_some(), "the standby did not acquire");
+            ensure!(gate_b.check().is_ok());
+            ensure!(
+                took_at > gate_closed && took_at.duration_since(deleted) >= Duration::from_secs(5),
+                "the standby took the Lease {:?} after its deletion, {:?} after the old gate closed",
+                took_at.duration_since(deleted),
+                took_at.saturating_duration_since(gate_closed)
+            );
             Ok(())
         })
         .await;

@@ -52,7 +52,8 @@ impl Backoff {
             // An object still failing fails again within `max`; older entries belong to objects
             // that were deleted (or stopped being retried) and would otherwise stay forever.
             let stale = self.max.saturating_mul(2);
-            f.by_key.retain(|_, (_, last)| now.saturating_duration_since(*last) <= stale);
+            f.by_key
+                .retain(|_, (_, last)| now.saturating_duration_since(*last) <= stale);
             f.swept_at = f.by_key.len();
         }
         let (n, last) = f.by_key.entry(key.to_string()).or_insert((0, now));
@@ -70,7 +71,11 @@ impl Backoff {
 
     #[cfg(test)]
     fn tracked(&self) -> usize {
-        self.failures.lock().unwrap_or_else(|p| p.into_inner()).by_key.len()
+        self.failures
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .by_key
+            .len()
     }
 }
 

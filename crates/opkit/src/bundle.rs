@@ -354,7 +354,7 @@ fn csv<S>(
                     "deployments": [install_deployment(op, &opts.image)?],
                     // OLM makes the webhook configurations, so the operator needs no access to them.
                     "clusterPermissions": [{ "serviceAccountName": sa, "rules": manifests::cluster_rules(op, false) }],
-                    "permissions": [{ "serviceAccountName": sa, "rules": manifests::leader_rules() }],
+                    "permissions": [{ "serviceAccountName": sa, "rules": manifests::leader_rules(&op.lease()) }],
                 },
             },
         },

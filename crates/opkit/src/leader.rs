@@ -46,7 +46,9 @@ pub struct LeaderElectionConfig {
 }
 
 impl LeaderElectionConfig {
-    /// client-go's defaults, with identity `<hostname>_<pid>`.
+    /// client-go's defaults, with identity `<hostname>_<random>`: random because a restarted
+    /// container keeps its hostname and its pid (1), and must not pass for the replica it
+    /// replaces.
     pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
         let host = std::env::var("POD_NAME")
             .or_else(|_| std::env::var("HOSTNAME"))
@@ -55,7 +57,7 @@ impl LeaderElectionConfig {
         LeaderElectionConfig {
             namespace: namespace.into(),
             name: name.into(),
-            identity: format!("{host}_{}", std::process::id()),
+            identity: format!("{host}_{:016x}", random()),
             lease_duration: Duration::from_secs(15),
             renew_deadline: Duration::from_secs(10),
             retry_period: Duration::from_secs(2),
@@ -74,6 +76,27 @@ pub fn election_client_config(mut config: Config, cfg: &LeaderElectionConfig) ->
     config
 }
 
+fn held_by(holder: &str) -> String {
+    match holder {
+        "" => "held by nobody (deleted or released by someone else)".into(),
+        h => format!("held by {h:?}"),
+    }
+}
+
+/// 64 random bits from the standard library's per-process hash seed and the clock.
+fn random() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::UNIX_EPOCH
+            .elapsed()
+            .unwrap_or_default()
+            .as_nanos(),
+    );
+    h.write_u32(std::process::id());
+    h.finish()
+}
+
 /// Errors of leader election.
 #[derive(Debug, thiserror::Error)]
 #[allow(missing_docs)] // every variant says what failed in its message
@@ -82,7 +105,7 @@ pub enum LeaderError {
     Api { name: String, source: kube::Error },
     #[error("leadership lost: Lease {name} not renewed within {deadline:?}")]
     Lost { name: String, deadline: Duration },
-    #[error("leadership lost: Lease {name} is now held by {holder:?}")]
+    #[error("leadership lost: Lease {name} is now {}", held_by(holder))]
     TakenOver { name: String, holder: String },
 }
 
@@ -175,6 +198,7 @@ pub struct LeaderElector {
     api: Api<Lease>,
     cfg: LeaderElectionConfig,
     gate: WriteGate,
+    seen: Arc<std::sync::Mutex<Option<String>>>,
 }
 
 fn now() -> MicroTime {
@@ -208,7 +232,14 @@ impl LeaderElector {
             api: Api::namespaced(client, &cfg.namespace),
             cfg,
             gate,
+            seen: Default::default(),
         }
+    }
+
+    /// The holder this replica last saw while waiting to lead (`""`: nobody; `None`: no
+    /// Lease seen yet), for status output and tests.
+    pub fn holder_seen(&self) -> Option<String> {
+        self.seen.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// This replica's identity.
@@ -287,17 +318,43 @@ impl LeaderElector {
         let mut live: Option<Lease> = None;
         let mut seen_change = Instant::now();
         let mut synced = false;
-        fn observe(l: Option<Lease>, live: &mut Option<Lease>, seen_change: &mut Instant) {
+        // A Lease deleted while another replica held it: that holder may not know yet and may
+        // still write until its next renewal, so it is treated as held until its duration runs
+        // out. (A graceful release empties the holder instead, after closing its gate.)
+        let mut deleted_until: Option<Instant> = None;
+        let observe = |l: Option<Lease>,
+                       live: &mut Option<Lease>,
+                       seen_change: &mut Instant,
+                       deleted_until: &mut Option<Instant>| {
             // The record (the spec) changes when its holder renews or another replica takes it.
             if l.as_ref().and_then(|l| l.spec.as_ref()) != live.as_ref().and_then(|l| l.spec.as_ref()) {
                 *seen_change = Instant::now();
             }
+            *deleted_until = match (&l, live.as_ref().and_then(|l| l.spec.as_ref())) {
+                (None, Some(prev))
+                    if prev
+                        .holder_identity
+                        .as_deref()
+                        .is_some_and(|h| !h.is_empty() && h != self.cfg.identity) =>
+                {
+                    let secs = u64::try_from(prev.lease_duration_seconds.unwrap_or(0)).unwrap_or(0);
+                    Some(Instant::now() + Duration::from_secs(secs))
+                }
+                (None, None) => *deleted_until,
+                _ => None,
+            };
+            *self.seen.lock().unwrap_or_else(|p| p.into_inner()) = l.as_ref().map(|l| {
+                l.spec
+                    .as_ref()
+                    .and_then(|s| s.holder_identity.clone())
+                    .unwrap_or_default()
+            });
             *live = l;
-        }
+        };
         loop {
             if synced {
                 let claim = match &live {
-                    None => true,
+                    None => deleted_until.is_none_or(|t| Instant::now() >= t),
                     Some(l) => claimable(l, &self.cfg.identity, seen_change, Instant::now()),
                 };
                 if claim {
@@ -325,20 +382,25 @@ impl LeaderElector {
                         .saturating_duration_since(Instant::now())
                         .clamp(Duration::from_millis(100), self.cfg.lease_duration)
                 }
-                _ => self.cfg.retry_period,
+                _ => match deleted_until {
+                    Some(t) if live.is_none() => t
+                        .saturating_duration_since(Instant::now())
+                        .clamp(Duration::from_millis(100), self.cfg.lease_duration),
+                    _ => self.cfg.retry_period,
+                },
             };
             tokio::select! {
                 _ = cancel.cancelled() => return Ok(None),
                 _ = tokio::time::sleep(wait), if synced => {
                     match tokio::time::timeout(self.cfg.retry_period, self.api.get_opt(&self.cfg.name)).await {
-                        Ok(Ok(l)) => { observe(l, &mut live, &mut seen_change); }
+                        Ok(Ok(l)) => { observe(l, &mut live, &mut seen_change, &mut deleted_until); }
                         Ok(Err(e)) => tracing::warn!(error = %e, lease = %self.cfg.name, "reading the Lease failed; retrying"),
                         Err(_) => tracing::warn!(lease = %self.cfg.name, "reading the Lease timed out; retrying"),
                     }
                 }
                 ev = events.next() => match ev {
-                    Some(Ok(watcher::Event::Apply(l) | watcher::Event::InitApply(l))) => { observe(Some(l), &mut live, &mut seen_change); }
-                    Some(Ok(watcher::Event::Delete(_))) => { observe(None, &mut live, &mut seen_change); }
+                    Some(Ok(watcher::Event::Apply(l) | watcher::Event::InitApply(l))) => { observe(Some(l), &mut live, &mut seen_change, &mut deleted_until); }
+                    Some(Ok(watcher::Event::Delete(_))) => { observe(None, &mut live, &mut seen_change, &mut deleted_until); }
                     Some(Ok(watcher::Event::Init)) => {}
                     Some(Ok(watcher::Event::InitDone)) => synced = true,
                     Some(Err(e)) => {
@@ -353,14 +415,16 @@ impl LeaderElector {
         }
     }
 
-    /// One renewal: read the Lease, give up if someone else holds it, write a new stamp.
+    /// One renewal: read the Lease, give up if someone else holds it (or nobody: a deleted
+    /// Lease or an emptied holder may already have been claimed by a standby that saw it),
+    /// write a new stamp.
     async fn renew_once(&self) -> Result<Renewal, LeaderError> {
         let live = self.api.get_opt(&self.cfg.name).await.map_err(|e| self.err(e))?;
-        if let Some(holder) = live
+        let holder = live
             .as_ref()
             .and_then(|l| l.spec.as_ref()?.holder_identity.clone())
-            .filter(|h| !h.is_empty() && *h != self.cfg.identity)
-        {
+            .unwrap_or_default();
+        if holder != self.cfg.identity {
             return Ok(Renewal::TakenBy(holder));
         }
         if self.write(live).await? {

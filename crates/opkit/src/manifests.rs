@@ -246,14 +246,17 @@ pub fn platform_rules<S>(op: &Operator<S>, webhook_configurations: bool) -> Vec<
     rules
 }
 
-/// Exactly what [`crate::leader`] uses, in the operator's namespace: read and watch the Lease,
-/// create it once, update it.
-pub fn leader_rules() -> Vec<PolicyRule> {
-    vec![rule(
+/// Exactly what [`crate::leader`] uses, in the operator's namespace: read, watch (by name) and
+/// update the Lease `lease` only, create it once (a create cannot be limited by name). A
+/// replica started with another `--leader-election-id` needs its own rule.
+pub fn leader_rules(lease: &str) -> Vec<PolicyRule> {
+    let mut by_name = rule(
         &["coordination.k8s.io"],
         &["leases"],
-        &["get", "list", "watch", "create", "update"],
-    )]
+        &["get", "list", "watch", "update"],
+    );
+    by_name.resource_names = Some(vec![lease.to_string()]);
+    vec![by_name, rule(&["coordination.k8s.io"], &["leases"], &["create"])]
 }
 
 /// Ingress to the manager only where something must reach it: the webhook port (the
@@ -392,7 +395,7 @@ pub fn all<S>(op: &Operator<S>, namespaces: &[String]) -> anyhow::Result<Vec<(St
         })?);
     }
     // The operator's own namespace: its Lease and the webhook certificate its replicas share.
-    let mut own_rules = leader_rules();
+    let mut own_rules = leader_rules(&op.lease());
     own_rules.extend(crate::webhook::secret_rules(op.name));
     let leader_role = Role {
         metadata: meta(op, &leader_role_name, Some(&namespace)),
