@@ -143,6 +143,10 @@ struct RunArgs<A: Args> {
     /// Seconds in-flight reconciles get to finish after SIGTERM.
     #[arg(long, default_value_t = 30)]
     shutdown_timeout: u64,
+    /// Seconds a request to the apiserver (not a watch) may wait for its answer, per attempt;
+    /// a write also gives up when the leader's write gate closes.
+    #[arg(long, default_value_t = 30)]
+    request_timeout: u64,
     /// Run controllers only while holding a Lease, so that one of several replicas reconciles.
     #[arg(long)]
     leader_elect: bool,
@@ -307,9 +311,15 @@ async fn run<S, A: Args>(
         warm_standby: args.leader_elect_warm_standby,
     };
     let config = client_config(&args).await?;
+    let request_timeout = Duration::from_secs(args.request_timeout);
+    if request_timeout.is_zero() {
+        bail!("--request-timeout must be at least 1 second");
+    }
+    // For what every replica does whether it leads or not (waiting for the CRDs, the webhook
+    // certificate and configurations); the controllers write through the gated client.
     let client = Client::try_from(config.clone())?;
     let scope = Scope::namespaces(args.namespaces.clone());
-    let mut manager = Manager::new(client.clone())
+    let mut manager = Manager::from_config(config.clone(), request_timeout)?
         .with_scope(scope.clone())
         .with_concurrency(args.concurrency);
     for t in &args.tune {

@@ -186,6 +186,18 @@ impl WriteGate {
         }
     }
 
+    /// Until when a write may still be in flight: `Ok(None)` without leader election (no
+    /// limit), `Ok(Some(t))` while a renewal holds the gate open (counted as a pass), `Err`
+    /// (counted as refused) while it is closed.
+    pub fn deadline(&self) -> Result<Option<Instant>, NotLeader> {
+        if !self.inner.enforced.load(Ordering::SeqCst) {
+            return Ok(None);
+        }
+        let until = self.inner.open_until.load(Ordering::SeqCst);
+        self.check()?;
+        Ok(Some(self.inner.base + Duration::from_nanos(until)))
+    }
+
     /// How many writes the gate refused.
     pub fn refused(&self) -> u64 {
         self.inner.refused.load(Ordering::Relaxed)

@@ -32,6 +32,7 @@ mod server;
 pub mod webhook;
 
 pub mod changed;
+pub mod client;
 pub use manager::{DEFAULT_CONCURRENCY, Manager, ManagerOptions, Tuning};
 pub use operator::{Operator, Running};
 pub use reconciler::{

@@ -199,6 +199,17 @@ impl Manager {
         }
     }
 
+    /// A manager whose client is built from `config` by [`crate::client::build`]: every
+    /// attempt of a write, retries included, passes this manager's write gate, and requests
+    /// other than watches wait at most `request_timeout` for an answer. What `opkit run` uses.
+    pub fn from_config(config: kube::Config, request_timeout: std::time::Duration) -> kube::Result<Self> {
+        let (gate, metrics) = (WriteGate::new(), Metrics::default());
+        let client = crate::client::build(config, &gate, request_timeout, &metrics)?;
+        let mut m = Manager::new(client);
+        (m.gate, m.metrics) = (gate, metrics);
+        Ok(m)
+    }
+
     /// The client leader election uses (default: the controllers'). Build it from
     /// [`crate::leader::election_client_config`]: without retries and with socket timeouts.
     pub fn with_election_client(mut self, client: Client) -> Self {

@@ -17,6 +17,11 @@ struct ControllerLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ResultLabels {
     controller: String,
     result: String,
@@ -65,6 +70,8 @@ pub struct Metrics {
     writes: Family<WriteLabels, Counter>,
     refused: Family<ControllerLabel, Counter>,
     panics: Family<ControllerLabel, Counter>,
+    attempts_refused: Counter,
+    timeouts: Family<ReasonLabel, Counter>,
     cache_objects: Family<CacheLabels, Gauge>,
     cache_bytes: Family<CacheLabels, Gauge>,
     calls: Family<CallLabels, Counter>,
@@ -97,6 +104,18 @@ impl Default for Metrics {
         let writes = Family::<WriteLabels, Counter>::default();
         let refused = Family::<ControllerLabel, Counter>::default();
         let panics = Family::<ControllerLabel, Counter>::default();
+        let attempts_refused = Counter::default();
+        let timeouts = Family::<ReasonLabel, Counter>::default();
+        registry.register(
+            "api_attempts_refused",
+            "Attempts of writes (retries included) not sent because the write gate was closed",
+            attempts_refused.clone(),
+        );
+        registry.register(
+            "api_request_timeouts",
+            "Requests that got no answer in time, by reason (request timeout, write gate closing)",
+            timeouts.clone(),
+        );
         let cache_objects = Family::<CacheLabels, Gauge>::default();
         let cache_bytes = Family::<CacheLabels, Gauge>::default();
         let calls = Family::<CallLabels, Counter>::default();
@@ -155,6 +174,8 @@ impl Default for Metrics {
             writes,
             refused,
             panics,
+            attempts_refused,
+            timeouts,
             cache_objects,
             cache_bytes,
             calls,
@@ -165,6 +186,20 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// Counts a write attempt the client's gate refused.
+    pub(crate) fn attempt_refused(&self) {
+        self.attempts_refused.inc();
+    }
+
+    /// Counts a request that got no answer before its deadline.
+    pub(crate) fn request_timed_out(&self, reason: &str) {
+        self.timeouts
+            .get_or_create(&ReasonLabel {
+                reason: reason.replace(' ', "_"),
+            })
+            .inc();
+    }
+
     /// The Prometheus text exposition of every metric.
     pub fn encode(&self) -> String {
         self.measure_caches();

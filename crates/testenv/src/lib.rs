@@ -14,6 +14,7 @@ mod harness;
 pub mod node;
 mod pki;
 mod process;
+pub mod proxy;
 
 pub use binaries::{Binaries, Versions};
 pub use cluster::{ControlPlane, Options, config_from_file};

@@ -138,7 +138,8 @@ impl<R: Reconciler> Runner<R> {
                 })
             }
             Err(_) => Err(Error::Timeout { after: timeout }),
-        };
+        }
+        .map_err(Error::or_not_leader);
         match &result {
             Ok((_, outcome)) => {
                 timer.finish(outcome);

@@ -54,6 +54,24 @@ pub enum Error {
 }
 
 impl Error {
+    /// A write the client's gate refused on a retry (after the runtime's own check passed)
+    /// is reported as [`Error::NotLeader`], like one refused before the first attempt.
+    pub(crate) fn or_not_leader(self) -> Self {
+        let source = match &self {
+            Error::Observe { source }
+            | Error::Write { source, .. }
+            | Error::Prune { source, .. }
+            | Error::Status { source }
+            | Error::Finalizer { source } => source,
+            _ => return self,
+        };
+        if crate::client::refused_by_gate(source) {
+            Error::NotLeader
+        } else {
+            self
+        }
+    }
+
     /// A short stable label for metrics.
     pub fn category(&self) -> &'static str {
         match self {

@@ -1,0 +1,162 @@
+//! A fault-injecting proxy between a client under test and the apiserver: plain HTTP on
+//! localhost in front, the apiserver (with the admin client's credentials) behind. It can
+//! answer 429 with `Retry-After`, delay answers, or take a request and never answer (what a
+//! half-open connection looks like to the client), for writes, for reads, or for both, and it
+//! counts the requests that reached it.
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body as AxumBody;
+use axum::extract::{Request, State};
+use axum::response::Response;
+use http::{Method, StatusCode};
+use kube::Client;
+
+/// What the proxy does to a request.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub enum Fault {
+    /// Forward it.
+    #[default]
+    Pass,
+    /// Answer 429 with `Retry-After: <seconds>` without forwarding.
+    TooManyRequests {
+        /// The `Retry-After` value.
+        retry_after_secs: u32,
+    },
+    /// Forward it after this long.
+    Delay(Duration),
+    /// Take it and never answer, until the client gives up.
+    Hang,
+}
+
+#[derive(Default)]
+struct Faults {
+    writes: Fault,
+    reads: Fault,
+}
+
+struct Shared {
+    upstream: Client,
+    faults: Mutex<Faults>,
+    writes: AtomicU64,
+    reads: AtomicU64,
+}
+
+/// A running proxy; stops when dropped.
+pub struct FaultProxy {
+    port: u16,
+    shared: Arc<Shared>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for FaultProxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+fn writes(m: &Method) -> bool {
+    !matches!(*m, Method::GET | Method::HEAD | Method::OPTIONS)
+}
+
+impl FaultProxy {
+    /// Listens on a free localhost port and forwards to the apiserver `upstream` talks to.
+    pub async fn start(upstream: Client) -> std::io::Result<FaultProxy> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let port = listener.local_addr()?.port();
+        let shared = Arc::new(Shared {
+            upstream,
+            faults: Mutex::default(),
+            writes: AtomicU64::new(0),
+            reads: AtomicU64::new(0),
+        });
+        let app = axum::Router::new().fallback(forward).with_state(shared.clone());
+        let task = tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        Ok(FaultProxy { port, shared, task })
+    }
+
+    /// A client configuration that talks to the apiserver through this proxy (no credentials
+    /// needed: the proxy adds its own).
+    pub fn config(&self) -> kube::Config {
+        let url = format!("http://127.0.0.1:{}", self.port);
+        kube::Config::new(url.parse().expect("a valid url"))
+    }
+
+    /// What happens from now on to writes (any method but GET/HEAD) and to reads.
+    pub fn set(&self, writes: Fault, reads: Fault) {
+        let mut f = self.shared.faults.lock().unwrap_or_else(|p| p.into_inner());
+        (f.writes, f.reads) = (writes, reads);
+    }
+
+    /// How many write requests reached the proxy (answered, failed or held).
+    pub fn writes_seen(&self) -> u64 {
+        self.shared.writes.load(Ordering::SeqCst)
+    }
+
+    /// How many read requests reached the proxy.
+    pub fn reads_seen(&self) -> u64 {
+        self.shared.reads.load(Ordering::SeqCst)
+    }
+}
+
+fn status(code: StatusCode, body: String) -> Response {
+    let mut r = Response::new(AxumBody::from(body));
+    *r.status_mut() = code;
+    r
+}
+
+async fn forward(State(shared): State<Arc<Shared>>, req: Request) -> Response {
+    let write = writes(req.method());
+    let counter = if write { &shared.writes } else { &shared.reads };
+    counter.fetch_add(1, Ordering::SeqCst);
+    let fault = {
+        let f = shared.faults.lock().unwrap_or_else(|p| p.into_inner());
+        if write { f.writes.clone() } else { f.reads.clone() }
+    };
+    match fault {
+        Fault::Pass => {}
+        Fault::TooManyRequests { retry_after_secs } => {
+            let body = serde_json::json!({
+                "kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 429,
+                "reason": "TooManyRequests", "message": "injected by the fault proxy",
+                "details": {"retryAfterSeconds": retry_after_secs}
+            });
+            let mut r = status(StatusCode::TOO_MANY_REQUESTS, body.to_string());
+            r.headers_mut().insert("retry-after", retry_after_secs.into());
+            r.headers_mut()
+                .insert("content-type", http::HeaderValue::from_static("application/json"));
+            return r;
+        }
+        Fault::Delay(d) => tokio::time::sleep(d).await,
+        Fault::Hang => std::future::pending::<()>().await,
+    }
+    let (parts, body) = req.into_parts();
+    let bytes = match axum::body::to_bytes(body, 64 << 20).await {
+        Ok(b) => b,
+        Err(e) => return status(StatusCode::BAD_REQUEST, e.to_string()),
+    };
+    let mut up = http::Request::new(kube::client::Body::from(bytes.to_vec()));
+    *up.method_mut() = parts.method;
+    *up.uri_mut() = parts
+        .uri
+        .path_and_query()
+        .map(|p| p.as_str())
+        .unwrap_or("/")
+        .parse()
+        .unwrap_or_default();
+    for (k, v) in parts.headers.iter() {
+        if k != http::header::HOST && k != http::header::CONTENT_LENGTH {
+            up.headers_mut().insert(k.clone(), v.clone());
+        }
+    }
+    match shared.upstream.send(up).await {
+        Ok(resp) => {
+            let (parts, body) = resp.into_parts();
+            Response::from_parts(parts, AxumBody::new(body))
+        }
+        Err(e) => status(StatusCode::BAD_GATEWAY, e.to_string()),
+    }
+}
