@@ -332,7 +332,8 @@ impl Manager {
     }
 
     /// Serves the HTTP endpoints and runs every controller until SIGTERM, SIGINT or the
-    /// shutdown token; then lets in-flight reconciles finish (bounded by the timeout). With
+    /// shutdown token; then lets in-flight reconciles finish (bounded by the timeout, the Lease
+    /// still renewed) and aborts what is left before the Lease is released. With
     /// leader election, controllers start only once the Lease is held and every write passes
     /// the [`WriteGate`] (with `warm_standby`, their caches fill before, and only the
     /// reconciles wait); if the Lease is lost the controllers are aborted at once (no drain:
@@ -376,6 +377,9 @@ impl Manager {
             .map(|cfg| LeaderElector::new(election_client.unwrap_or(client.clone()), cfg, gate.clone()));
         let mut renewal = None;
         let lost = CancellationToken::new();
+        // Renewals go on through the drain (the Lease stays valid while in-flight reconciles
+        // finish) and stop once every controller has stopped, just before the release.
+        let stop_renewing = CancellationToken::new();
         let readiness: Vec<(Arc<AtomicBool>, Synced)> = controllers
             .iter()
             .map(|c| (c.ready.clone(), c.synced.clone()))
@@ -422,10 +426,10 @@ impl Manager {
             for (ready, synced) in &readiness {
                 ready.store(synced.is_synced(), std::sync::atomic::Ordering::SeqCst);
             }
-            let (shutdown, lost) = (shutdown.clone(), lost.clone());
+            let (shutdown, lost, stop) = (shutdown.clone(), lost.clone(), stop_renewing.clone());
             let e = e.clone();
             renewal = Some(tokio::spawn(async move {
-                let r = e.renew(&shutdown, deadline).await;
+                let r = e.renew(&stop, deadline).await;
                 if let Err(err) = &r {
                     tracing::error!(error = %err, "leader election lost, stopping");
                     lost.cancel();
@@ -439,26 +443,33 @@ impl Manager {
             start(controllers);
         }
         let mut result = Ok(());
-        let drain = async {
-            while let Some((name, joined)) = running.next().await {
-                if !shutdown.is_cancelled() {
-                    tracing::error!(controller = name, ?joined, "controller stopped before shutdown");
-                    result = Err(ManagerError::ControllerExited(name));
-                    shutdown.cancel();
+        {
+            let drain = async {
+                while let Some((name, joined)) = running.next().await {
+                    if !shutdown.is_cancelled() {
+                        tracing::error!(controller = name, ?joined, "controller stopped before shutdown");
+                        result = Err(ManagerError::ControllerExited(name));
+                        shutdown.cancel();
+                    }
+                }
+            };
+            tokio::pin!(drain);
+            tokio::select! {
+                _ = &mut drain => {},
+                _ = lost.cancelled() => {
+                    aborts.iter().for_each(|a| a.abort());
+                    tracing::warn!("controllers aborted: leadership lost");
+                }
+                _ = async { shutdown.cancelled().await; tokio::time::sleep(opts.shutdown_timeout).await } => {
+                    tracing::warn!(timeout = ?opts.shutdown_timeout, "controllers did not stop in time");
                 }
             }
-        };
-        tokio::pin!(drain);
-        tokio::select! {
-            _ = &mut drain => {},
-            _ = lost.cancelled() => {
-                aborts.iter().for_each(|a| a.abort());
-                tracing::warn!("controllers aborted: leadership lost");
-            }
-            _ = async { shutdown.cancelled().await; tokio::time::sleep(opts.shutdown_timeout).await } => {
-                tracing::warn!(timeout = ?opts.shutdown_timeout, "controllers did not stop in time");
-            }
         }
+        // Whatever is still running stops here, before the Lease is released: a standby takes
+        // over at once after a release, and nothing of ours may still be writing then.
+        aborts.iter().for_each(|a| a.abort());
+        while running.next().await.is_some() {}
+        stop_renewing.cancel();
         if let Some(e) = &elector {
             if let Some(r) = renewal
                 && let Ok(Err(err)) = r.await
