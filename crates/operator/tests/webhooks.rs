@@ -1,6 +1,8 @@
 //! Admission webhooks on the real control plane: the apiserver calls the `opkit` binary's
 //! webhook server (URL configuration, as for an operator run outside the cluster), and
-//! `kubectl apply` shows what it says.
+//! `kubectl apply` shows what it says; a flood of slow senders (more than the server's
+//! connection slots) and of 7 MiB bodies neither delays admissions nor takes the operator past
+//! its memory limit (without the server's body budget it peaked at 316 MiB here).
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,6 +17,10 @@ use common::{Running, install_crds, kubectl, kubectl_stdin};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const T: Duration = Duration::from_secs(60);
+
+/// The webhook configurations are cluster-wide and each `opkit` writes its own URL and CA
+/// into them: the tests here take turns.
+static ONE_OPERATOR: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// `kubectl apply -f -` of `yaml`: (succeeded, stdout + stderr).
 fn apply(ns: &str, yaml: &str) -> anyhow::Result<(bool, String)> {
@@ -71,6 +77,7 @@ async fn post(port: u16, path: &str, ca: &[u8], body: &str) -> anyhow::Result<u1
 async fn the_apiserver_calls_the_webhooks_and_kubectl_shows_their_answers() {
     shared()
         .in_namespace("webhooks", |client, ns| async move {
+            let _turn = ONE_OPERATOR.lock().await;
             install_crds()?;
 
             let port = common::free_port()?;
@@ -197,6 +204,172 @@ async fn the_apiserver_calls_the_webhooks_and_kubectl_shows_their_answers() {
             ensure!(ok, "refused with the webhook down: {out}");
             let size = kubectl(&["get", "memcached", "nosize", "-n", &ns, "-o", "jsonpath={.spec.size}"])?;
             ensure!(size == "1", "size {size:?}");
+            Ok(())
+        })
+        .await;
+}
+
+/// A TLS connector trusting `ca`, offering HTTP/2 and HTTP/1.1.
+fn connector(ca: &[u8]) -> anyhow::Result<tokio_rustls::TlsConnector> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_slice_iter(ca) {
+        roots.add(c?)?;
+    }
+    let mut config =
+        rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(tokio_rustls::TlsConnector::from(Arc::new(config)))
+}
+
+type Tls = tokio_rustls::client::TlsStream<tokio::net::TcpStream>;
+
+async fn connect(c: &tokio_rustls::TlsConnector, port: u16) -> anyhow::Result<Tls> {
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+    Ok(c.connect("127.0.0.1".try_into()?, tcp).await?)
+}
+
+const AT_PATH: &str = "/validate-cnat-programming-kubernetes-info-at";
+
+/// Sends headers for a 1000-byte body, then one byte every half second, again and again.
+async fn slow_sender(c: tokio_rustls::TlsConnector, port: u16, stop: tokio_util::sync::CancellationToken) {
+    while !stop.is_cancelled() {
+        let Ok(mut tls) = connect(&c, port).await else {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        };
+        let head = format!("POST {AT_PATH} HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n");
+        if tls.write_all(head.as_bytes()).await.is_err() {
+            continue;
+        }
+        while !stop.is_cancelled() && tls.write_all(b"x").await.is_ok() && tls.flush().await.is_ok() {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+}
+
+/// Sends 7 MiB bodies (the largest the server takes) as fast as it can, again and again.
+async fn large_sender(c: tokio_rustls::TlsConnector, port: u16, stop: tokio_util::sync::CancellationToken) {
+    let chunk = vec![b'x'; 64 * 1024];
+    while !stop.is_cancelled() {
+        let Ok(mut tls) = connect(&c, port).await else {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        };
+        let len = 7 * 1024 * 1024;
+        let head = format!(
+            "POST {AT_PATH} HTTP/1.1\r\nHost: x\r\nContent-Length: {len}\r\nConnection: close\r\n\r\n"
+        );
+        let mut ok = tls.write_all(head.as_bytes()).await.is_ok();
+        let mut sent = 0;
+        while ok && sent < len && !stop.is_cancelled() {
+            ok = tls.write_all(&chunk).await.is_ok();
+            sent += chunk.len();
+        }
+        let mut sink = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(40), tls.read_to_end(&mut sink)).await;
+    }
+}
+
+/// The process's peak resident memory (VmHWM), in MiB.
+fn peak_rss_mib(pid: u32) -> anyhow::Result<f64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let kb: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .context("no VmHWM")?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()?;
+    Ok(kb / 1024.0)
+}
+
+#[tokio::test]
+async fn a_flood_of_slow_and_large_requests_leaves_admissions_answered_and_memory_bounded() {
+    shared()
+        .in_namespace("flood", |client, ns| async move {
+            let _turn = ONE_OPERATOR.lock().await;
+            install_crds()?;
+            let port = common::free_port()?;
+            let log = std::env::temp_dir().join(format!("opkit-flood-{ns}.log"));
+            let op = Running(
+                Command::new(env!("CARGO_BIN_EXE_opkit"))
+                    .args(["run", "--controllers", "memcached", "--namespace", &ns])
+                    .args(["--metrics-bind-address", "0", "--health-probe-bind-address", "0"])
+                    .args(["--webhook-bind-address", &format!("127.0.0.1:{port}")])
+                    .args(["--webhook-url", &format!("https://127.0.0.1:{port}")])
+                    .env("KUBECONFIG", shared().kubeconfig())
+                    .stdout(Stdio::null())
+                    .stderr(std::fs::File::create(&log)?)
+                    .spawn()?,
+            );
+            let logs = || std::fs::read_to_string(&log).unwrap_or_default();
+            let ats: Api<kube::core::DynamicObject> = Api::namespaced_with(
+                client.clone(),
+                &ns,
+                &kube::core::ApiResource::from_gvk_with_plural(
+                    &kube::core::GroupVersionKind::gvk("cnat.programming-kubernetes.info", "v1alpha1", "At"),
+                    "ats",
+                ),
+            );
+            let ancient: kube::core::DynamicObject =
+                serde_json::from_str(&at("ancient", "2010-01-01T00:00:00Z"))?;
+            let dry = kube::api::PostParams {
+                dry_run: true,
+                ..Default::default()
+            };
+            // One admission through the apiserver: the webhook's refusal, and how long it took.
+            let admit = || async {
+                let started = std::time::Instant::now();
+                let out = tokio::time::timeout(Duration::from_secs(15), ats.create(&dry, &ancient)).await;
+                let took = started.elapsed();
+                match out {
+                    Ok(Err(kube::Error::Api(s))) if s.message.contains("more than 10 years") => Ok(took),
+                    other => Err(anyhow::anyhow!("after {took:?}: {other:?}")),
+                }
+            };
+            wait_for("the At webhook to answer", T, admit)
+                .await
+                .with_context(logs)?;
+
+            let vwc: Api<ValidatingWebhookConfiguration> = Api::all(client.clone());
+            let cfg = vwc.get("opkit-validating-webhook-configuration").await?;
+            let ca = cfg.webhooks.unwrap_or_default()[0]
+                .client_config
+                .ca_bundle
+                .clone()
+                .context("no caBundle")?
+                .0;
+            let c = connector(&ca)?;
+            let probe = connect(&c, port).await?;
+            let alpn = probe.get_ref().1.alpn_protocol().map(|p| p.to_vec());
+            ensure!(alpn.as_deref() != Some(b"h2".as_slice()), "HTTP/2 was negotiated");
+            drop(probe);
+
+            // More slow senders than the server has connection slots, and large bodies.
+            let stop = tokio_util::sync::CancellationToken::new();
+            let _stop = stop.clone().drop_guard();
+            for _ in 0..300 {
+                tokio::spawn(slow_sender(c.clone(), port, stop.clone()));
+            }
+            for _ in 0..64 {
+                tokio::spawn(large_sender(c.clone(), port, stop.clone()));
+            }
+            let mut worst = Duration::ZERO;
+            for _ in 0..15 {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                worst = worst.max(admit().await.with_context(logs)?);
+            }
+            stop.cancel();
+            let peak = peak_rss_mib(op.0.id())?;
+            eprintln!("flood: slowest admission {worst:?}, operator peak RSS {peak:.1} MiB");
+            ensure!(worst < Duration::from_secs(5), "an admission took {worst:?}");
+            ensure!(peak < 128.0, "peak RSS {peak:.1} MiB, over the 128 MiB limit");
             Ok(())
         })
         .await;

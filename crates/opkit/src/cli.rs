@@ -184,6 +184,9 @@ struct RunArgs<A: Args> {
     /// another tool owns them.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     manage_webhook_configurations: bool,
+    /// Offer HTTP/2 on the webhook server as well as HTTP/1.1 (off: see `webhook::serve`).
+    #[arg(long)]
+    webhook_http2: bool,
     #[command(flatten)]
     operator: A,
 }
@@ -350,6 +353,7 @@ async fn run<S, A: Args>(
             url: args.webhook_url.clone(),
             namespace: own_namespace().unwrap_or_else(|| op.namespace()),
             configure: args.manage_webhook_configurations,
+            http2: args.webhook_http2,
         };
         crate::webhook::start(&client, &hooks, &webhook_opts, manager.shutdown_token()).await?;
     }

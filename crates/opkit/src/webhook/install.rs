@@ -202,6 +202,8 @@ pub struct WebhookOptions {
     /// Whether the operator writes the webhook configurations itself; `false` when something
     /// else owns them (OLM, which also mounts the certificate, or a kustomize overlay).
     pub configure: bool,
+    /// Whether to offer HTTP/2 as well as HTTP/1.1 (see [`super::serve`]).
+    pub http2: bool,
 }
 
 /// Makes or loads the serving certificate, serves `webhooks` until `shutdown`, and points the
@@ -259,7 +261,7 @@ pub async fn start(
             }
         }
     };
-    serve(webhooks, opts.bind, certs, shutdown.clone()).await?;
+    serve(webhooks, opts.bind, certs, opts.http2, shutdown.clone()).await?;
     let configure = opts.configure;
     let mut bundle = source.bundle().await;
     if configure {

@@ -259,7 +259,60 @@ impl Webhooks {
                     .layer(axum::extract::DefaultBodyLimit::max(limits::BODY)),
             );
         }
+        let budget = Arc::new(tokio::sync::Semaphore::new(limits::BODIES_IN_FLIGHT / 1024));
         r.layer(axum::middleware::from_fn(
+            move |req: axum::extract::Request, next: axum::middleware::Next| {
+                let budget = budget.clone();
+                async move {
+                    // Its declared length (the apiserver always sends one), else the maximum.
+                    let len = req
+                        .headers()
+                        .get(axum::http::header::CONTENT_LENGTH)
+                        .and_then(|v| v.to_str().ok()?.parse::<usize>().ok())
+                        .unwrap_or(limits::BODY);
+                    if len > limits::BODY {
+                        return (StatusCode::PAYLOAD_TOO_LARGE, "admission request too large")
+                            .into_response();
+                    }
+                    // Small bodies (every real review) never wait: 256 connections of them
+                    // are bounded anyway. Large ones take a share of the budget first.
+                    let _share = if len > limits::SMALL_BODY {
+                        let kib = u32::try_from(len.div_ceil(1024)).unwrap_or(u32::MAX);
+                        match budget.acquire_many(kib).await {
+                            Ok(p) => Some(p),
+                            Err(_) => {
+                                return (StatusCode::SERVICE_UNAVAILABLE, "shutting down").into_response();
+                            }
+                        }
+                    } else {
+                        None
+                    };
+                    let (parts, body) = req.into_parts();
+                    let bytes = match tokio::time::timeout(
+                        limits::BODY_READ,
+                        axum::body::to_bytes(body, limits::BODY),
+                    )
+                    .await
+                    {
+                        Ok(Ok(b)) => b,
+                        Ok(Err(e)) => {
+                            return (StatusCode::BAD_REQUEST, format!("reading the request: {e}"))
+                                .into_response();
+                        }
+                        Err(_) => {
+                            return (StatusCode::REQUEST_TIMEOUT, "the request body came too slowly")
+                                .into_response();
+                        }
+                    };
+                    next.run(axum::extract::Request::from_parts(
+                        parts,
+                        axum::body::Body::from(bytes),
+                    ))
+                    .await
+                }
+            },
+        ))
+        .layer(axum::middleware::from_fn(
             |req: axum::extract::Request, next: axum::middleware::Next| async move {
                 match tokio::time::timeout(limits::REQUEST, next.run(req)).await {
                     Ok(resp) => resp,
@@ -410,8 +463,9 @@ pub mod limits {
 
     /// A TLS handshake longer than this is dropped.
     pub const HANDSHAKE: Duration = Duration::from_secs(10);
-    /// Request headers must arrive within this (HTTP/1; also ends idle keep-alive connections).
-    pub const HEADERS: Duration = Duration::from_secs(30);
+    /// Request headers must arrive within this (HTTP/1; also ends idle keep-alive connections),
+    /// so a slow sender holds a connection slot only briefly.
+    pub const HEADERS: Duration = Duration::from_secs(5);
     /// Reading a request and answering it; the apiserver itself waits at most 30 s.
     pub const REQUEST: Duration = Duration::from_secs(30);
     /// The largest request body: the apiserver's own limit on an object is 3 MiB, and a review
@@ -419,6 +473,19 @@ pub mod limits {
     pub const BODY: usize = 7 * 1024 * 1024;
     /// Connections open at once; further ones wait in the listen backlog.
     pub const CONNECTIONS: usize = 256;
+    /// Bytes of request bodies being read or decoded at once, over all connections: a
+    /// request waits (within [`REQUEST`]) for its share, so a flood of large bodies cannot
+    /// take the server past its memory limit. Real AdmissionReviews are a few KiB.
+    pub const BODIES_IN_FLIGHT: usize = 8 * 1024 * 1024;
+    /// Bodies up to this size (every real AdmissionReview) skip [`BODIES_IN_FLIGHT`]: all
+    /// [`CONNECTIONS`] of them together stay small.
+    pub const SMALL_BODY: usize = 64 * 1024;
+    /// The whole body must arrive within this once the headers have (the apiserver sends it
+    /// at once), so a slow sender holds a connection slot only briefly.
+    pub const BODY_READ: Duration = Duration::from_secs(5);
+    /// A connection is closed (after its current request) once it is this old, so a client
+    /// cannot keep a slot for ever by sending a request now and then.
+    pub const CONNECTION_AGE: Duration = Duration::from_secs(120);
     /// Pause after a failed `accept` (out of file descriptors, ...), doubling up to 1 s.
     pub const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
 }
@@ -438,11 +505,14 @@ pub enum WebhookError {
     },
 }
 
-/// Serves `webhooks` over HTTPS on `addr` until `shutdown`; returns once listening.
+/// Serves `webhooks` over HTTPS on `addr` until `shutdown`; returns once listening. HTTP/1.1
+/// only unless `http2` (as Kubebuilder does: HTTP/2's streams multiply what one connection
+/// can make the server hold, and the apiserver speaks HTTP/1.1 to webhooks anyway).
 pub async fn serve(
     webhooks: &Webhooks,
     addr: SocketAddr,
     certs: CertSource,
+    http2: bool,
     shutdown: CancellationToken,
 ) -> Result<tokio::task::JoinHandle<()>, WebhookError> {
     let (initial, dir) = match &certs {
@@ -508,7 +578,10 @@ pub async fn serve(
         .map_err(|e| WebhookError::Certificate(e.to_string()))?
         .with_no_client_auth()
         .with_cert_resolver(resolver);
-    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    config.alpn_protocols = match http2 {
+        true => vec![b"h2".to_vec(), b"http/1.1".to_vec()],
+        false => vec![b"http/1.1".to_vec()],
+    };
     let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
     let listener = tokio::net::TcpListener::bind(addr)
         .await
@@ -567,11 +640,21 @@ pub async fn serve(
                     .timer(hyper_util::rt::TokioTimer::new())
                     .keep_alive_interval(Some(limits::HEADERS))
                     .keep_alive_timeout(limits::HANDSHAKE)
-                    .max_concurrent_streams(64);
-                if let Err(e) = builder
-                    .serve_connection(hyper_util::rt::TokioIo::new(tls), svc)
-                    .await
-                {
+                    .max_concurrent_streams(16);
+                let builder = if http2 { builder } else { builder.http1_only() };
+                let conn = builder.serve_connection(hyper_util::rt::TokioIo::new(tls), svc);
+                tokio::pin!(conn);
+                let ended = tokio::select! {
+                    r = conn.as_mut() => r,
+                    _ = tokio::time::sleep(limits::CONNECTION_AGE) => {
+                        conn.as_mut().graceful_shutdown();
+                        match tokio::time::timeout(limits::REQUEST, conn.as_mut()).await {
+                            Ok(r) => r,
+                            Err(_) => Ok(()),
+                        }
+                    }
+                };
+                if let Err(e) = ended {
                     tracing::debug!(error = %e, "webhook connection ended with an error");
                 }
             });
@@ -658,6 +741,7 @@ mod tests {
             &hooks,
             addr,
             CertSource::Generated(cert.clone()),
+            false,
             shutdown.clone(),
         )
         .await
