@@ -134,3 +134,121 @@ async fn a_half_open_read_fails_at_the_request_timeout_and_the_next_goes_through
         })
         .await;
 }
+
+/// Whether a TLS client trusting only `ca` (PEM) accepts the certificate served on `port`.
+async fn trusted(port: u16, ca: &[u8]) -> anyhow::Result<bool> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_slice_iter(ca) {
+        roots.add(c?)?;
+    }
+    let config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()?
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+    let tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+        .connect("127.0.0.1".try_into()?, tcp)
+        .await;
+    Ok(tls.is_ok())
+}
+
+#[tokio::test]
+async fn a_replica_that_could_not_read_the_shared_certificate_never_publishes_its_own_and_converges() {
+    use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
+    use kube::core::DynamicObject;
+    use opkit::webhook::{FailurePolicy, Rule, RuleScope, Verdict, WebhookOptions, Webhooks};
+    shared()
+        .in_namespace("certs", |client, ns| async move {
+            let project: &'static str = Box::leak(format!("c{}", &ns[ns.len() - 8..]).into_boxed_str());
+            let hooks = Webhooks::new().validating::<DynamicObject, _, _>(
+                Rule {
+                    name: "v.certs.example.com",
+                    path: "/validate",
+                    group: "example.com",
+                    versions: &["v1"],
+                    resource: "things",
+                    operations: &["CREATE"],
+                    failure_policy: FailurePolicy::Ignore,
+                    scope: RuleScope::Namespaced,
+                },
+                |_| async { Verdict::allow() },
+            );
+            let opts = |port: u16| WebhookOptions {
+                project,
+                bind: ([127, 0, 0, 1], port).into(),
+                cert_dir: None,
+                url: Some(format!("https://127.0.0.1:{port}")),
+                namespace: ns.clone(),
+                configure: true,
+                http2: false,
+            };
+            let stop = tokio_util::sync::CancellationToken::new();
+            let _stop = stop.clone().drop_guard();
+            let (pa, pb) = (opkit_testenv::free_port()?, opkit_testenv::free_port()?);
+            opkit::webhook::start(&client, &hooks, &opts(pa), stop.clone()).await?;
+            let vwcs: Api<ValidatingWebhookConfiguration> = Api::all(client.clone());
+            let name = format!("{project}-validating-webhook-configuration");
+            let published = || async {
+                let v = vwcs.get(&name).await?;
+                let ca = v.webhooks.unwrap_or_default()[0].client_config.ca_bundle.clone();
+                ca.map(|b| b.0).ok_or_else(|| anyhow!("no caBundle"))
+            };
+            let shared_ca = published().await?;
+            ensure!(trusted(pa, &shared_ca).await?, "the first replica is not trusted");
+
+            // The second replica cannot read the Secret (every read gets a 500) for longer
+            // than it retries at start: it serves a certificate of its own meanwhile.
+            let proxy = FaultProxy::start(client.clone()).await?;
+            proxy.set(Fault::Pass, Fault::Status(500));
+            let through_proxy = kube::Client::try_from(proxy.config())?;
+            let started = Instant::now();
+            opkit::webhook::start(&through_proxy, &hooks, &opts(pb), stop.clone()).await?;
+            ensure!(
+                started.elapsed() >= Duration::from_secs(15),
+                "gave up on the Secret after {:?}",
+                started.elapsed()
+            );
+            ensure!(
+                !trusted(pb, &shared_ca).await?,
+                "serving the shared certificate without reading it?"
+            );
+            ensure!(
+                published().await? == shared_ca,
+                "the second replica published its own CA"
+            );
+            ensure!(
+                trusted(pa, &published().await?).await?,
+                "the first replica is no longer trusted"
+            );
+
+            // The reads work again: the second replica switches to the shared certificate.
+            proxy.set(Fault::Pass, Fault::Pass);
+            opkit_testenv::wait_for(
+                "the second replica to be trusted",
+                Duration::from_secs(30),
+                || async {
+                    let ca = published().await?;
+                    if trusted(pb, &ca).await? && trusted(pa, &ca).await? {
+                        Ok(())
+                    } else {
+                        Err(anyhow!("not trusted yet"))
+                    }
+                },
+            )
+            .await?;
+            vwcs.delete(&name, &Default::default()).await?;
+            let mwcs: Api<k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration> =
+                Api::all(client.clone());
+            mwcs.delete(
+                &format!("{project}-mutating-webhook-configuration"),
+                &Default::default(),
+            )
+            .await?;
+            Ok(())
+        })
+        .await;
+}

@@ -1,6 +1,6 @@
 //! A fault-injecting proxy between a client under test and the apiserver: plain HTTP on
 //! localhost in front, the apiserver (with the admin client's credentials) behind. It can
-//! answer 429 with `Retry-After`, delay answers, or take a request and never answer (what a
+//! answer 429 with `Retry-After` or any other error status, delay answers, or take a request and never answer (what a
 //! half-open connection looks like to the client), for writes, for reads, or for both, and it
 //! counts the requests that reached it.
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -24,6 +24,8 @@ pub enum Fault {
         /// The `Retry-After` value.
         retry_after_secs: u32,
     },
+    /// Answer with this status (and a Kubernetes `Status` body) without forwarding.
+    Status(u16),
     /// Forward it after this long.
     Delay(Duration),
     /// Take it and never answer, until the client gives up.
@@ -126,6 +128,17 @@ async fn forward(State(shared): State<Arc<Shared>>, req: Request) -> Response {
             });
             let mut r = status(StatusCode::TOO_MANY_REQUESTS, body.to_string());
             r.headers_mut().insert("retry-after", retry_after_secs.into());
+            r.headers_mut()
+                .insert("content-type", http::HeaderValue::from_static("application/json"));
+            return r;
+        }
+        Fault::Status(code) => {
+            let body = serde_json::json!({
+                "kind": "Status", "apiVersion": "v1", "status": "Failure", "code": code,
+                "message": "injected by the fault proxy"
+            });
+            let code = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            let mut r = status(code, body.to_string());
             r.headers_mut()
                 .insert("content-type", http::HeaderValue::from_static("application/json"));
             return r;

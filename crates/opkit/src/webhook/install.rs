@@ -241,30 +241,37 @@ pub async fn start(
         None => {
             let secrets: Api<Secret> = Api::namespaced(client.clone(), &opts.namespace);
             let name = shared::secret_name(opts.project);
-            match shared::ensure(&secrets, &name, &hosts).await {
-                Ok(sh) => {
-                    let (tx, rx) = tokio::sync::watch::channel(sh.serving.clone());
-                    let source = Source::Secret {
-                        secrets: Box::new(secrets),
-                        name,
-                        hosts: hosts.clone(),
-                        tx,
-                    };
-                    (CertSource::Watch(rx), source)
-                }
+            // A transient failure (a 500, RBAC not effective yet) is retried: a replica that
+            // served a CA of its own would not be trusted once another publishes the shared one.
+            let (initial, own_ca) = match ensure_patiently(&secrets, &name, &hosts).await {
+                Ok(sh) => (sh.serving, None),
                 Err(e) => {
-                    tracing::warn!(error = %e, "cannot share the webhook certificate through a Secret; this process makes its own, which only works with one replica");
+                    tracing::warn!(error = %e, "cannot read or make the shared webhook certificate yet; serving one of this process until it can (published only while no shared Secret exists)");
                     let cert = self_signed(&hosts).map_err(|e| WebhookError::Certificate(e.to_string()))?;
-                    let ca = cert.ca_pem.clone();
-                    (CertSource::Generated(cert), Source::Fixed(ca))
+                    ((cert.cert_pem, cert.key_pem), Some(cert.ca_pem))
                 }
-            }
+            };
+            let (tx, rx) = tokio::sync::watch::channel(initial);
+            let source = Source::Secret {
+                secrets: Box::new(secrets),
+                name,
+                hosts: hosts.clone(),
+                tx,
+                own_ca,
+            };
+            (CertSource::Watch(rx), source)
         }
     };
     serve(webhooks, opts.bind, certs, opts.http2, shutdown.clone()).await?;
     let configure = opts.configure;
+    let mut source = source;
     let mut bundle = source.bundle().await;
-    if configure {
+    if configure && bundle.is_none() && matches!(source, Source::Secret { .. }) {
+        // Applying without a CA would take the shared one out of the configurations.
+        tracing::warn!(
+            "the webhook configurations are left as they are until the shared certificate can be read"
+        );
+    } else if configure {
         apply(
             client,
             opts.project,
@@ -277,9 +284,6 @@ pub async fn start(
         tracing::info!(?endpoint, "webhook configurations point at this server");
     } else {
         tracing::info!("serving webhooks; their configurations are managed elsewhere");
-    }
-    if matches!(source, Source::Fixed(_)) {
-        return Ok(());
     }
     // Keep serving the current certificate and the configurations trusting its CA: a renewed
     // cert-manager Secret, or a rotation of the shared one by any replica.
@@ -315,10 +319,29 @@ pub async fn start(
     Ok(())
 }
 
+/// [`shared::ensure`], retried with backoff for about 20 s.
+async fn ensure_patiently(
+    secrets: &Api<Secret>,
+    name: &str,
+    hosts: &[String],
+) -> Result<shared::Shared, String> {
+    let mut pause = std::time::Duration::from_millis(500);
+    let give_up = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        match shared::ensure(secrets, name, hosts).await {
+            Ok(sh) => return Ok(sh),
+            Err(e) if tokio::time::Instant::now() + pause < give_up => {
+                tracing::warn!(error = %e, ?pause, "reading the shared webhook certificate failed; retrying");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(std::time::Duration::from_secs(5));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// Where the CA bundle (and, for the shared Secret, the serving certificate) comes from.
 enum Source {
-    /// Made by this process at start.
-    Fixed(String),
     /// `ca.crt` next to the mounted certificate.
     File(PathBuf),
     /// The shared Secret.
@@ -327,28 +350,34 @@ enum Source {
         name: String,
         hosts: Vec<String>,
         tx: tokio::sync::watch::Sender<(String, String)>,
+        /// The CA of the certificate this process made because the Secret could not be used
+        /// at start; `None` once it serves the shared one.
+        own_ca: Option<String>,
     },
 }
 
 impl Source {
     fn every(&self) -> std::time::Duration {
         match self {
-            Source::Secret { .. } => shared::RELOAD_EVERY,
-            _ => std::time::Duration::from_secs(10),
+            Source::Secret { own_ca: None, .. } => shared::RELOAD_EVERY,
+            _ => std::time::Duration::from_secs(5),
         }
     }
 
-    /// The current CA bundle (`None`: cannot be read now); for the Secret, also hands the
-    /// certificate to serve to the server.
-    async fn bundle(&self) -> Option<String> {
+    /// The current CA bundle (`None`: cannot be read now, leave the configurations as they
+    /// are); for the Secret, also hands the certificate to serve to the server. A process
+    /// serving a certificate of its own switches to the shared one as soon as it can be used,
+    /// and publishes its own CA only while no shared Secret exists (a single replica without
+    /// the right to make one).
+    async fn bundle(&mut self) -> Option<String> {
         match self {
-            Source::Fixed(ca) => Some(ca.clone()),
             Source::File(path) => std::fs::read_to_string(path).ok(),
             Source::Secret {
                 secrets,
                 name,
                 hosts,
                 tx,
+                own_ca,
             } => match shared::ensure(secrets, name, hosts).await {
                 Ok(sh) => {
                     tx.send_if_modified(|s| {
@@ -356,11 +385,17 @@ impl Source {
                         *s = sh.serving.clone();
                         changed
                     });
+                    if own_ca.take().is_some() {
+                        tracing::info!("serving the shared webhook certificate");
+                    }
                     Some(sh.ca_bundle)
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "reading the shared webhook certificate failed");
-                    None
+                    match (own_ca.as_ref(), secrets.get_opt(name).await) {
+                        (Some(ca), Ok(None)) => Some(ca.clone()),
+                        _ => None,
+                    }
                 }
             },
         }
