@@ -1,7 +1,8 @@
 //! The operator as users deploy it, on the real node: `make docker-build`, the image loaded
 //! into the node, `make deploy`. It runs as a Pod under the generated ServiceAccount in the
 //! `restricted` namespace, its probes pass, the apiserver reaches its webhook through the
-//! Service, the metrics Service answers, and `make undeploy` removes it all.
+//! Service, the metrics Service answers over HTTPS to a token allowed to read it (401 without
+//! one, 403 without the role), and `make undeploy` removes it all.
 //! Needs `OPKIT_TESTENV_REAL_NODE=1` (as `make test` sets).
 use std::path::PathBuf;
 use std::process::Command;
@@ -13,7 +14,7 @@ use k8s_openapi::api::core::v1::{Namespace, Pod, Service};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::Api;
 use kube::api::{ListParams, ObjectMeta, PostParams};
-use opkit_testenv::{http_get, shared_real_node, wait_for};
+use opkit_testenv::{http_get, https_get, shared_real_node, wait_for};
 
 mod common;
 use common::{jsonpath, jsonpath_is, kubectl, kubectl_stdin};
@@ -182,13 +183,26 @@ async fn docker_build_load_and_make_deploy_run_the_operator_in_the_cluster() {
             )
             .await?;
 
-            // The metrics Service, from this host through kube-proxy.
+            // The metrics Service, from this host through kube-proxy: HTTPS, and only for a
+            // token whose user is bound to the metrics-reader ClusterRole.
             let services: Api<Service> = Api::namespaced(client.clone(), NS);
             let svc = services.get("opkit-controller-manager-metrics-service").await?;
             let ip = svc.spec.and_then(|s| s.cluster_ip).context("no ClusterIP")?;
-            let addr: std::net::SocketAddr = format!("{ip}:8080").parse()?;
-            let metrics = wait_for("the metrics Service to answer", T, || async {
-                match http_get(addr, "/metrics").await {
+            let addr: std::net::SocketAddr = format!("{ip}:8443").parse()?;
+            for sa in ["scraper", "stranger"] {
+                kubectl(&["create", "serviceaccount", sa, "-n", &ns])?;
+            }
+            kubectl(&[
+                "create",
+                "clusterrolebinding",
+                &format!("{ns}-scraper"),
+                "--clusterrole=opkit-metrics-reader",
+                &format!("--serviceaccount={ns}:scraper"),
+            ])?;
+            let scraper = common::service_account_token(&client, &ns, "scraper").await?;
+            let stranger = common::service_account_token(&client, &ns, "stranger").await?;
+            let metrics = wait_for("the metrics Service to answer the scraper", T, || async {
+                match https_get(addr, "/metrics", Some(&scraper)).await {
                     Ok((200, body)) if body.contains("opkit_reconcile_total") => Ok(body),
                     Ok((code, body)) => Err(anyhow!("{code}: {}", &body[..body.len().min(200)])),
                     Err(e) => Err(anyhow!("{e}")),
@@ -199,6 +213,20 @@ async fn docker_build_load_and_make_deploy_run_the_operator_in_the_cluster() {
                 metrics.contains("controller=\"memcached\""),
                 "no memcached series:\n{metrics}"
             );
+            let (code, body) = https_get(addr, "/metrics", None).await?;
+            ensure!(code == 401, "without a token: {code} {body}");
+            let (code, body) = https_get(addr, "/metrics", Some("not-a-token")).await?;
+            ensure!(code == 401, "with a made-up token: {code} {body}");
+            let (code, body) = https_get(addr, "/metrics", Some(&stranger)).await?;
+            ensure!(
+                code == 403 && body.contains("may not get /metrics"),
+                "without the role: {code} {body}"
+            );
+            ensure!(
+                http_get(addr, "/metrics").await.map(|(c, _)| c).unwrap_or(0) != 200,
+                "plain HTTP answered"
+            );
+            kubectl(&["delete", "clusterrolebinding", &format!("{ns}-scraper")])?;
 
             make(&kubeconfig, &["undeploy"])?;
             let crds: Api<CustomResourceDefinition> = Api::all(client.clone());

@@ -140,6 +140,10 @@ struct RunArgs<A: Args> {
     /// Log format.
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
+    /// Serve `/metrics` over HTTPS, only to bearer tokens allowed to `get /metrics` (the
+    /// generated manifests turn it on, with the `metrics-reader` ClusterRole).
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    metrics_secure: bool,
     /// Seconds in-flight reconciles get to finish after SIGTERM.
     #[arg(long, default_value_t = 30)]
     shutdown_timeout: u64,
@@ -312,6 +316,7 @@ async fn run<S, A: Args>(
         handle_signals: true,
         leader_election: leader_election(&args, op.lease())?,
         warm_standby: args.leader_elect_warm_standby,
+        metrics_secure: args.metrics_secure,
     };
     let config = client_config(&args).await?;
     let request_timeout = Duration::from_secs(args.request_timeout);

@@ -28,7 +28,7 @@ pub mod registry;
 pub mod runtime;
 mod scope;
 pub mod security;
-mod server;
+pub mod server;
 pub mod webhook;
 
 pub mod changed;

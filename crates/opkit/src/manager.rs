@@ -125,6 +125,9 @@ pub struct ManagerOptions {
     /// replicas). Costs a standby the memory and watch traffic of the leader; off, a standby
     /// holds nothing until it leads.
     pub warm_standby: bool,
+    /// Serve `/metrics` over HTTPS, only to bearer tokens whose user may `get /metrics`
+    /// (TokenReview and SubjectAccessReview; see [`crate::server::MetricsAuth`]).
+    pub metrics_secure: bool,
 }
 
 impl Default for ManagerOptions {
@@ -136,6 +139,7 @@ impl Default for ManagerOptions {
             handle_signals: true,
             leader_election: None,
             warm_standby: true,
+            metrics_secure: false,
         }
     }
 }
@@ -156,6 +160,8 @@ pub enum ManagerError {
     Signals(std::io::Error),
     #[error(transparent)]
     Leader(#[from] LeaderError),
+    #[error("serving /metrics over HTTPS: {0}")]
+    MetricsTls(String),
 }
 
 pub(crate) struct Registered {
@@ -178,6 +184,8 @@ pub struct Manager {
     leading: tokio::sync::watch::Sender<bool>,
     shared: SharedWatches,
     election_client: Option<Client>,
+    /// For reviews every replica answers (metrics tokens): not behind the write gate.
+    ungated_client: Option<Client>,
 }
 
 impl Manager {
@@ -196,6 +204,7 @@ impl Manager {
             leading: tokio::sync::watch::channel(false).0,
             shared: SharedWatches::default(),
             election_client: None,
+            ungated_client: None,
         }
     }
 
@@ -204,9 +213,10 @@ impl Manager {
     /// other than watches wait at most `request_timeout` for an answer. What `opkit run` uses.
     pub fn from_config(config: kube::Config, request_timeout: std::time::Duration) -> kube::Result<Self> {
         let (gate, metrics) = (WriteGate::new(), Metrics::default());
+        let ungated = Client::try_from(config.clone())?;
         let client = crate::client::build(config, &gate, request_timeout, &metrics)?;
         let mut m = Manager::new(client);
-        (m.gate, m.metrics) = (gate, metrics);
+        (m.gate, m.metrics, m.ungated_client) = (gate, metrics, Some(ungated));
         Ok(m)
     }
 
@@ -347,13 +357,17 @@ impl Manager {
             controllers,
             gate,
             election_client,
+            ungated_client,
             leading,
             shared,
             ..
         } = self;
+        let auth = opts
+            .metrics_secure
+            .then(|| server::MetricsAuth::new(ungated_client.unwrap_or(client.clone())));
         let readiness: Vec<(&'static str, Arc<AtomicBool>)> =
             controllers.iter().map(|c| (c.name, c.ready.clone())).collect();
-        let http = server::serve(&opts, metrics, readiness, shutdown.clone()).await?;
+        let http = server::serve(&opts, metrics, auth, readiness, shutdown.clone()).await?;
 
         let signals = if opts.handle_signals {
             let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())

@@ -113,7 +113,8 @@ pub fn deployment_for<S>(op: &Operator<S>, namespaces: &[String]) -> Deployment 
             [
                 "run",
                 "--leader-elect",
-                "--metrics-bind-address=:8080",
+                "--metrics-bind-address=:8443",
+                "--metrics-secure",
                 "--health-probe-bind-address=:8081",
                 "--log-format=json",
                 "--shutdown-timeout=25",
@@ -139,7 +140,7 @@ pub fn deployment_for<S>(op: &Operator<S>, namespaces: &[String]) -> Deployment 
         ports: Some(vec![
             ContainerPort {
                 name: Some("metrics".into()),
-                container_port: 8080,
+                container_port: 8443,
                 protocol: Some("TCP".into()),
                 ..Default::default()
             },
@@ -243,7 +244,30 @@ pub fn platform_rules<S>(op: &Operator<S>, webhook_configurations: bool) -> Vec<
     );
     crds.resource_names = Some(op.registry.crds().iter().map(|c| c.name_any()).collect());
     rules.push(crds);
+    rules.extend(metrics_auth_rules());
     rules
+}
+
+/// What serving `/metrics` securely needs: asking the apiserver who a scraper's token
+/// belongs to and whether that user may read the metrics (`--metrics-secure`).
+pub fn metrics_auth_rules() -> Vec<PolicyRule> {
+    vec![
+        rule(&["authentication.k8s.io"], &["tokenreviews"], &["create"]),
+        rule(&["authorization.k8s.io"], &["subjectaccessreviews"], &["create"]),
+    ]
+}
+
+/// The ClusterRole a scraper (Prometheus' ServiceAccount) is bound to, to read `/metrics`.
+pub fn metrics_reader<S>(op: &Operator<S>) -> ClusterRole {
+    ClusterRole {
+        metadata: meta(op, &format!("{}-metrics-reader", op.name), None),
+        rules: Some(vec![PolicyRule {
+            non_resource_urls: Some(vec!["/metrics".into()]),
+            verbs: vec!["get".into()],
+            ..Default::default()
+        }]),
+        ..Default::default()
+    }
 }
 
 /// Exactly what [`crate::leader`] uses, in the operator's namespace: read, watch (by name) and
@@ -276,7 +300,7 @@ pub fn network_policy<S>(op: &Operator<S>) -> serde_json::Value {
                 {"ports": [port(9443)]},
                 {
                     "from": [{"namespaceSelector": {"matchLabels": {"metrics": "enabled"}}}],
-                    "ports": [port(8080)],
+                    "ports": [port(8443)],
                 },
                 {"ports": [port(8081)]},
             ],
@@ -303,8 +327,8 @@ pub fn metrics_service<S>(op: &Operator<S>) -> Service {
         spec: Some(ServiceSpec {
             selector: Some(selector()),
             ports: Some(vec![ServicePort {
-                name: Some("http-metrics".into()),
-                port: 8080,
+                name: Some("https".into()),
+                port: 8443,
                 target_port: Some(IntOrString::String("metrics".into())),
                 protocol: Some("TCP".into()),
                 ..Default::default()
@@ -423,6 +447,10 @@ pub fn all<S>(op: &Operator<S>, namespaces: &[String]) -> anyhow::Result<Vec<(St
     ));
     files.push(("rbac/service_account.yaml".into(), to_yaml(&[sa])?));
     files.push((
+        "rbac/metrics_reader_role.yaml".into(),
+        to_yaml(&[metrics_reader(op)])?,
+    ));
+    files.push((
         "rbac/kustomization.yaml".into(),
         to_yaml(&[kustomization(
             &[
@@ -431,6 +459,7 @@ pub fn all<S>(op: &Operator<S>, namespaces: &[String]) -> anyhow::Result<Vec<(St
                 "role_binding.yaml",
                 "leader_election_role.yaml",
                 "leader_election_role_binding.yaml",
+                "metrics_reader_role.yaml",
             ]
             .map(String::from),
         )])?,

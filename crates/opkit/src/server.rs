@@ -1,14 +1,25 @@
 //! The manager's HTTP endpoints: Prometheus `/metrics`, liveness `/healthz` and readiness
-//! `/readyz` (ready once every controller's caches have synced).
+//! `/readyz` (ready once every controller's caches have synced). `/metrics` can be served
+//! securely ([`MetricsAuth`]): HTTPS, and only to a bearer token the apiserver authenticates
+//! whose user may `get` the non-resource URL `/metrics`, as Kubebuilder's
+//! `WithAuthenticationAndAuthorization` filter does.
+use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use axum::Router;
-use axum::extract::State;
+use axum::extract::{Request, State};
 use axum::http::{StatusCode, header};
-use axum::response::IntoResponse;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
 use axum::routing::get;
+use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
+use k8s_openapi::api::authorization::v1::{
+    NonResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
+};
+use kube::api::{Api, PostParams};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -43,6 +54,183 @@ async fn readyz(State(r): State<Readiness>) -> impl IntoResponse {
     }
 }
 
+/// Checks who reads `/metrics`: TokenReview, then SubjectAccessReview for `get /metrics`.
+/// Decisions are remembered for a minute per token, so a scrape every few seconds costs the
+/// apiserver two requests a minute.
+#[derive(Clone)]
+pub struct MetricsAuth {
+    client: kube::Client,
+    decisions: Arc<Mutex<HashMap<String, (Instant, StatusCode)>>>,
+}
+
+const DECISION_TTL: Duration = Duration::from_secs(60);
+
+impl MetricsAuth {
+    /// Reviews tokens through `client` (not the controllers' gated client: a standby must
+    /// answer scrapes too).
+    pub fn new(client: kube::Client) -> Self {
+        MetricsAuth {
+            client,
+            decisions: Arc::default(),
+        }
+    }
+
+    /// `OK`, `UNAUTHORIZED` (no token, or one the apiserver does not know) or `FORBIDDEN`
+    /// (its user may not `get /metrics`); `SERVICE_UNAVAILABLE` if the apiserver cannot say.
+    async fn decide(&self, token: &str) -> (StatusCode, String) {
+        let now = Instant::now();
+        if let Some((at, code)) = self
+            .decisions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(token)
+            && now.duration_since(*at) < DECISION_TTL
+        {
+            return (*code, String::new());
+        }
+        let (code, why) = match self.review(token).await {
+            Ok(d) => d,
+            Err(e) => {
+                return (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("reviewing the token: {e}"),
+                );
+            }
+        };
+        let mut d = self.decisions.lock().unwrap_or_else(|p| p.into_inner());
+        if d.len() > 1000 {
+            d.retain(|_, (at, _)| now.duration_since(*at) < DECISION_TTL);
+        }
+        d.insert(token.to_string(), (now, code));
+        (code, why)
+    }
+
+    async fn review(&self, token: &str) -> kube::Result<(StatusCode, String)> {
+        let pp = PostParams::default();
+        let tr = TokenReview {
+            spec: TokenReviewSpec {
+                token: Some(token.to_string()),
+                audiences: None,
+            },
+            ..Default::default()
+        };
+        let tr = Api::<TokenReview>::all(self.client.clone())
+            .create(&pp, &tr)
+            .await?;
+        let status = tr.status.unwrap_or_default();
+        let (true, Some(user)) = (status.authenticated == Some(true), status.user) else {
+            return Ok((StatusCode::UNAUTHORIZED, "the token is not valid".into()));
+        };
+        let sar = SubjectAccessReview {
+            spec: SubjectAccessReviewSpec {
+                user: user.username.clone(),
+                uid: user.uid,
+                groups: user.groups,
+                extra: user.extra,
+                non_resource_attributes: Some(NonResourceAttributes {
+                    path: Some("/metrics".into()),
+                    verb: Some("get".into()),
+                }),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let sar = Api::<SubjectAccessReview>::all(self.client.clone())
+            .create(&pp, &sar)
+            .await?;
+        let allowed = sar.status.is_some_and(|s| s.allowed);
+        let name = user.username.unwrap_or_default();
+        Ok(match allowed {
+            true => (StatusCode::OK, String::new()),
+            false => (StatusCode::FORBIDDEN, format!("{name} may not get /metrics")),
+        })
+    }
+}
+
+async fn authorize(State(auth): State<MetricsAuth>, req: Request, next: Next) -> Response {
+    let token = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+        .filter(|t| !t.is_empty());
+    let Some(token) = token else {
+        return (
+            StatusCode::UNAUTHORIZED,
+            "Unauthorized: a bearer token is required",
+        )
+            .into_response();
+    };
+    match auth.decide(token).await {
+        (StatusCode::OK, _) => next.run(req).await,
+        (code, why) => (code, why).into_response(),
+    }
+}
+
+/// Serves `app` over HTTPS with a certificate made at start (scrapers verify the token, not
+/// the server: Kubebuilder's ServiceMonitor skips verification the same way unless a
+/// certificate is mounted), HTTP/1.1 only, at most 64 connections.
+fn spawn_tls(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    shutdown: CancellationToken,
+) -> Result<JoinHandle<()>, String> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let cert = crate::webhook::self_signed(&["localhost".into()]).map_err(|e| e.to_string())?;
+    let chain = CertificateDer::pem_slice_iter(cert.cert_pem.as_bytes())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| e.to_string())?;
+    let key = PrivateKeyDer::from_pem_slice(cert.key_pem.as_bytes()).map_err(|e| e.to_string())?;
+    let config =
+        rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .map_err(|e| e.to_string())?
+            .with_no_client_auth()
+            .with_single_cert(chain, key)
+            .map_err(|e| e.to_string())?;
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let slots = Arc::new(tokio::sync::Semaphore::new(64));
+    Ok(tokio::spawn(async move {
+        loop {
+            let permit = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                p = slots.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => return },
+            };
+            let stream = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                r = listener.accept() => match r {
+                    Ok((s, _)) => s,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "accepting a metrics connection failed");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
+                },
+            };
+            let (acceptor, app) = (acceptor.clone(), app.clone());
+            tokio::spawn(async move {
+                let _permit = permit;
+                let Ok(Ok(tls)) =
+                    tokio::time::timeout(Duration::from_secs(10), acceptor.accept(stream)).await
+                else {
+                    return;
+                };
+                let svc = hyper_util::service::TowerToHyperService::new(app);
+                let mut b =
+                    hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
+                b.http1()
+                    .timer(hyper_util::rt::TokioTimer::new())
+                    .header_read_timeout(Duration::from_secs(10));
+                let b = b.http1_only();
+                let conn = b.serve_connection(hyper_util::rt::TokioIo::new(tls), svc);
+                let _ = tokio::time::timeout(Duration::from_secs(120), conn).await;
+            });
+        }
+    }))
+}
+
 async fn bind(what: &'static str, addr: SocketAddr) -> Result<tokio::net::TcpListener, ManagerError> {
     tokio::net::TcpListener::bind(addr)
         .await
@@ -63,6 +251,7 @@ fn spawn(listener: tokio::net::TcpListener, app: Router, shutdown: CancellationT
 pub(crate) async fn serve(
     opts: &ManagerOptions,
     metrics_state: Metrics,
+    auth: Option<MetricsAuth>,
     readiness: Vec<(&'static str, Arc<AtomicBool>)>,
     shutdown: CancellationToken,
 ) -> Result<Vec<JoinHandle<()>>, ManagerError> {
@@ -72,8 +261,18 @@ pub(crate) async fn serve(
         let app = Router::new()
             .route("/metrics", get(metrics))
             .with_state(metrics_state);
-        tracing::info!(%addr, "serving /metrics");
-        handles.push(spawn(l, app, shutdown.clone()));
+        match auth {
+            Some(auth) => {
+                let app = app.layer(axum::middleware::from_fn_with_state(auth, authorize));
+                let h = spawn_tls(l, app, shutdown.clone()).map_err(ManagerError::MetricsTls)?;
+                tracing::info!(%addr, "serving /metrics over HTTPS to authorized readers");
+                handles.push(h);
+            }
+            None => {
+                tracing::info!(%addr, "serving /metrics");
+                handles.push(spawn(l, app, shutdown.clone()));
+            }
+        }
     }
     if let Some(addr) = opts.health_addr {
         let l = bind("health probes", addr).await?;

@@ -19,7 +19,8 @@ pub mod proxy;
 pub use binaries::{Binaries, Versions};
 pub use cluster::{ControlPlane, Options, config_from_file};
 pub use harness::{
-    Shared, TestNamespace, http_get, http_request, kubeconfig_with_token, shared, shared_real_node, wait_for,
+    Shared, TestNamespace, http_get, http_request, https_get, kubeconfig_with_token, shared,
+    shared_real_node, wait_for,
 };
 pub use nix::sys::signal::Signal;
 pub use process::{Component, free_port};

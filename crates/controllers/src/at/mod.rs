@@ -70,8 +70,9 @@ pub fn rbac_rules() -> Vec<PolicyRule> {
             &["ats/status"],
             &["get", "patch"],
         ),
-        // Server-side apply that creates an object needs `create` as well as `patch`.
-        rule(&[""], &["pods"], &["get", "list", "watch", "create", "patch"]),
+        // The Pod is created (never applied: a second apply could start the command twice)
+        // and never changed afterwards.
+        rule(&[""], &["pods"], &["get", "list", "watch", "create"]),
         events(),
     ]
 }
