@@ -1,8 +1,10 @@
 //! Two `opkit run --leader-elect` replicas on a control plane of their own, while objects are
 //! created and faults are injected: the leader frozen for longer than its lease, the leader
 //! killed, the apiserver and etcd restarted, etcd compacted (watches get `410 Gone`), the
-//! apiserver frozen past the renew deadline, the replicas rolled one by one. A supervisor restarts a replica that exits, as the kubelet
-//! would. Checked afterwards, from the apiserver's audit log and a Pod watch kept open all
+//! apiserver frozen past the renew deadline, the replicas rolled one by one, the leader's
+//! connection answering 429 to every write and then hanging every request (each replica goes
+//! through a fault-injecting proxy of its own). A supervisor restarts a replica that exits, as
+//! the kubelet would. Checked afterwards, from the apiserver's audit log and a Pod watch kept open all
 //! along: every At's Pod was created exactly once, every Memcached converged, and no replica
 //! wrote anything while another one held the Lease.
 //!
@@ -23,6 +25,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use opkit_api::at::{At, Outcome, Phase};
 use opkit_api::eru::Eru;
 use opkit_api::memcached::Memcached;
+use opkit_testenv::proxy::{Fault, FaultProxy};
 use opkit_testenv::{Component, ControlPlane, Options, Signal, wait_for};
 
 mod common;
@@ -142,6 +145,17 @@ async fn kubeconfig_for(
     let cfg = opkit_testenv::kubeconfig_with_token(&cp.kubeconfig_path(), &token)?;
     let path = cp.dir().join(format!("{sa}.kubeconfig"));
     std::fs::write(&path, cfg)?;
+    Ok(path)
+}
+
+/// `kubeconfig` (a token user) pointed at `proxy` instead of the apiserver.
+fn through(kubeconfig: &Path, proxy: &FaultProxy) -> anyhow::Result<std::path::PathBuf> {
+    let mut kc: serde_yaml::Value = serde_yaml::from_str(&std::fs::read_to_string(kubeconfig)?)?;
+    let url = proxy.config().cluster_url.to_string();
+    kc["clusters"][0]["cluster"] =
+        serde_yaml::to_value(BTreeMap::from([("server", url.trim_end_matches('/'))]))?;
+    let path = kubeconfig.with_extension("proxied.kubeconfig");
+    std::fs::write(&path, serde_yaml::to_string(&kc)?)?;
     Ok(path)
 }
 
@@ -347,9 +361,17 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
     };
 
     let names = ["opkit-a", "opkit-b"];
+    // Each replica talks to the apiserver through a fault-injecting proxy of its own, which
+    // forwards the replica's token (the audit log still tells them apart).
+    let mut anonymous = opkit_testenv::config_from_file(&cp.kubeconfig_path()).await?;
+    anonymous.auth_info = Default::default();
     let mut kubeconfigs = Vec::new();
+    let mut api_proxies = Vec::new();
     for n in names {
-        kubeconfigs.push(kubeconfig_for(&cp, &client, n).await?);
+        let direct = kubeconfig_for(&cp, &client, n).await?;
+        let p = FaultProxy::start(kube::Client::try_from(anonymous.clone())?).await?;
+        kubeconfigs.push(through(&direct, &p)?);
+        api_proxies.push(p);
     }
     // In front of both webhook servers, as a Service would be: round robin over the replicas
     // that accept connections.
@@ -543,6 +565,34 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
             lock(&replicas)[i].restart(Duration::from_secs(10))?;
             log(start, &format!("{name} rolled"));
             wait_holder(&leases, "", Duration::from_secs(30)).await?;
+        }
+
+        // 7-8. The leader's apiserver connection answers every write with 429 (Retry-After
+        //      longer than its renew deadline), then takes every request and never answers
+        //      (half-open): each time its renewals fail, its gate closes, the other replica
+        //      takes over, and no write of the old leader lands after that (audit log).
+        for (fault, writes, reads) in [
+            (
+                "429 on writes",
+                Fault::TooManyRequests { retry_after_secs: 5 },
+                Fault::Pass,
+            ),
+            ("half-open connection", Fault::Hang, Fault::Hang),
+        ] {
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            let leader = wait_holder(&leases, "", Duration::from_secs(30)).await?;
+            let other = if leader == names[0] { names[1] } else { names[0] };
+            let p = &api_proxies[replica_index(&replicas, &leader)];
+            let seen = p.writes_seen() + p.reads_seen();
+            p.set(writes, reads);
+            log(start, &format!("{fault} for {leader} (leader)"));
+            wait_holder(&leases, other, Duration::from_secs(LEASE_SECONDS + 15)).await?;
+            log(start, &format!("{other} took over"));
+            ensure!(
+                p.writes_seen() + p.reads_seen() > seen,
+                "the fault never met a request"
+            );
+            p.set(Fault::Pass, Fault::Pass);
         }
     }
 
