@@ -49,7 +49,7 @@ test: testenv-build ## Run every test: unit tests and controller tests on the re
 	OPKIT_TESTENV_REAL_NODE=$(REAL_NODE) cargo test --workspace
 
 .PHONY: chaos
-chaos: testenv-build ## Full chaos run: two replicas, 300 Memcacheds, 100 Ats, leader frozen/killed, apiserver/etcd restarted, etcd compacted, rolling restart
+chaos: testenv-build ## Full chaos run: two replicas, 300 Memcacheds, 100 Ats, leader frozen/killed, apiserver/etcd restarted, etcd compacted, rolling restart, 429s and a hung connection on the leader
 	OPKIT_CHAOS=full cargo test -p opkit-operator --test chaos -- --nocapture
 
 .PHONY: bench
