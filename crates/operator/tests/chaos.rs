@@ -568,8 +568,8 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
         }
 
         // 7-8. The leader's apiserver connection answers every write with 429 (Retry-After
-        //      longer than its renew deadline), then takes every request and never answers
-        //      (half-open): each time its renewals fail, its gate closes, the other replica
+        //      longer than its renew deadline), then never answers a request on the connections
+        //      it had (half-open; new connections work): each time its renewals fail, its gate closes, the other replica
         //      takes over, and no write of the old leader lands after that (audit log).
         for (fault, writes, reads) in [
             (
@@ -577,7 +577,7 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
                 Fault::TooManyRequests { retry_after_secs: 5 },
                 Fault::Pass,
             ),
-            ("half-open connection", Fault::Hang, Fault::Hang),
+            ("half-open connections", Fault::HalfOpen, Fault::HalfOpen),
         ] {
             tokio::time::sleep(Duration::from_secs(3)).await;
             let leader = wait_holder(&leases, "", Duration::from_secs(30)).await?;

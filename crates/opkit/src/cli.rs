@@ -10,7 +10,7 @@ use anyhow::{Context, bail};
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::config::{KubeConfigOptions, Kubeconfig};
-use kube::runtime::wait::{await_condition, conditions};
+use kube::runtime::wait::{Condition, conditions};
 use kube::{Api, Client, Config, ResourceExt};
 
 use crate::operator::Operator;
@@ -273,24 +273,27 @@ fn init_logging(format: LogFormat) {
 
 /// Waits until the operator's CRDs are Established, so the controllers' first list does not
 /// fail. An apiserver that cannot be reached yet (restarting, or the Pod network not up) is
-/// retried within the same minute instead of ending the process.
+/// retried within the same minute instead of ending the process. Polled rather than watched:
+/// each read is bounded by the request timeout, so a connection that stopped answering does
+/// not hold the start for the watch's idle timeout.
 async fn wait_for_crds(client: &Client, names: &[String]) -> anyhow::Result<()> {
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     for name in names {
         loop {
-            let established = await_condition(crds.clone(), name, conditions::is_crd_established());
-            match tokio::time::timeout_at(deadline, established).await {
-                Ok(Ok(_)) => break,
-                Ok(Err(e)) if tokio::time::Instant::now() < deadline => {
-                    tracing::warn!(crd = %name, error = %e, "waiting for the CRD; retrying");
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                }
-                Ok(Err(e)) => bail!("waiting for CRD {name}: {e}"),
-                Err(_) => bail!(
+            let established = crds.get_opt(name).await.map(|c| {
+                c.as_ref()
+                    .is_some_and(|c| conditions::is_crd_established().matches_object(Some(c)))
+            });
+            match established {
+                Ok(true) => break,
+                _ if tokio::time::Instant::now() >= deadline => bail!(
                     "CRD {name} is not installed or not established (run `make install`, or `crd` piped to `kubectl apply -f -`)"
                 ),
+                Ok(false) => {}
+                Err(e) => tracing::warn!(crd = %name, error = %e, "waiting for the CRD; retrying"),
             }
+            tokio::time::sleep(Duration::from_millis(500)).await;
         }
     }
     Ok(())
@@ -323,9 +326,6 @@ async fn run<S, A: Args>(
     if request_timeout.is_zero() {
         bail!("--request-timeout must be at least 1 second");
     }
-    // For what every replica does whether it leads or not (waiting for the CRDs, the webhook
-    // certificate and configurations); the controllers write through the gated client.
-    let client = Client::try_from(config.clone())?;
     let scope = Scope::namespaces(args.namespaces.clone());
     let mut manager = Manager::from_config(config.clone(), request_timeout)?
         .with_scope(scope.clone())
@@ -333,6 +333,9 @@ async fn run<S, A: Args>(
     for t in &args.tune {
         manager.tune(t).map_err(anyhow::Error::msg)?;
     }
+    // For what every replica does whether it leads or not (waiting for the CRDs, the webhook
+    // certificate and configurations); the controllers write through the gated client.
+    let client = manager.replica_client().clone();
     if let Some(le) = &opts.leader_election {
         let election = crate::leader::election_client_config(config, le);
         manager = manager.with_election_client(Client::try_from(election)?);

@@ -213,11 +213,19 @@ impl Manager {
     /// other than watches wait at most `request_timeout` for an answer. What `opkit run` uses.
     pub fn from_config(config: kube::Config, request_timeout: std::time::Duration) -> kube::Result<Self> {
         let (gate, metrics) = (WriteGate::new(), Metrics::default());
-        let ungated = Client::try_from(config.clone())?;
+        // Never enforced: the same timeouts, no gate.
+        let ungated = crate::client::build(config.clone(), &WriteGate::new(), request_timeout, &metrics)?;
         let client = crate::client::build(config, &gate, request_timeout, &metrics)?;
         let mut m = Manager::new(client);
         (m.gate, m.metrics, m.ungated_client) = (gate, metrics, Some(ungated));
         Ok(m)
+    }
+
+    /// The client for what every replica does whether it leads or not (waiting for CRDs, the
+    /// webhook certificate, reviewing metrics tokens): not behind the write gate, with the
+    /// same request timeout when built by [`Manager::from_config`].
+    pub fn replica_client(&self) -> &Client {
+        self.ungated_client.as_ref().unwrap_or(&self.client)
     }
 
     /// The client leader election uses (default: the controllers'). Build it from

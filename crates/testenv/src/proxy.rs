@@ -3,12 +3,14 @@
 //! answer 429 with `Retry-After` or any other error status, delay answers, or take a request and never answer (what a
 //! half-open connection looks like to the client), for writes, for reads, or for both, and it
 //! counts the requests that reached it.
+use std::collections::HashSet;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::body::Body as AxumBody;
-use axum::extract::{Request, State};
+use axum::extract::{ConnectInfo, Request, State};
 use axum::response::Response;
 use http::{Method, StatusCode};
 use kube::Client;
@@ -30,6 +32,10 @@ pub enum Fault {
     Delay(Duration),
     /// Take it and never answer, until the client gives up.
     Hang,
+    /// [`Fault::Hang`] for requests on connections opened before the fault was set; new
+    /// connections pass: what a half-open connection looks like (the peer is gone for the
+    /// connections that existed, a new one reaches it).
+    HalfOpen,
 }
 
 #[derive(Default)]
@@ -41,6 +47,9 @@ struct Faults {
 struct Shared {
     upstream: Client,
     faults: Mutex<Faults>,
+    /// Client addresses (one per connection) seen so far, and those seen before the last
+    /// [`FaultProxy::set`].
+    peers: Mutex<(HashSet<SocketAddr>, HashSet<SocketAddr>)>,
     writes: AtomicU64,
     reads: AtomicU64,
 }
@@ -70,12 +79,13 @@ impl FaultProxy {
         let shared = Arc::new(Shared {
             upstream,
             faults: Mutex::default(),
+            peers: Mutex::default(),
             writes: AtomicU64::new(0),
             reads: AtomicU64::new(0),
         });
         let app = axum::Router::new().fallback(forward).with_state(shared.clone());
         let task = tokio::spawn(async move {
-            let _ = axum::serve(listener, app).await;
+            let _ = axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>()).await;
         });
         Ok(FaultProxy { port, shared, task })
     }
@@ -90,6 +100,8 @@ impl FaultProxy {
     /// What happens from now on to writes (any method but GET/HEAD) and to reads.
     pub fn set(&self, writes: Fault, reads: Fault) {
         let mut f = self.shared.faults.lock().unwrap_or_else(|p| p.into_inner());
+        let mut peers = self.shared.peers.lock().unwrap_or_else(|p| p.into_inner());
+        peers.1 = peers.0.clone();
         (f.writes, f.reads) = (writes, reads);
     }
 
@@ -110,8 +122,17 @@ fn status(code: StatusCode, body: String) -> Response {
     r
 }
 
-async fn forward(State(shared): State<Arc<Shared>>, req: Request) -> Response {
+async fn forward(
+    State(shared): State<Arc<Shared>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    req: Request,
+) -> Response {
     let write = writes(req.method());
+    let old_connection = {
+        let mut peers = shared.peers.lock().unwrap_or_else(|p| p.into_inner());
+        peers.0.insert(peer);
+        peers.1.contains(&peer)
+    };
     let counter = if write { &shared.writes } else { &shared.reads };
     counter.fetch_add(1, Ordering::SeqCst);
     let fault = {
@@ -145,6 +166,8 @@ async fn forward(State(shared): State<Arc<Shared>>, req: Request) -> Response {
         }
         Fault::Delay(d) => tokio::time::sleep(d).await,
         Fault::Hang => std::future::pending::<()>().await,
+        Fault::HalfOpen if old_connection => std::future::pending::<()>().await,
+        Fault::HalfOpen => {}
     }
     let (parts, body) = req.into_parts();
     let bytes = match axum::body::to_bytes(body, 64 << 20).await {
