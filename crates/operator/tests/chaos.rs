@@ -2,8 +2,9 @@
 //! created and faults are injected: the leader frozen for longer than its lease, the leader
 //! killed, the apiserver and etcd restarted, etcd compacted (watches get `410 Gone`), the
 //! apiserver frozen past the renew deadline, the replicas rolled one by one, the leader's
-//! connection answering 429 to every write and then hanging every request (each replica goes
-//! through a fault-injecting proxy of its own). A supervisor restarts a replica that exits, as
+//! connection answering 429 to every write, its connections made half-open, and the leader
+//! frozen while it waits out a 429's Retry-After (each replica goes through a fault-injecting
+//! proxy of its own). A supervisor restarts a replica that exits, as
 //! the kubelet would. Checked afterwards, from the apiserver's audit log and a Pod watch kept open all
 //! along: every At's Pod was created exactly once, every Memcached converged, and no replica
 //! wrote anything while another one held the Lease.
@@ -583,17 +584,63 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
             let leader = wait_holder(&leases, "", Duration::from_secs(30)).await?;
             let other = if leader == names[0] { names[1] } else { names[0] };
             let p = &api_proxies[replica_index(&replicas, &leader)];
-            let seen = p.writes_seen() + p.reads_seen();
+            let seen = p.faulted();
             p.set(writes, reads);
             log(start, &format!("{fault} for {leader} (leader)"));
             wait_holder(&leases, other, Duration::from_secs(LEASE_SECONDS + 15)).await?;
             log(start, &format!("{other} took over"));
-            ensure!(
-                p.writes_seen() + p.reads_seen() > seen,
-                "the fault never met a request"
-            );
+            ensure!(p.faulted() > seen, "the fault never met a request");
             p.set(Fault::Pass, Fault::Pass);
         }
+
+        // 9. The leader's writes (not its renewals) answered 429 with a Retry-After of 8 s, and
+        //    the leader frozen in that wait for longer than the Retry-After and its lease: when
+        //    it runs again its retries are due at once, but its gate closed meanwhile, so
+        //    none may reach the apiserver (audit log) while the other replica leads.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let leader = wait_holder(&leases, "", Duration::from_secs(30)).await?;
+        let other = if leader == names[0] { names[1] } else { names[0] };
+        let l = replica_index(&replicas, &leader);
+        let p = &api_proxies[l];
+        let exits_before = lock(&restarts).iter().filter(|r| r.starts_with(&leader)).count();
+        let seen = p.faulted();
+        p.set_sparing(
+            Fault::TooManyRequests { retry_after_secs: 8 },
+            Fault::Pass,
+            Some("/leases/"),
+        );
+        wait_for(
+            "a write of the leader to be answered 429",
+            Duration::from_secs(20),
+            || async {
+                if p.faulted() > seen {
+                    Ok(())
+                } else {
+                    Err(anyhow!("no write yet"))
+                }
+            },
+        )
+        .await?;
+        lock(&replicas)[l].signal(Signal::SIGSTOP)?;
+        log(start, &format!("SIGSTOP {leader} (leader) waiting out a 429"));
+        wait_holder(&leases, other, Duration::from_secs(LEASE_SECONDS + 10)).await?;
+        log(start, &format!("{other} took over"));
+        p.set(Fault::Pass, Fault::Pass);
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        lock(&replicas)[l].signal(Signal::SIGCONT)?;
+        log(start, &format!("SIGCONT {leader}: its retries are due"));
+        wait_for(
+            &format!("{leader} to give up and be restarted"),
+            Duration::from_secs(20),
+            || async {
+                if lock(&restarts).iter().filter(|r| r.starts_with(&leader)).count() > exits_before {
+                    Ok(())
+                } else {
+                    Err(anyhow!("{leader} still running"))
+                }
+            },
+        )
+        .await?;
     }
 
     tokio::time::timeout(Duration::from_secs(scale.spread + 60), creator)

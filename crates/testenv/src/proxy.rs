@@ -42,6 +42,8 @@ pub enum Fault {
 struct Faults {
     writes: Fault,
     reads: Fault,
+    /// Requests whose path contains this pass whatever the faults.
+    spare: Option<String>,
 }
 
 struct Shared {
@@ -52,6 +54,7 @@ struct Shared {
     peers: Mutex<(HashSet<SocketAddr>, HashSet<SocketAddr>)>,
     writes: AtomicU64,
     reads: AtomicU64,
+    faulted: AtomicU64,
 }
 
 /// A running proxy; stops when dropped.
@@ -82,6 +85,7 @@ impl FaultProxy {
             peers: Mutex::default(),
             writes: AtomicU64::new(0),
             reads: AtomicU64::new(0),
+            faulted: AtomicU64::new(0),
         });
         let app = axum::Router::new().fallback(forward).with_state(shared.clone());
         let task = tokio::spawn(async move {
@@ -99,15 +103,26 @@ impl FaultProxy {
 
     /// What happens from now on to writes (any method but GET/HEAD) and to reads.
     pub fn set(&self, writes: Fault, reads: Fault) {
+        self.set_sparing(writes, reads, None);
+    }
+
+    /// [`FaultProxy::set`], except for requests whose path contains `spare` (say `/leases/`,
+    /// to fault a leader's work but not its renewals).
+    pub fn set_sparing(&self, writes: Fault, reads: Fault, spare: Option<&str>) {
         let mut f = self.shared.faults.lock().unwrap_or_else(|p| p.into_inner());
         let mut peers = self.shared.peers.lock().unwrap_or_else(|p| p.into_inner());
         peers.1 = peers.0.clone();
-        (f.writes, f.reads) = (writes, reads);
+        (f.writes, f.reads, f.spare) = (writes, reads, spare.map(String::from));
     }
 
     /// How many write requests reached the proxy (answered, failed or held).
     pub fn writes_seen(&self) -> u64 {
         self.shared.writes.load(Ordering::SeqCst)
+    }
+
+    /// How many requests met a fault (answered with an error, delayed or held).
+    pub fn faulted(&self) -> u64 {
+        self.shared.faulted.load(Ordering::SeqCst)
     }
 
     /// How many read requests reached the proxy.
@@ -137,8 +152,24 @@ async fn forward(
     counter.fetch_add(1, Ordering::SeqCst);
     let fault = {
         let f = shared.faults.lock().unwrap_or_else(|p| p.into_inner());
-        if write { f.writes.clone() } else { f.reads.clone() }
+        let spared = f
+            .spare
+            .as_ref()
+            .is_some_and(|s| req.uri().path().contains(s.as_str()));
+        match (spared, write) {
+            (true, _) => Fault::Pass,
+            (false, true) => f.writes.clone(),
+            (false, false) => f.reads.clone(),
+        }
     };
+    let met = match fault {
+        Fault::Pass => false,
+        Fault::HalfOpen => old_connection,
+        _ => true,
+    };
+    if met {
+        shared.faulted.fetch_add(1, Ordering::SeqCst);
+    }
     match fault {
         Fault::Pass => {}
         Fault::TooManyRequests { retry_after_secs } => {
