@@ -366,6 +366,9 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
     // forwards the replica's token (the audit log still tells them apart).
     let mut anonymous = opkit_testenv::config_from_file(&cp.kubeconfig_path()).await?;
     anonymous.auth_info = Default::default();
+    // The proxy must not retry on its own: a retry would reach the apiserver after the
+    // replica had given the write up.
+    anonymous.default_retry = false;
     let mut kubeconfigs = Vec::new();
     let mut api_proxies = Vec::new();
     for n in names {

@@ -350,8 +350,9 @@ impl Manager {
     }
 
     /// Serves the HTTP endpoints and runs every controller until SIGTERM, SIGINT or the
-    /// shutdown token; then lets in-flight reconciles finish (bounded by the timeout, the Lease
-    /// still renewed) and aborts what is left before the Lease is released. With
+    /// shutdown token; then lets in-flight reconciles finish (bounded by the timeout; with
+    /// leader election, writes only until the gate closes, a renew deadline after the last
+    /// renewal) and aborts what is left before the Lease is released. With
     /// leader election, controllers start only once the Lease is held and every write passes
     /// the [`WriteGate`] (with `warm_standby`, their caches fill before, and only the
     /// reconciles wait); if the Lease is lost the controllers are aborted at once (no drain:
@@ -399,9 +400,10 @@ impl Manager {
             .map(|cfg| LeaderElector::new(election_client.unwrap_or(client.clone()), cfg, gate.clone()));
         let mut renewal = None;
         let lost = CancellationToken::new();
-        // Renewals go on through the drain (the Lease stays valid while in-flight reconciles
-        // finish) and stop once every controller has stopped, just before the release.
-        let stop_renewing = CancellationToken::new();
+        // Renewals stop at shutdown, so the gate closes at most a renew deadline later: the
+        // drain may write until then, and a write still unanswered when the Lease is released
+        // (a standby then takes over at once) has been cut off by the gate's deadline long before.
+        let stop_renewing = shutdown.clone();
         let readiness: Vec<(Arc<AtomicBool>, Synced)> = controllers
             .iter()
             .map(|c| (c.ready.clone(), c.synced.clone()))
@@ -491,7 +493,6 @@ impl Manager {
         // over at once after a release, and nothing of ours may still be writing then.
         aborts.iter().for_each(|a| a.abort());
         while running.next().await.is_some() {}
-        stop_renewing.cancel();
         if let Some(e) = &elector {
             if let Some(r) = renewal
                 && let Ok(Err(err)) = r.await
