@@ -319,7 +319,7 @@ pub async fn start(
     Ok(())
 }
 
-/// [`shared::ensure`], retried with backoff for about 20 s.
+/// [`shared::ensure`], a transient failure retried with backoff for about 20 s.
 async fn ensure_patiently(
     secrets: &Api<Secret>,
     name: &str,
@@ -330,12 +330,14 @@ async fn ensure_patiently(
     loop {
         match shared::ensure(secrets, name, hosts).await {
             Ok(sh) => return Ok(sh),
-            Err(e) if tokio::time::Instant::now() + pause < give_up => {
+            // A missing namespace or a refusal will not change by waiting (a local run, a
+            // lone replica without the right): no retries then.
+            Err(e) if e.transient && tokio::time::Instant::now() + pause < give_up => {
                 tracing::warn!(error = %e, ?pause, "reading the shared webhook certificate failed; retrying");
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(std::time::Duration::from_secs(5));
             }
-            Err(e) => return Err(e),
+            Err(e) => return Err(e.message),
         }
     }
 }

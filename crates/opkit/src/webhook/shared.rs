@@ -133,21 +133,46 @@ fn make(name: &str, hosts: &[String], old: Option<&Secret>, now: Timestamp) -> R
     })
 }
 
+/// Why the shared certificate could not be used, and whether trying again soon may help.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct EnsureError {
+    /// What failed.
+    pub message: String,
+    /// A server error, throttling or a connection problem; not a missing namespace, a refusal
+    /// or an invalid object, which the same request will meet again.
+    pub transient: bool,
+}
+
+fn api_error(what: String, e: &kube::Error) -> EnsureError {
+    EnsureError {
+        message: format!("{what}: {e}"),
+        transient: match e {
+            kube::Error::Api(s) => s.code >= 500 || s.code == 429,
+            _ => true,
+        },
+    }
+}
+
 /// Reads the shared certificate, creating the Secret if it is missing and rotating it if it is
 /// due. Concurrent replicas settle on one Secret: a create or update that loses the race (409)
 /// reads again.
-pub async fn ensure(secrets: &Api<Secret>, name: &str, hosts: &[String]) -> Result<Shared, String> {
+pub async fn ensure(secrets: &Api<Secret>, name: &str, hosts: &[String]) -> Result<Shared, EnsureError> {
+    let fixed = |message: String| EnsureError {
+        message,
+        transient: false,
+    };
     let joined = hosts.join(",");
     for _ in 0..5 {
         let now = Timestamp::now();
         let live = secrets
             .get_opt(name)
             .await
-            .map_err(|e| format!("reading Secret {name}: {e}"))?;
+            .map_err(|e| api_error(format!("reading Secret {name}"), &e))?;
         if let Some(s) = live.as_ref().and_then(|s| read(s, &joined, now)) {
             return Ok(s);
         }
-        let fresh = make(name, hosts, live.as_ref(), now)?;
+        let fresh = make(name, hosts, live.as_ref(), now).map_err(fixed)?;
         let pp = PostParams::default();
         let written = match &live {
             None => secrets.create(&pp, &fresh).await,
@@ -161,13 +186,16 @@ pub async fn ensure(secrets: &Api<Secret>, name: &str, hosts: &[String]) -> Resu
                     "wrote the shared webhook certificate"
                 );
                 return read(&s, &joined, now)
-                    .ok_or_else(|| format!("Secret {name} unusable right after writing it"));
+                    .ok_or_else(|| fixed(format!("Secret {name} unusable right after writing it")));
             }
             Err(kube::Error::Api(e)) if e.code == 409 => continue,
-            Err(e) => return Err(format!("writing Secret {name}: {e}")),
+            Err(e) => return Err(api_error(format!("writing Secret {name}"), &e)),
         }
     }
-    Err(format!("Secret {name} kept changing while being written"))
+    Err(EnsureError {
+        message: format!("Secret {name} kept changing while being written"),
+        transient: true,
+    })
 }
 
 #[cfg(test)]
@@ -176,6 +204,28 @@ mod tests {
 
     fn ts(s: &str) -> Timestamp {
         s.parse().unwrap()
+    }
+
+    #[test]
+    fn only_server_errors_throttling_and_connection_problems_are_worth_a_retry() {
+        let status =
+            |code: u16| kube::Error::Api(kube::core::Status::failure("x", "y").with_code(code).boxed());
+        for (code, transient) in [
+            (404, false),
+            (403, false),
+            (422, false),
+            (429, true),
+            (500, true),
+            (503, true),
+        ] {
+            assert_eq!(
+                api_error("reading".into(), &status(code)).transient,
+                transient,
+                "{code}"
+            );
+        }
+        let refused = kube::Error::Service("connection refused".into());
+        assert!(api_error("reading".into(), &refused).transient);
     }
 
     #[test]
