@@ -413,8 +413,8 @@ impl rustls::client::danger::ServerCertVerifier for AnyServer {
     }
 }
 
-/// A GET over HTTPS (any server certificate accepted, see [`AnyServer`]) with an optional
-/// bearer token: status code and body.
+/// A GET over HTTPS with an optional bearer token: status code and body. Any server
+/// certificate is accepted, as Prometheus does for a self-signed `/metrics`.
 pub async fn https_get(
     addr: std::net::SocketAddr,
     path: &str,
