@@ -149,6 +149,27 @@ async fn kubeconfig_for(
     Ok(path)
 }
 
+/// Waits until `replica` has exited more than `exits_before` times (and been restarted by
+/// the supervisor).
+async fn wait_restarted(
+    restarts: &Mutex<Vec<String>>,
+    replica: &str,
+    exits_before: usize,
+) -> anyhow::Result<()> {
+    wait_for(
+        &format!("{replica} to give up and be restarted"),
+        Duration::from_secs(20),
+        || async {
+            if lock(restarts).iter().filter(|r| r.starts_with(replica)).count() > exits_before {
+                Ok(())
+            } else {
+                Err(anyhow!("{replica} still running"))
+            }
+        },
+    )
+    .await
+}
+
 /// `kubeconfig` (a token user) pointed at `proxy` instead of the apiserver.
 fn through(kubeconfig: &Path, proxy: &FaultProxy) -> anyhow::Result<std::path::PathBuf> {
     let mut kc: serde_yaml::Value = serde_yaml::from_str(&std::fs::read_to_string(kubeconfig)?)?;
@@ -519,18 +540,7 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
         tokio::time::sleep(Duration::from_secs(2)).await;
         lock(&replicas)[l].signal(Signal::SIGCONT)?;
         log(start, &format!("SIGCONT {leader}"));
-        wait_for(
-            &format!("{leader} to give up and be restarted"),
-            Duration::from_secs(20),
-            || async {
-                if lock(&restarts).iter().filter(|r| r.starts_with(&leader)).count() > exits_before {
-                    Ok(())
-                } else {
-                    Err(anyhow!("{leader} still running"))
-                }
-            },
-        )
-        .await?;
+        wait_restarted(&restarts, &leader, exits_before).await?;
 
         // 2. The leader killed: the restarted one takes over within the lease.
         let s = replica_index(&replicas, standby);
@@ -632,18 +642,7 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
         tokio::time::sleep(Duration::from_secs(5)).await;
         lock(&replicas)[l].signal(Signal::SIGCONT)?;
         log(start, &format!("SIGCONT {leader}: its retries are due"));
-        wait_for(
-            &format!("{leader} to give up and be restarted"),
-            Duration::from_secs(20),
-            || async {
-                if lock(&restarts).iter().filter(|r| r.starts_with(&leader)).count() > exits_before {
-                    Ok(())
-                } else {
-                    Err(anyhow!("{leader} still running"))
-                }
-            },
-        )
-        .await?;
+        wait_restarted(&restarts, &leader, exits_before).await?;
     }
 
     tokio::time::timeout(Duration::from_secs(scale.spread + 60), creator)

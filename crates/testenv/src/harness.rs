@@ -352,12 +352,17 @@ pub async fn http_request(
         .await?;
     let mut buf = String::new();
     s.read_to_string(&mut buf).await?;
-    let code = buf
+    status_and_body(&buf)
+}
+
+/// The status code and body of a whole HTTP/1 response.
+fn status_and_body(response: &str) -> std::io::Result<(u16, String)> {
+    let code = response
         .split_whitespace()
         .nth(1)
         .and_then(|c| c.parse().ok())
-        .ok_or_else(|| std::io::Error::other(format!("no HTTP status line in {buf:?}")))?;
-    let body = buf
+        .ok_or_else(|| std::io::Error::other(format!("no HTTP status line in {response:?}")))?;
+    let body = response
         .split_once("\r\n\r\n")
         .map(|(_, b)| b.to_string())
         .unwrap_or_default();
@@ -442,15 +447,5 @@ pub async fn https_get(
     .await?;
     let mut buf = Vec::new();
     let _ = tls.read_to_end(&mut buf).await;
-    let buf = String::from_utf8_lossy(&buf).to_string();
-    let code = buf
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .ok_or_else(|| std::io::Error::other(format!("no HTTP status line in {buf:?}")))?;
-    let body = buf
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    Ok((code, body))
+    status_and_body(&String::from_utf8_lossy(&buf))
 }
