@@ -149,7 +149,7 @@ struct RunArgs<A: Args> {
     shutdown_timeout: u64,
     /// Seconds a request to the apiserver (not a watch) may wait for its answer, per attempt;
     /// a write also gives up when the leader's write gate closes.
-    #[arg(long, default_value_t = 30)]
+    #[arg(long, default_value_t = crate::client::DEFAULT_REQUEST_TIMEOUT.as_secs())]
     request_timeout: u64,
     /// Run controllers only while holding a Lease, so that one of several replicas reconciles.
     #[arg(long)]

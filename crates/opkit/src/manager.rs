@@ -400,10 +400,6 @@ impl Manager {
             .map(|cfg| LeaderElector::new(election_client.unwrap_or(client.clone()), cfg, gate.clone()));
         let mut renewal = None;
         let lost = CancellationToken::new();
-        // Renewals stop at shutdown, so the gate closes at most a renew deadline later: the
-        // drain may write until then, and a write still unanswered when the Lease is released
-        // (a standby then takes over at once) has been cut off by the gate's deadline long before.
-        let stop_renewing = shutdown.clone();
         let readiness: Vec<(Arc<AtomicBool>, Synced)> = controllers
             .iter()
             .map(|c| (c.ready.clone(), c.synced.clone()))
@@ -450,10 +446,13 @@ impl Manager {
             for (ready, synced) in &readiness {
                 ready.store(synced.is_synced(), std::sync::atomic::Ordering::SeqCst);
             }
-            let (shutdown, lost, stop) = (shutdown.clone(), lost.clone(), stop_renewing.clone());
+            // Renewals stop at shutdown, so the gate closes at most a renew deadline later:
+            // the drain may write until then, and a write still unanswered when the Lease is
+            // released (a standby then takes over at once) was cut off by the gate long before.
+            let (shutdown, lost) = (shutdown.clone(), lost.clone());
             let e = e.clone();
             renewal = Some(tokio::spawn(async move {
-                let r = e.renew(&stop, deadline).await;
+                let r = e.renew(&shutdown, deadline).await;
                 if let Err(err) = &r {
                     tracing::error!(error = %err, "leader election lost, stopping");
                     lost.cancel();
