@@ -295,6 +295,20 @@ pub fn plan(eru: &Eru, deployment: Option<&Deployment>, now: Timestamp) -> Resul
             ));
         }
     }
+    if let Some(slot) = d.uncounted {
+        status.restart_count += 1;
+        if status.last_schedule_time.as_ref().is_none_or(|t| t.0 < slot) {
+            status.last_schedule_time = Some(Time(slot));
+        }
+        events.push(Event::normal(
+            reason::RESTARTED,
+            "Reconcile",
+            format!(
+                "Counted the restart of Deployment {target} for the {} slot, made before its record was lost",
+                fmt_time(slot)
+            ),
+        ));
+    }
     status.conditions = conditions::merge(&live.conditions, &want, eru.metadata.generation, &Time(now));
     Ok(Plan {
         children,
@@ -509,6 +523,24 @@ mod tests {
         let p = plan(&eru(None), Some(&d), ts("2026-01-01T10:00:21Z")).unwrap();
         assert!(p.children.is_empty());
         assert_eq!(p.status.unwrap().restart_count, 1);
+    }
+
+    #[test]
+    fn a_restart_whose_record_was_lost_is_counted_once() {
+        // 10:00:20 restarted and not recorded; 10:00:40 due but that rollout still runs.
+        let mut d = web(false);
+        d.spec.as_mut().unwrap().template.metadata = Some(ObjectMeta {
+            annotations: Some([(RESTARTED_AT.to_string(), "2026-01-01T10:00:20Z".to_string())].into()),
+            ..Default::default()
+        });
+        let p = plan(&eru(None), Some(&d), ts("2026-01-01T10:00:41Z")).unwrap();
+        assert!(p.children.is_empty());
+        let s = p.status.clone().unwrap();
+        assert_eq!(s.restart_count, 1);
+        assert_eq!(s.last_schedule_time, Some(Time(ts("2026-01-01T10:00:20Z"))));
+        assert_eq!(reasons(&p), vec![reason::POSTPONED, reason::RESTARTED]);
+        let again = plan(&eru(p.status), Some(&d), ts("2026-01-01T10:00:42Z")).unwrap();
+        assert_eq!(again.status.unwrap().restart_count, 1);
     }
 
     #[test]

@@ -55,6 +55,9 @@ pub struct Decision {
     pub step: Step,
     pub next: Option<Timestamp>,
     pub target_found: bool,
+    /// A restart opkit made for this earlier slot but never recorded (its status write was
+    /// lost, say with the Lease): still to be counted, so `restartCount` matches the rollouts.
+    pub uncounted: Option<Timestamp>,
 }
 
 /// The `restartedAt` value written for a slot: the slot itself, so that writing it twice for
@@ -140,6 +143,7 @@ pub fn decide(eru: &Eru, deployment: Option<&Deployment>, now: Timestamp) -> Dec
                 step: Step::Invalid(reason, msg),
                 next: None,
                 target_found: deployment.is_some(),
+                uncounted: None,
             };
         }
     };
@@ -150,16 +154,33 @@ pub fn decide(eru: &Eru, deployment: Option<&Deployment>, now: Timestamp) -> Dec
         .or_else(|| eru.metadata.creation_timestamp.as_ref().map(|t| t.0))
         .unwrap_or(now);
     let slot = schedule.latest_in(earliest, now, &tz);
+    // The Deployment carries the stamp of a slot after the last one recorded and before the
+    // one due now: a restart of ours whose record was lost.
+    let uncounted = deployment
+        .and_then(restarted_at)
+        .and_then(|stamp| {
+            stamp
+                .parse::<Timestamp>()
+                .ok()
+                .filter(|t| restart_stamp(*t) == stamp)
+        })
+        .filter(|s| *s > earliest && slot.is_some_and(|due| *s < due))
+        .filter(|s| {
+            let before = s.checked_sub(SignedDuration::from_secs(1)).unwrap_or(*s);
+            schedule.latest_in(before, *s, &tz) == Some(*s)
+        });
     let done = |step| Decision {
         step,
         next: Some(next),
         target_found: deployment.is_some(),
+        uncounted,
     };
     if spec.suspend == Some(true) {
         return Decision {
             step: Step::Suspended { slot },
             next: None,
             target_found: deployment.is_some(),
+            uncounted,
         };
     }
     if status.suspended {
@@ -174,6 +195,7 @@ pub fn decide(eru: &Eru, deployment: Option<&Deployment>, now: Timestamp) -> Dec
             step: Step::TargetMissing,
             next: None,
             target_found: false,
+            uncounted: None,
         };
     };
     let Some(slot) = slot else {
@@ -424,6 +446,40 @@ mod tests {
                 slot: ts("2026-01-01T10:00:20Z")
             }
         );
+    }
+
+    fn stamped(stamp: &str) -> Deployment {
+        let mut d = settled();
+        d.spec.as_mut().unwrap().template.metadata = Some(ObjectMeta {
+            annotations: Some([(RESTARTED_AT.to_string(), stamp.to_string())].into()),
+            ..Default::default()
+        });
+        d
+    }
+
+    #[test]
+    fn a_restart_made_but_not_recorded_is_counted_with_the_next() {
+        // Slot 10:00:20 was restarted, its status write lost; 10:00:40 is due now.
+        let now = ts("2026-01-01T10:00:41Z");
+        let p = decide(&eru(None), Some(&stamped("2026-01-01T10:00:20Z")), now);
+        assert_eq!(p.uncounted, Some(ts("2026-01-01T10:00:20Z")));
+        assert_eq!(
+            p.step,
+            Step::Restart {
+                slot: ts("2026-01-01T10:00:40Z")
+            }
+        );
+        // Already recorded, not a slot of the schedule (a `kubectl rollout restart`), or the
+        // slot due now (counted by `AlreadyRestarted`): nothing more to count.
+        for (last, stamp) in [
+            (Some("2026-01-01T10:00:20Z"), "2026-01-01T10:00:20Z"),
+            (None, "2026-01-01T10:00:33Z"),
+            (None, "2026-01-01T10:00:40Z"),
+            (None, "2026-01-01T10:00:20.5Z"),
+        ] {
+            let p = decide(&eru(last), Some(&stamped(stamp)), now);
+            assert_eq!(p.uncounted, None, "{last:?} {stamp}");
+        }
     }
 
     #[test]
