@@ -394,6 +394,16 @@ pub fn all<S>(op: &Operator<S>, root: &Path, opts: &Options) -> anyhow::Result<V
         )),
         to_yaml(&metrics)?,
     ));
+    // OLM creates a bundle's ClusterRoles as they are: the role a scraper's ServiceAccount is
+    // bound to so that `/metrics` (authenticated and authorized) answers it.
+    let reader = manifests::metrics_reader(op);
+    files.push((
+        PathBuf::from(format!(
+            "bundle/manifests/{}_rbac.authorization.k8s.io_v1_clusterrole.yaml",
+            reader.metadata.name.as_deref().unwrap_or_default()
+        )),
+        to_yaml(&reader)?,
+    ));
     let labels: BTreeMap<&str, String> = BTreeMap::from([
         (MEDIATYPE, "registry+v1".to_string()),
         (MANIFESTS, "manifests/".to_string()),
