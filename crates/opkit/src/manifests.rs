@@ -283,6 +283,14 @@ pub fn leader_rules(lease: &str) -> Vec<PolicyRule> {
     vec![by_name, rule(&["coordination.k8s.io"], &["leases"], &["create"])]
 }
 
+/// What the generated NetworkPolicy cannot say, said next to it.
+const NETWORK_POLICY_NOTE: &str = "\
+# Ports 9443 (webhooks) and 8081 (probes) admit any source: the apiserver and the kubelet
+# reach them from the nodes' network (a managed control plane from outside the cluster),
+# which no NetworkPolicy selector names on every cluster. To narrow the webhook port, give
+# its rule `from: [{ipBlock: {cidr: <your control plane's addresses>}}]`.
+";
+
 /// Ingress to the manager only where something must reach it: the webhook port (the
 /// apiserver, whose address depends on the cluster), the metrics port from namespaces
 /// labelled `metrics: enabled` (as Kubebuilder's scaffold does) and the probe port (the
@@ -496,7 +504,7 @@ pub fn all<S>(op: &Operator<S>, namespaces: &[String]) -> anyhow::Result<Vec<(St
     ));
     files.push((
         "default/network_policy.yaml".into(),
-        to_yaml(&[network_policy(op)])?,
+        to_yaml(&[network_policy(op)])?.replacen("\n", &format!("\n{NETWORK_POLICY_NOTE}"), 1),
     ));
 
     let (mutating, validating) = webhook_configurations(op)?;
