@@ -1,7 +1,7 @@
 //! The controllers' client (`opkit::client`) under faults injected by `opkit-testenv`'s proxy:
 //! the write gate is checked on every attempt, retries included; no attempt is still waiting
 //! when the gate closes; a request that gets no answer (a half-open connection) fails at the
-//! request timeout and the next one goes through.
+//! request timeout and the next one goes through, and so does one whose body stops half-way.
 
 use std::time::{Duration, Instant};
 
@@ -136,6 +136,39 @@ async fn a_half_open_read_fails_at_the_request_timeout_and_the_next_goes_through
 }
 
 /// Whether a TLS client trusting only `ca` (PEM) accepts the certificate served on `port`.
+#[tokio::test]
+async fn a_read_whose_body_stops_half_way_fails_at_the_request_timeout() {
+    shared()
+        .in_namespace("stalled-body", |client, ns| async move {
+            let proxy = FaultProxy::start(client.clone()).await?;
+            let metrics = Metrics::default();
+            let c = opkit::client::build(
+                proxy.config(),
+                &WriteGate::new(),
+                Duration::from_secs(2),
+                &metrics,
+            )?;
+            let api: Api<ConfigMap> = Api::namespaced(c, &ns);
+            api.create(&PostParams::default(), &configmap("here")).await?;
+            proxy.set(Fault::Pass, Fault::StallBody);
+            let started = Instant::now();
+            let out = tokio::time::timeout(Duration::from_secs(20), api.get("here"))
+                .await
+                .map_err(|_| anyhow!("the read was still waiting after 20 s"))?;
+            let took = started.elapsed();
+            let err = out.err().ok_or_else(|| anyhow!("the read got a whole answer"))?;
+            ensure!(err.to_string().contains("request timeout"), "{err}");
+            ensure!(
+                took >= Duration::from_secs(2) && took < Duration::from_secs(5),
+                "{took:?}"
+            );
+            proxy.set(Fault::Pass, Fault::Pass);
+            ensure!(api.get("here").await?.data.is_some_and(|d| d["k"] == "v"));
+            Ok(())
+        })
+        .await;
+}
+
 async fn trusted(port: u16, ca: &[u8]) -> anyhow::Result<bool> {
     use rustls::pki_types::CertificateDer;
     use rustls::pki_types::pem::PemObject;

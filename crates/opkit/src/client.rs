@@ -10,7 +10,8 @@
 //! - bounds every other request but a watch by the request timeout, so a half-open connection
 //!   fails the request instead of hanging it (watches have kube's own idle timeout).
 //!
-//! The bound covers the wait for the response head; kube reads small bodies right after it.
+//! The bound covers the whole answer: the response head and then the body, so a connection
+//! that stops half-way through a large list fails it too.
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -141,7 +142,17 @@ where
         let metrics = self.metrics.clone();
         Box::pin(async move {
             match tokio::time::timeout_at(deadline, fut).await {
-                Ok(r) => r,
+                Ok(r) => r.map(|resp| {
+                    resp.map(|body| {
+                        Box::new(DeadlineBody {
+                            inner: body,
+                            sleep: Box::pin(tokio::time::sleep_until(deadline)),
+                            after: deadline.saturating_duration_since(now),
+                            why,
+                            metrics,
+                        }) as Box<DynBody>
+                    })
+                }),
                 Err(_) => {
                     metrics.request_timed_out(why);
                     Err(Box::new(TimedOut {
@@ -151,6 +162,47 @@ where
                 }
             }
         })
+    }
+}
+
+/// A response body that fails once the attempt's deadline passes, so a connection that stops
+/// in the middle of a body fails the request instead of hanging it.
+struct DeadlineBody {
+    inner: Box<DynBody>,
+    sleep: Pin<Box<tokio::time::Sleep>>,
+    after: Duration,
+    why: &'static str,
+    metrics: Metrics,
+}
+
+impl http_body::Body for DeadlineBody {
+    type Data = bytes::Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<bytes::Bytes>, BoxError>>> {
+        let this = &mut *self;
+        if let Poll::Ready(frame) = Pin::new(&mut this.inner).poll_frame(cx) {
+            return Poll::Ready(frame);
+        }
+        if this.sleep.as_mut().poll(cx).is_ready() {
+            this.metrics.request_timed_out(this.why);
+            return Poll::Ready(Some(Err(Box::new(TimedOut {
+                after: this.after,
+                why: this.why,
+            }))));
+        }
+        Poll::Pending
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
     }
 }
 

@@ -1,8 +1,9 @@
 //! A fault-injecting proxy between a client under test and the apiserver: plain HTTP on
 //! localhost in front, the apiserver (with the admin client's credentials) behind. It can
-//! answer 429 with `Retry-After` or any other error status, delay answers, or take a request and never answer (what a
-//! half-open connection looks like to the client), for writes, for reads, or for both, and it
-//! counts the requests that reached it.
+//! answer 429 with `Retry-After` or any other error status, delay answers, take a request and
+//! never answer (what a half-open connection looks like to the client) or stop half-way
+//! through an answer's body, for writes, for reads, or for both, and it counts the requests
+//! that reached it.
 use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -36,6 +37,9 @@ pub enum Fault {
     /// connections pass: what a half-open connection looks like (the peer is gone for the
     /// connections that existed, a new one reaches it).
     HalfOpen,
+    /// Forward it and send the answer's head and the first half of its body, then nothing
+    /// more: a connection that stops in the middle of a response.
+    StallBody,
 }
 
 #[derive(Default)]
@@ -198,7 +202,7 @@ async fn forward(
         Fault::Delay(d) => tokio::time::sleep(d).await,
         Fault::Hang => std::future::pending::<()>().await,
         Fault::HalfOpen if old_connection => std::future::pending::<()>().await,
-        Fault::HalfOpen => {}
+        Fault::HalfOpen | Fault::StallBody => {}
     }
     let (parts, body) = req.into_parts();
     let bytes = match axum::body::to_bytes(body, 64 << 20).await {
@@ -220,6 +224,21 @@ async fn forward(
         }
     }
     match shared.upstream.send(up).await {
+        Ok(resp) if matches!(fault, Fault::StallBody) => {
+            let (mut parts, body) = resp.into_parts();
+            let bytes = match axum::body::to_bytes(AxumBody::new(body), 64 << 20).await {
+                Ok(b) => b,
+                Err(e) => return status(StatusCode::BAD_GATEWAY, e.to_string()),
+            };
+            // Chunked, so the client cannot tell the answer is incomplete.
+            parts.headers.remove(http::header::CONTENT_LENGTH);
+            let half = bytes.slice(..bytes.len() / 2);
+            let stream = futures::StreamExt::chain(
+                futures::stream::once(async move { Ok::<_, std::io::Error>(half) }),
+                futures::stream::pending(),
+            );
+            Response::from_parts(parts, AxumBody::from_stream(stream))
+        }
         Ok(resp) => {
             let (parts, body) = resp.into_parts();
             Response::from_parts(parts, AxumBody::new(body))
