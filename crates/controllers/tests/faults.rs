@@ -12,7 +12,7 @@ use kube::api::PostParams;
 use opkit::leader::WriteGate;
 use opkit::metrics::Metrics;
 use opkit_testenv::proxy::{Fault, FaultProxy};
-use opkit_testenv::shared;
+use opkit_testenv::{shared, tls_trusted};
 use serde_json::json;
 
 fn configmap(name: &str) -> ConfigMap {
@@ -143,26 +143,6 @@ async fn a_read_without_a_whole_answer_fails_at_the_request_timeout_and_the_next
         .await;
 }
 
-async fn trusted(port: u16, ca: &[u8]) -> anyhow::Result<bool> {
-    use rustls::pki_types::CertificateDer;
-    use rustls::pki_types::pem::PemObject;
-    let mut roots = rustls::RootCertStore::empty();
-    for c in CertificateDer::pem_slice_iter(ca) {
-        roots.add(c?)?;
-    }
-    let config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()?
-    .with_root_certificates(roots)
-    .with_no_client_auth();
-    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
-    let tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
-        .connect("127.0.0.1".try_into()?, tcp)
-        .await;
-    Ok(tls.is_ok())
-}
-
 #[tokio::test]
 async fn a_replica_that_could_not_read_the_shared_certificate_never_publishes_its_own_and_converges() {
     use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
@@ -205,7 +185,10 @@ async fn a_replica_that_could_not_read_the_shared_certificate_never_publishes_it
                 ca.map(|b| b.0).ok_or_else(|| anyhow!("no caBundle"))
             };
             let shared_ca = published().await?;
-            ensure!(trusted(pa, &shared_ca).await?, "the first replica is not trusted");
+            ensure!(
+                tls_trusted(pa, &shared_ca).await?,
+                "the first replica is not trusted"
+            );
 
             // The second replica cannot read the Secret (every read gets a 500) for longer
             // than it retries at start: it serves a certificate of its own meanwhile.
@@ -220,7 +203,7 @@ async fn a_replica_that_could_not_read_the_shared_certificate_never_publishes_it
                 started.elapsed()
             );
             ensure!(
-                !trusted(pb, &shared_ca).await?,
+                !tls_trusted(pb, &shared_ca).await?,
                 "serving the shared certificate without reading it?"
             );
             ensure!(
@@ -228,7 +211,7 @@ async fn a_replica_that_could_not_read_the_shared_certificate_never_publishes_it
                 "the second replica published its own CA"
             );
             ensure!(
-                trusted(pa, &published().await?).await?,
+                tls_trusted(pa, &published().await?).await?,
                 "the first replica is no longer trusted"
             );
 
@@ -239,7 +222,7 @@ async fn a_replica_that_could_not_read_the_shared_certificate_never_publishes_it
                 Duration::from_secs(30),
                 || async {
                     let ca = published().await?;
-                    if trusted(pb, &ca).await? && trusted(pa, &ca).await? {
+                    if tls_trusted(pb, &ca).await? && tls_trusted(pa, &ca).await? {
                         Ok(())
                     } else {
                         Err(anyhow!("not trusted yet"))

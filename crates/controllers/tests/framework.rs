@@ -1,7 +1,8 @@
 //! opkit's runtime with a controller written here, of a built-in kind (ConfigMaps labelled
 //! `opkit-probe`): a hung reconcile is cancelled, counted and retried; a reconcile that panics
 //! is counted and retried while the manager carries on; a cleanup step outside the cluster that
-//! fails keeps the finalizer and warns, and the object goes once it succeeds.
+//! fails keeps the finalizer and warns, and the object goes once it succeeds. `/metrics` over
+//! HTTPS serves a mounted certificate and the renewed one when it changes.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,7 +18,7 @@ use kube::{Client, ResourceExt};
 use opkit::{
     Cleanup, Invalid, Manager, ManagerOptions, Plan, Reconciler, Requeue, Scope, Tuning, Watch, Watches,
 };
-use opkit_testenv::{shared, wait_for};
+use opkit_testenv::{free_port, https_get, shared, tls_trusted, wait_for};
 use serde_json::json;
 
 mod common;
@@ -253,6 +254,60 @@ async fn a_failing_step_outside_the_cluster_keeps_the_finalizer_warns_and_is_ret
             .await?;
             let ok = metrics.sample(r#"opkit_calls_total{controller="probe",step="release",result="ok"}"#);
             ensure!(ok == 1.0, "{ok} successful releases");
+            Ok(())
+        })
+        .await;
+}
+
+#[tokio::test]
+async fn secure_metrics_serve_the_mounted_certificate_and_its_renewal() {
+    shared()
+        .in_namespace("metrics-cert", |client, ns| async move {
+            let dir = std::env::temp_dir().join(format!("opkit-metrics-cert-{ns}"));
+            std::fs::create_dir_all(&dir)?;
+            let write = |c: &opkit::webhook::Certificate| -> std::io::Result<()> {
+                std::fs::write(dir.join("tls.crt"), &c.cert_pem)?;
+                std::fs::write(dir.join("tls.key"), &c.key_pem)
+            };
+            let first = opkit::webhook::self_signed(&["127.0.0.1".into()])?;
+            write(&first)?;
+            let port = free_port()?;
+            let mut m = Manager::new(client.clone()).with_scope(Scope::namespaces(vec![ns.clone()]));
+            m.add(Probe::default());
+            let stop = m.shutdown_token();
+            let _stop = stop.clone().drop_guard();
+            let opts = ManagerOptions {
+                handle_signals: false,
+                metrics_addr: Some(([127, 0, 0, 1], port).into()),
+                metrics_secure: true,
+                metrics_cert_dir: Some(dir.clone()),
+                ..Default::default()
+            };
+            tokio::spawn(async move { m.run(opts).await });
+            wait_for("the mounted certificate", Duration::from_secs(20), || async {
+                ensure!(
+                    tls_trusted(port, first.ca_pem.as_bytes()).await?,
+                    "not trusted yet"
+                );
+                Ok(())
+            })
+            .await?;
+            // Still authenticated: no token, no metrics.
+            let (code, _) = https_get(([127, 0, 0, 1], port).into(), "/metrics", None).await?;
+            ensure!(code == 401, "{code}");
+            // A renewal (cert-manager rewriting the Secret) is served without a restart.
+            let second = opkit::webhook::self_signed(&["127.0.0.1".into()])?;
+            ensure!(!tls_trusted(port, second.ca_pem.as_bytes()).await?);
+            write(&second)?;
+            wait_for("the renewed certificate", Duration::from_secs(30), || async {
+                ensure!(
+                    tls_trusted(port, second.ca_pem.as_bytes()).await?,
+                    "not served yet"
+                );
+                Ok(())
+            })
+            .await?;
+            std::fs::remove_dir_all(&dir)?;
             Ok(())
         })
         .await;

@@ -144,6 +144,11 @@ struct RunArgs<A: Args> {
     /// generated manifests turn it on, with the `metrics-reader` ClusterRole).
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, require_equals = true, default_missing_value = "true")]
     metrics_secure: bool,
+    /// With `--metrics-secure`: directory with `tls.crt` and `tls.key` (e.g. a cert-manager
+    /// Secret), reloaded when they change. Without it a self-signed certificate is made at
+    /// start.
+    #[arg(long)]
+    metrics_cert_dir: Option<PathBuf>,
     /// Seconds in-flight reconciles get to finish after SIGTERM.
     #[arg(long, default_value_t = 30)]
     shutdown_timeout: u64,
@@ -320,6 +325,7 @@ async fn run<S, A: Args>(
         leader_election: leader_election(&args, op.lease())?,
         warm_standby: args.leader_elect_warm_standby,
         metrics_secure: args.metrics_secure,
+        metrics_cert_dir: args.metrics_cert_dir.clone(),
     };
     let config = client_config(&args).await?;
     let request_timeout = Duration::from_secs(args.request_timeout);

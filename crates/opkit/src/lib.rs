@@ -29,6 +29,7 @@ pub mod runtime;
 mod scope;
 pub mod security;
 pub mod server;
+mod tls;
 pub mod webhook;
 
 pub mod changed;

@@ -128,6 +128,10 @@ pub struct ManagerOptions {
     /// Serve `/metrics` over HTTPS, only to bearer tokens whose user may `get /metrics`
     /// (TokenReview and SubjectAccessReview; see [`crate::server::MetricsAuth`]).
     pub metrics_secure: bool,
+    /// With `metrics_secure`: serve the certificate in this directory (`tls.crt`, `tls.key`,
+    /// e.g. a cert-manager Secret), reloaded when it changes, so scrapers can verify the
+    /// server; without it one is made at start.
+    pub metrics_cert_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for ManagerOptions {
@@ -140,6 +144,7 @@ impl Default for ManagerOptions {
             leader_election: None,
             warm_standby: true,
             metrics_secure: false,
+            metrics_cert_dir: None,
         }
     }
 }

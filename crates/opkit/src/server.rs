@@ -168,67 +168,33 @@ async fn authorize(State(auth): State<MetricsAuth>, req: Request, next: Next) ->
     }
 }
 
-/// Serves `app` over HTTPS with a certificate made at start (scrapers verify the token, not
-/// the server: Kubebuilder's ServiceMonitor skips verification the same way unless a
-/// certificate is mounted), HTTP/1.1 only, at most 64 connections.
+/// Serves `app` over HTTPS with the certificate in `cert_dir`, or one made at start (scrapers
+/// verify the token, not the server: Kubebuilder's ServiceMonitor skips verification the same
+/// way unless a certificate is mounted), HTTP/1.1 only, at most 64 connections.
 fn spawn_tls(
     listener: tokio::net::TcpListener,
     app: Router,
+    cert_dir: Option<&std::path::Path>,
     shutdown: CancellationToken,
 ) -> Result<JoinHandle<()>, String> {
-    use rustls::pki_types::pem::PemObject;
-    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-    let cert = crate::webhook::self_signed(&["localhost".into()]).map_err(|e| e.to_string())?;
-    let chain = CertificateDer::pem_slice_iter(cert.cert_pem.as_bytes())
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| e.to_string())?;
-    let key = PrivateKeyDer::from_pem_slice(cert.key_pem.as_bytes()).map_err(|e| e.to_string())?;
-    let config =
-        rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-            .with_safe_default_protocol_versions()
-            .map_err(|e| e.to_string())?
-            .with_no_client_auth()
-            .with_single_cert(chain, key)
-            .map_err(|e| e.to_string())?;
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
-    let slots = Arc::new(tokio::sync::Semaphore::new(64));
-    Ok(tokio::spawn(async move {
-        loop {
-            let permit = tokio::select! {
-                _ = shutdown.cancelled() => return,
-                p = slots.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => return },
-            };
-            let stream = tokio::select! {
-                _ = shutdown.cancelled() => return,
-                r = listener.accept() => match r {
-                    Ok((s, _)) => s,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "accepting a metrics connection failed");
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                        continue;
-                    }
-                },
-            };
-            let (acceptor, app) = (acceptor.clone(), app.clone());
-            tokio::spawn(async move {
-                let _permit = permit;
-                let Ok(Ok(tls)) =
-                    tokio::time::timeout(Duration::from_secs(10), acceptor.accept(stream)).await
-                else {
-                    return;
-                };
-                let svc = hyper_util::service::TowerToHyperService::new(app);
-                let mut b =
-                    hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
-                b.http1()
-                    .timer(hyper_util::rt::TokioTimer::new())
-                    .header_read_timeout(Duration::from_secs(10));
-                let b = b.http1_only();
-                let conn = b.serve_connection(hyper_util::rt::TokioIo::new(tls), svc);
-                let _ = tokio::time::timeout(Duration::from_secs(120), conn).await;
-            });
-        }
-    }))
+    let certs = match cert_dir {
+        Some(dir) => crate::webhook::CertSource::Dir(dir.to_path_buf()),
+        None => crate::webhook::CertSource::Generated(
+            crate::webhook::self_signed(&["localhost".into()]).map_err(|e| e.to_string())?,
+        ),
+    };
+    let acceptor = crate::tls::acceptor(&certs, false, "metrics", &shutdown)?;
+    let limits = crate::tls::Limits {
+        connections: 64,
+        handshake: Duration::from_secs(10),
+        headers: Duration::from_secs(10),
+        age: Duration::from_secs(120),
+        drain: Duration::from_secs(10),
+        http2: false,
+    };
+    Ok(crate::tls::serve(
+        "metrics", listener, acceptor, app, limits, shutdown,
+    ))
 }
 
 async fn bind(what: &'static str, addr: SocketAddr) -> Result<tokio::net::TcpListener, ManagerError> {
@@ -264,7 +230,8 @@ pub(crate) async fn serve(
         match auth {
             Some(auth) => {
                 let app = app.layer(axum::middleware::from_fn_with_state(auth, authorize));
-                let h = spawn_tls(l, app, shutdown.clone()).map_err(ManagerError::MetricsTls)?;
+                let h = spawn_tls(l, app, opts.metrics_cert_dir.as_deref(), shutdown.clone())
+                    .map_err(ManagerError::MetricsTls)?;
                 tracing::info!(%addr, "serving /metrics over HTTPS to authorized readers");
                 handles.push(h);
             }

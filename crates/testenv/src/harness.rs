@@ -418,6 +418,27 @@ impl rustls::client::danger::ServerCertVerifier for AnyServer {
     }
 }
 
+/// Whether a TLS client that trusts only `ca` (PEM) completes a handshake with the server on
+/// localhost `port`, named `127.0.0.1`.
+pub async fn tls_trusted(port: u16, ca: &[u8]) -> anyhow::Result<bool> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_slice_iter(ca) {
+        roots.add(c?)?;
+    }
+    let config =
+        rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+    let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect("127.0.0.1".try_into()?, tcp)
+        .await;
+    Ok(tls.is_ok())
+}
+
 /// A GET over HTTPS with an optional bearer token: status code and body. Any server
 /// certificate is accepted, as Prometheus does for a self-signed `/metrics`.
 pub async fn https_get(

@@ -7,12 +7,11 @@
 mod install;
 pub mod shared;
 
+pub use crate::tls::CertSource;
 pub use install::{Endpoint, WebhookOptions, configurations, rbac_rules, secret_rules, service_name, start};
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, RwLock};
-use std::time::{Duration, SystemTime};
+use std::sync::Arc;
 
 use axum::Router;
 use axum::body::Bytes;
@@ -23,10 +22,6 @@ use futures::future::BoxFuture;
 use kube::Resource;
 use kube::core::DynamicObject;
 use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-use rustls::server::{ClientHello, ResolvesServerCert};
-use rustls::sign::CertifiedKey;
 use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
 
@@ -404,58 +399,6 @@ pub fn self_signed_until(
     })
 }
 
-/// Where the serving certificate comes from.
-#[derive(Clone)]
-pub enum CertSource {
-    /// Made in memory at start.
-    Generated(Certificate),
-    /// `tls.crt` and `tls.key` in a directory (a cert-manager Secret mount), reloaded when they
-    /// change, so a renewed certificate is served without a restart.
-    Dir(PathBuf),
-    /// The latest certificate and key (PEM) sent on the channel, e.g. from the shared Secret.
-    Watch(tokio::sync::watch::Receiver<(String, String)>),
-}
-
-fn certified_key(cert_pem: &[u8], key_pem: &[u8]) -> Result<CertifiedKey, String> {
-    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert_pem)
-        .collect::<Result<_, _>>()
-        .map_err(|e| format!("reading the certificate: {e}"))?;
-    if chain.is_empty() {
-        return Err("no certificate in the PEM".into());
-    }
-    let key = PrivateKeyDer::from_pem_slice(key_pem).map_err(|e| format!("reading the key: {e}"))?;
-    let key =
-        rustls::crypto::ring::sign::any_supported_type(&key).map_err(|e| format!("unsupported key: {e}"))?;
-    let ck = CertifiedKey::new(chain, key);
-    // Half-written files (a certificate renewed, its key not yet) must not be served.
-    match ck.keys_match() {
-        Err(rustls::Error::InconsistentKeys(rustls::InconsistentKeys::KeyMismatch)) => {
-            Err("the key does not match the certificate".into())
-        }
-        _ => Ok(ck),
-    }
-}
-
-#[derive(Debug)]
-struct Resolver(RwLock<Arc<CertifiedKey>>);
-
-impl ResolvesServerCert for Resolver {
-    fn resolve(&self, _: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
-        Some(self.0.read().unwrap_or_else(|e| e.into_inner()).clone())
-    }
-}
-
-fn read_dir_cert(dir: &Path) -> Result<(CertifiedKey, SystemTime), String> {
-    let (c, k) = (dir.join("tls.crt"), dir.join("tls.key"));
-    let read = |p: &Path| std::fs::read(p).map_err(|e| format!("reading {}: {e}", p.display()));
-    let mtime = |p: &Path| {
-        std::fs::metadata(p)
-            .and_then(|m| m.modified())
-            .unwrap_or(SystemTime::UNIX_EPOCH)
-    };
-    Ok((certified_key(&read(&c)?, &read(&k)?)?, mtime(&c).max(mtime(&k))))
-}
-
 /// What one client may cost the webhook server: it runs in the operator's process, whose
 /// memory limit also covers the controllers, and any Pod in the cluster can connect to it.
 pub mod limits {
@@ -486,8 +429,6 @@ pub mod limits {
     /// A connection is closed (after its current request) once it is this old, so a client
     /// cannot keep a slot for ever by sending a request now and then.
     pub const CONNECTION_AGE: Duration = Duration::from_secs(120);
-    /// Pause after a failed `accept` (out of file descriptors, ...), doubling up to 1 s.
-    pub const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
 }
 
 /// Errors starting the webhook server.
@@ -515,156 +456,34 @@ pub async fn serve(
     http2: bool,
     shutdown: CancellationToken,
 ) -> Result<tokio::task::JoinHandle<()>, WebhookError> {
-    let (initial, dir) = match &certs {
-        CertSource::Generated(c) => (
-            certified_key(c.cert_pem.as_bytes(), c.key_pem.as_bytes()).map_err(WebhookError::Certificate)?,
-            None,
-        ),
-        CertSource::Dir(d) => {
-            let (k, t) = read_dir_cert(d).map_err(WebhookError::Certificate)?;
-            (k, Some((d.clone(), t)))
-        }
-        CertSource::Watch(rx) => {
-            let (c, k) = rx.borrow().clone();
-            (
-                certified_key(c.as_bytes(), k.as_bytes()).map_err(WebhookError::Certificate)?,
-                None,
-            )
-        }
-    };
-    let resolver = Arc::new(Resolver(RwLock::new(Arc::new(initial))));
-    if let CertSource::Watch(mut rx) = certs.clone() {
-        let (resolver, shutdown) = (resolver.clone(), shutdown.clone());
-        tokio::spawn(async move {
-            loop {
-                tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    changed = rx.changed() => if changed.is_err() { return },
-                }
-                let (c, k) = rx.borrow_and_update().clone();
-                match certified_key(c.as_bytes(), k.as_bytes()) {
-                    Ok(ck) => {
-                        *resolver.0.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(ck);
-                        tracing::info!("serving the renewed webhook certificate");
-                    }
-                    Err(e) => tracing::warn!(error = %e, "webhook certificate not reloaded"),
-                }
-            }
-        });
-    }
-    if let Some((dir, mut seen)) = dir {
-        let (resolver, shutdown) = (resolver.clone(), shutdown.clone());
-        tokio::spawn(async move {
-            loop {
-                tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    _ = tokio::time::sleep(Duration::from_secs(10)) => {}
-                }
-                match read_dir_cert(&dir) {
-                    Ok((k, t)) if t > seen => {
-                        *resolver.0.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(k);
-                        seen = t;
-                        tracing::info!(dir = %dir.display(), "reloaded the webhook certificate");
-                    }
-                    Ok(_) => {}
-                    Err(e) => tracing::warn!(error = %e, "webhook certificate not reloaded"),
-                }
-            }
-        });
-    }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut config = rustls::ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| WebhookError::Certificate(e.to_string()))?
-        .with_no_client_auth()
-        .with_cert_resolver(resolver);
-    config.alpn_protocols = match http2 {
-        true => vec![b"h2".to_vec(), b"http/1.1".to_vec()],
-        false => vec![b"http/1.1".to_vec()],
-    };
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let acceptor =
+        crate::tls::acceptor(&certs, http2, "webhook", &shutdown).map_err(WebhookError::Certificate)?;
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|source| WebhookError::Bind { addr, source })?;
     tracing::info!(%addr, paths = ?webhooks.paths(), "serving admission webhooks");
-    let app = webhooks.router();
-    let slots = Arc::new(tokio::sync::Semaphore::new(limits::CONNECTIONS));
-    Ok(tokio::spawn(async move {
-        let mut backoff = limits::ACCEPT_BACKOFF;
-        loop {
-            let permit = tokio::select! {
-                _ = shutdown.cancelled() => return,
-                p = slots.clone().acquire_owned() => match p {
-                    Ok(p) => p,
-                    Err(_) => return,
-                },
-            };
-            let (stream, _) = tokio::select! {
-                _ = shutdown.cancelled() => return,
-                r = listener.accept() => match r {
-                    Ok(s) => {
-                        backoff = limits::ACCEPT_BACKOFF;
-                        s
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "accepting a webhook connection failed");
-                        tokio::time::sleep(backoff).await;
-                        backoff = (backoff * 2).min(Duration::from_secs(1));
-                        continue;
-                    }
-                },
-            };
-            let (acceptor, app) = (acceptor.clone(), app.clone());
-            tokio::spawn(async move {
-                let _permit = permit;
-                let tls = match tokio::time::timeout(limits::HANDSHAKE, acceptor.accept(stream)).await {
-                    Ok(Ok(t)) => t,
-                    Ok(Err(e)) => {
-                        tracing::debug!(error = %e, "TLS handshake failed");
-                        return;
-                    }
-                    Err(_) => {
-                        tracing::debug!("TLS handshake timed out");
-                        return;
-                    }
-                };
-                let svc = hyper_util::service::TowerToHyperService::new(app);
-                let mut builder =
-                    hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
-                builder
-                    .http1()
-                    .timer(hyper_util::rt::TokioTimer::new())
-                    .header_read_timeout(limits::HEADERS);
-                builder
-                    .http2()
-                    .timer(hyper_util::rt::TokioTimer::new())
-                    .keep_alive_interval(Some(limits::HEADERS))
-                    .keep_alive_timeout(limits::HANDSHAKE)
-                    .max_concurrent_streams(16);
-                let builder = if http2 { builder } else { builder.http1_only() };
-                let conn = builder.serve_connection(hyper_util::rt::TokioIo::new(tls), svc);
-                tokio::pin!(conn);
-                let ended = tokio::select! {
-                    r = conn.as_mut() => r,
-                    _ = tokio::time::sleep(limits::CONNECTION_AGE) => {
-                        conn.as_mut().graceful_shutdown();
-                        match tokio::time::timeout(limits::REQUEST, conn.as_mut()).await {
-                            Ok(r) => r,
-                            Err(_) => Ok(()),
-                        }
-                    }
-                };
-                if let Err(e) = ended {
-                    tracing::debug!(error = %e, "webhook connection ended with an error");
-                }
-            });
-        }
-    }))
+    let conns = crate::tls::Limits {
+        connections: limits::CONNECTIONS,
+        handshake: limits::HANDSHAKE,
+        headers: limits::HEADERS,
+        age: limits::CONNECTION_AGE,
+        drain: limits::REQUEST,
+        http2,
+    };
+    Ok(crate::tls::serve(
+        "webhook",
+        listener,
+        acceptor,
+        webhooks.router(),
+        conns,
+        shutdown,
+    ))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tls::certified_key;
     use kube::core::DynamicObject;
     use rustls::pki_types::pem::PemObject;
 
