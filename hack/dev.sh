@@ -35,7 +35,12 @@ fi
   validatingwebhookconfiguration/opkit-validating-webhook-configuration >/dev/null
 
 echo ">> applying samples"
-for f in config/samples/*.yaml; do "$kubectl" apply -f "$f"; done
+# The v1 CronTab is stored as v2 through the operator's conversion webhook: applied below, once
+# the operator serves it.
+for f in config/samples/*.yaml; do
+  [[ "$f" == */stable_v1_crontab.yaml ]] && continue
+  "$kubectl" apply -f "$f"
+done
 
 cat <<EOT
 
@@ -50,13 +55,22 @@ cat <<EOT
      kubectl label namespace kube-public mirror.opkit.dev/app-settings=true
      kubectl get configmirror                    # app-settings copied to kube-public
      kubectl logs example-at-pod                 # YAY (from a container with the real node)
+     kubectl get crontabs.v1.stable.example.com  # the CronTabs as v1 (stored as v2, converted by opkit)
+     kubectl get crontabs.v2.stable.example.com -o yaml
      kubectl apply -f - <<< '{"apiVersion":"cache.example.com/v1","kind":"Memcached","metadata":{"name":"nosize"},"spec":{}}'
-                                                 # defaulted to size 1 by opkit's webhook
+                                                 # defaulted to size 1 by its schema
      curl -s localhost:8080/metrics | grep opkit_
    Ctrl-C stops the operator; 'make testenv-down' stops the local control plane.
 
 EOT
 # The apiserver reaches the webhooks at 127.0.0.1:9443; while the operator is stopped, At and
 # ConfigMirror objects are refused (failurePolicy Fail), Memcacheds and Erus are not (Ignore).
-exec "$opkit" run --metrics-bind-address 127.0.0.1:8080 --health-probe-bind-address 127.0.0.1:8081 \
-  --webhook-bind-address 127.0.0.1:9443 --webhook-url https://127.0.0.1:9443
+"$opkit" run --metrics-bind-address 127.0.0.1:8080 --health-probe-bind-address 127.0.0.1:8081 \
+  --webhook-bind-address 127.0.0.1:9443 --webhook-url https://127.0.0.1:9443 &
+op=$!
+trap 'kill -TERM "$op" 2>/dev/null; wait "$op"' INT TERM
+until "$kubectl" apply -f config/samples/stable_v1_crontab.yaml >/dev/null 2>&1; do
+  kill -0 "$op" 2>/dev/null || break
+  sleep 1
+done
+wait "$op"

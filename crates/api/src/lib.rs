@@ -3,6 +3,7 @@
 
 pub mod at;
 pub mod config_mirror;
+pub mod crontab;
 pub mod eru;
 pub mod foo;
 pub mod memcached;

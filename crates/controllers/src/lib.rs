@@ -4,6 +4,7 @@
 
 pub mod at;
 pub mod config_mirror;
+pub mod crontab;
 pub mod eru;
 pub mod foo;
 pub mod memcached;
@@ -78,6 +79,14 @@ pub fn registry() -> Registry<Settings> {
             add: |m, _| {
                 m.add(config_mirror::ConfigMirrorController);
             },
+        },
+        Registration {
+            name: crontab::NAME,
+            crds: || vec![opkit_api::crontab::crd()],
+            rbac: crontab::rbac_rules,
+            webhooks: crontab::webhooks,
+            // Nothing to reconcile: the kind is served for its conversion.
+            add: |_, _| {},
         },
         Registration {
             name: foo::NAME,

@@ -262,6 +262,26 @@ async fn the_csv_installed_as_olm_does_runs_its_examples_with_only_its_permissio
                 }))?;
             }
 
+            // OLM points the CRDs of a ConversionWebhook at the operator, with the CA.
+            let conversions: Vec<&Value> = defs.iter().filter(|d| d["type"] == "ConversionWebhook").collect();
+            ensure!(!conversions.is_empty(), "the CSV defines no ConversionWebhook");
+            for d in conversions {
+                for crd in d["conversionCRDs"].as_array().context("conversionCRDs")? {
+                    let patch = json!({"spec": {"conversion": {
+                        "strategy": "Webhook",
+                        "webhook": {
+                            "conversionReviewVersions": d["admissionReviewVersions"],
+                            "clientConfig": {
+                                "url": format!("https://127.0.0.1:{port}{}", d["webhookPath"].as_str().unwrap_or_default()),
+                                "caBundle": ca,
+                                "service": null,
+                            },
+                        },
+                    }}});
+                    kubectl(&["patch", "crd", crd.as_str().unwrap_or_default(), "--type", "merge", "-p", &patch.to_string()])?;
+                }
+            }
+
             let kubeconfig = service_account_kubeconfig(&client, &ns, &sa).await?;
             // OLM owns the webhook configurations: the operator may not even read them.
             let out = shared()
@@ -317,6 +337,14 @@ async fn the_csv_installed_as_olm_does_runs_its_examples_with_only_its_permissio
                 jsonpath_is(&["memcached", "example-memcached"], &ns, "{.status.readyReplicas}", "3").await?;
                 jsonpath_is(&["at", "example-at"], &ns, "{.status.phase}", "DONE").await?;
                 jsonpath_is(&["foo", "example-foo"], &ns, "{.status.availableReplicas}", "1").await?;
+                // The v1 CronTab example went through the operator's conversion into v2.
+                jsonpath_is(
+                    &["crontabs.v2.stable.example.com", "my-new-cron-object"],
+                    &ns,
+                    "{.spec.schedule.dayOfWeek}",
+                    "*/5",
+                )
+                .await?;
                 jsonpath_is(
                     &["eru", "eru-sample"],
                     &ns,

@@ -374,3 +374,95 @@ async fn a_flood_of_slow_and_large_requests_leaves_admissions_answered_and_memor
         })
         .await;
 }
+
+/// `kubectl get <resource> <name> -o json` in `ns`, parsed.
+fn get_json(resource: &str, name: &str, ns: &str) -> anyhow::Result<serde_json::Value> {
+    Ok(serde_json::from_str(&kubectl(&[
+        "get", resource, name, "-n", ns, "-o", "json",
+    ])?)?)
+}
+
+#[tokio::test]
+async fn crontabs_written_in_either_version_read_back_the_same_in_both() {
+    use serde_json::json;
+    shared()
+        .in_namespace("convert", |_client, ns| async move {
+            let _turn = ONE_OPERATOR.lock().await;
+            install_crds()?;
+            let port = common::free_port()?;
+            let log = std::env::temp_dir().join(format!("opkit-convert-{ns}.log"));
+            let _op = Running(
+                Command::new(env!("CARGO_BIN_EXE_opkit"))
+                    .args(["run", "--controllers", "crontab", "--namespace", &ns])
+                    .args(["--metrics-bind-address", "0", "--health-probe-bind-address", "0"])
+                    .args(["--webhook-bind-address", &format!("127.0.0.1:{port}")])
+                    .args(["--webhook-url", &format!("https://127.0.0.1:{port}")])
+                    .env("KUBECONFIG", shared().kubeconfig())
+                    .stdout(std::fs::File::create(&log)?)
+                    .stderr(Stdio::null())
+                    .spawn()?,
+            );
+            let logs = || std::fs::read_to_string(&log).unwrap_or_default();
+            let (v1, v2) = ("crontabs.v1.stable.example.com", "crontabs.v2.stable.example.com");
+            let samples = format!("{}/../../config/samples", env!("CARGO_MANIFEST_DIR"));
+
+            // The documentation's v1 object, once the operator has pointed the CRD at itself.
+            wait_for("the v1 sample to be stored through the conversion", T, || async {
+                kubectl(&["apply", "-n", &ns, "-f", &format!("{samples}/stable_v1_crontab.yaml")]).map(|_| ())
+            })
+            .await
+            .with_context(logs)?;
+            let as_v1 = get_json(v1, "my-new-cron-object", &ns)?;
+            ensure!(
+                as_v1["spec"] == json!({"cronSpec": "* * * * */5", "image": "my-awesome-cron-image"}),
+                "{as_v1}"
+            );
+            let as_v2 = get_json(v2, "my-new-cron-object", &ns)?;
+            ensure!(
+                as_v2["spec"]
+                    == json!({"schedule": {"minute": "*", "hour": "*", "dayOfMonth": "*", "month": "*", "dayOfWeek": "*/5"},
+                              "image": "my-awesome-cron-image"}),
+                "{as_v2}"
+            );
+            // Metadata is the same object's in both versions.
+            ensure!(as_v1["metadata"]["uid"] == as_v2["metadata"]["uid"]);
+            ensure!(as_v1["metadata"]["resourceVersion"] == as_v2["metadata"]["resourceVersion"]);
+
+            // A v2 object with what v1 cannot say (the time zone).
+            kubectl(&["apply", "-n", &ns, "-f", &format!("{samples}/stable_v2_crontab.yaml")])?;
+            let zoned = get_json(v1, "my-zoned-cron-object", &ns)?;
+            ensure!(zoned["spec"]["cronSpec"] == "0 3 * * 1-5", "{zoned}");
+            // Edited as v1 (what an older client would do): the edit lands, the zone stays.
+            kubectl(&[
+                "patch", v1, "my-zoned-cron-object", "-n", &ns, "--type", "merge",
+                "-p", r#"{"spec":{"cronSpec":"30 3 * * 1-5","replicas":2}}"#,
+            ])?;
+            let stored = get_json(v2, "my-zoned-cron-object", &ns)?;
+            ensure!(
+                stored["spec"]
+                    == json!({"schedule": {"minute": "30", "hour": "3", "dayOfMonth": "*", "month": "*", "dayOfWeek": "1-5"},
+                              "timeZone": "Europe/Paris", "image": "my-awesome-cron-image", "replicas": 2}),
+                "{stored}"
+            );
+            ensure!(stored["metadata"].get("annotations").is_none_or(|a| a.as_object().is_none_or(|a| !a.keys().any(|k| k.starts_with("conversion.opkit.dev/")))),
+                "the stored v2 object kept a conversion annotation: {stored}");
+
+            // A list in either version converts every object.
+            for (resource, want) in [(v1, "* * * * */5 30 3 * * 1-5"), (v2, "*/5 1-5")] {
+                let path = if resource == v1 { "{.items[*].spec.cronSpec}" } else { "{.items[*].spec.schedule.dayOfWeek}" };
+                let got = kubectl(&["get", resource, "-n", &ns, "-o", &format!("jsonpath={path}")])?;
+                ensure!(got == want, "{resource}: {got:?}");
+            }
+
+            // What v2 cannot store is refused, naming the field, and nothing is stored.
+            let (ok, out) = apply(
+                &ns,
+                r#"{"apiVersion":"stable.example.com/v1","kind":"CronTab","metadata":{"name":"hourly"},"spec":{"cronSpec":"@hourly","image":"busybox"}}"#,
+            )?;
+            ensure!(!ok && out.contains("spec.cronSpec: \"@hourly\" has 1 fields"), "{out}");
+            let left = kubectl(&["get", v2, "-n", &ns, "-o", "name"])?;
+            ensure!(!left.contains("hourly"), "{left}");
+            Ok(())
+        })
+        .await;
+}

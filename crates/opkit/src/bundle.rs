@@ -265,6 +265,21 @@ fn webhook_definitions<S>(op: &Operator<S>) -> anyhow::Result<Vec<Value>> {
             serde_json::to_value(h)?,
         ));
     }
+    // OLM points the CRDs' conversion at the Deployment and keeps their caBundle.
+    let converted = manifests::webhooks(op)?.conversion_crds();
+    if !converted.is_empty() {
+        out.push(json!({
+            "type": "ConversionWebhook",
+            "generateName": format!("c{}.opkit.dev", op.name),
+            "admissionReviewVersions": ["v1"],
+            "sideEffects": "None",
+            "conversionCRDs": converted,
+            "webhookPath": crate::webhook::CONVERT_PATH,
+            "containerPort": 443,
+            "targetPort": WEBHOOK_PORT,
+            "deploymentName": op.manager(),
+        }));
+    }
     Ok(out)
 }
 
@@ -353,7 +368,7 @@ fn csv<S>(
                 "spec": {
                     "deployments": [install_deployment(op, &opts.image)?],
                     // OLM makes the webhook configurations, so the operator needs no access to them.
-                    "clusterPermissions": [{ "serviceAccountName": sa, "rules": manifests::cluster_rules(op, false) }],
+                    "clusterPermissions": [{ "serviceAccountName": sa, "rules": manifests::cluster_rules(op, false)? }],
                     "permissions": [{ "serviceAccountName": sa, "rules": manifests::leader_rules(&op.lease()) }],
                 },
             },
@@ -366,7 +381,7 @@ pub fn all<S>(op: &Operator<S>, root: &Path, opts: &Options) -> anyhow::Result<V
     opts.check()?;
     let metadata_dir = root.join("config/manifests");
     let m: Metadata = read_yaml(&metadata_dir.join("metadata.yaml"))?;
-    let crds = op.registry.crds();
+    let crds = manifests::crds(op)?;
     let samples = examples(&root.join("config/samples"), &crds)?;
     let mut files = vec![(
         PathBuf::from(format!("bundle/manifests/{}.clusterserviceversion.yaml", op.name)),

@@ -16,6 +16,7 @@ pub mod bundle;
 pub mod cli;
 pub mod conditions;
 mod context;
+pub mod conversion;
 pub mod diff;
 pub mod leader;
 pub mod manager;

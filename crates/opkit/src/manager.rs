@@ -480,6 +480,9 @@ impl Manager {
                         shutdown.cancel();
                     }
                 }
+                // A manager without controllers (one that only serves webhooks, such as a
+                // conversion) runs until it is told to stop.
+                shutdown.cancelled().await;
             };
             tokio::pin!(drain);
             tokio::select! {

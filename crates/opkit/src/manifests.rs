@@ -222,19 +222,42 @@ pub fn deployment_for<S>(op: &Operator<S>, namespaces: &[String]) -> Deployment 
 }
 
 /// The operator's cluster-wide access: every controller's rules plus [`platform_rules`].
-pub fn cluster_rules<S>(op: &Operator<S>, webhook_configurations: bool) -> Vec<PolicyRule> {
+pub fn cluster_rules<S>(op: &Operator<S>, webhook_configurations: bool) -> anyhow::Result<Vec<PolicyRule>> {
     let mut rules = op.registry.rbac();
-    rules.extend(platform_rules(op, webhook_configurations));
-    rules
+    rules.extend(platform_rules(op, webhook_configurations)?);
+    Ok(rules)
+}
+
+/// The operator's webhooks, for what the manifests say of them: the handlers are never
+/// called here, only their rules and conversions are read, so the client is offline.
+pub fn webhooks<S>(op: &Operator<S>) -> anyhow::Result<crate::webhook::Webhooks> {
+    let offline = kube::Client::try_from(kube::Config::new("https://127.0.0.1:1".parse()?))?;
+    Ok(op.registry.webhooks(&offline))
+}
+
+/// Every CRD, those the operator converts with the conversion webhook of its Service.
+pub fn crds<S>(
+    op: &Operator<S>,
+) -> anyhow::Result<
+    Vec<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition>,
+> {
+    Ok(crate::webhook::with_conversions(
+        op.registry.crds(),
+        op.name,
+        &webhooks(op)?,
+        &Endpoint::Service {
+            namespace: op.namespace(),
+        },
+    ))
 }
 
 /// What stays cluster-wide even when the controllers are confined to namespaces: reading
 /// the operator's own CRDs and, when it manages its webhook configurations itself, patching
 /// those.
-pub fn platform_rules<S>(op: &Operator<S>, webhook_configurations: bool) -> Vec<PolicyRule> {
+pub fn platform_rules<S>(op: &Operator<S>, webhook_configurations: bool) -> anyhow::Result<Vec<PolicyRule>> {
     let mut rules = Vec::new();
     if webhook_configurations {
-        rules.extend(crate::webhook::rbac_rules(op.name));
+        rules.extend(crate::webhook::rbac_rules(op.name, &webhooks(op)?));
     }
     // `run` waits for its own CRDs to be Established before starting.
     let mut crds = rule(
@@ -245,7 +268,7 @@ pub fn platform_rules<S>(op: &Operator<S>, webhook_configurations: bool) -> Vec<
     crds.resource_names = Some(op.registry.crds().iter().map(|c| c.name_any()).collect());
     rules.push(crds);
     rules.extend(metrics_auth_rules());
-    rules
+    Ok(rules)
 }
 
 /// What serving `/metrics` securely needs: asking the apiserver who a scraper's token
@@ -352,12 +375,10 @@ pub fn metrics_service<S>(op: &Operator<S>) -> Service {
 pub fn webhook_configurations<S>(
     op: &Operator<S>,
 ) -> anyhow::Result<(MutatingWebhookConfiguration, ValidatingWebhookConfiguration)> {
-    // The handlers are never called here; only their rules are read, so the client is offline.
-    let offline = kube::Client::try_from(kube::Config::new("https://127.0.0.1:1".parse()?))?;
     // No caBundle here: the operator fills it in at start (its own CA, or the mounted ca.crt).
     Ok(configurations(
         op.name,
-        &op.registry.webhooks(&offline),
+        &webhooks(op)?,
         &Endpoint::Service {
             namespace: op.namespace(),
         },
@@ -378,7 +399,7 @@ pub fn all<S>(op: &Operator<S>, namespaces: &[String]) -> anyhow::Result<Vec<(St
     let namespace = op.namespace();
     let mut files = Vec::new();
     let mut crd_files = Vec::new();
-    for crd in registry.crds() {
+    for crd in crds(op)? {
         let file = format!("{}.yaml", crd.name_any());
         files.push((format!("crd/{file}"), to_yaml(&[crd])?));
         crd_files.push(file);
@@ -394,9 +415,9 @@ pub fn all<S>(op: &Operator<S>, namespaces: &[String]) -> anyhow::Result<Vec<(St
             ..Default::default()
         },
         rules: Some(if namespaces.is_empty() {
-            cluster_rules(op, true)
+            cluster_rules(op, true)?
         } else {
-            platform_rules(op, true)
+            platform_rules(op, true)?
         }),
         ..Default::default()
     };

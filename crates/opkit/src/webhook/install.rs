@@ -16,6 +16,10 @@ use k8s_openapi::api::admissionregistration::v1::{
 };
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::api::rbac::v1::PolicyRule;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
+    CustomResourceConversion, CustomResourceDefinition, ServiceReference as CrdServiceReference,
+    WebhookClientConfig as CrdClientConfig, WebhookConversion,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement, ObjectMeta};
 use kube::api::{Api, Patch, PatchParams};
 use kube::{Client, ResourceExt};
@@ -158,9 +162,52 @@ pub fn configurations(
     (mutating, validating)
 }
 
-/// What the operator needs to keep the configurations' `caBundle` (and endpoint) current.
-pub fn rbac_rules(project: &str) -> Vec<PolicyRule> {
-    [
+/// The `conversion` of a CRD converted by `project`'s webhook server at `endpoint`, trusting
+/// `ca_bundle` (PEM) if given.
+pub fn crd_conversion(
+    project: &str,
+    endpoint: &Endpoint,
+    ca_bundle: Option<&str>,
+) -> CustomResourceConversion {
+    let c = client_config(project, endpoint, super::CONVERT_PATH, ca_bundle);
+    CustomResourceConversion {
+        strategy: "Webhook".into(),
+        webhook: Some(WebhookConversion {
+            conversion_review_versions: vec!["v1".into()],
+            client_config: Some(CrdClientConfig {
+                ca_bundle: c.ca_bundle,
+                service: c.service.map(|s| CrdServiceReference {
+                    name: s.name,
+                    namespace: s.namespace,
+                    path: s.path,
+                    port: s.port,
+                }),
+                url: c.url,
+            }),
+        }),
+    }
+}
+
+/// `crds` with the conversion stanza on each one `webhooks` converts.
+pub fn with_conversions(
+    mut crds: Vec<CustomResourceDefinition>,
+    project: &str,
+    webhooks: &Webhooks,
+    endpoint: &Endpoint,
+) -> Vec<CustomResourceDefinition> {
+    let converted = webhooks.conversion_crds();
+    for crd in &mut crds {
+        if converted.contains(&crd.name_any()) {
+            crd.spec.conversion = Some(crd_conversion(project, endpoint, None));
+        }
+    }
+    crds
+}
+
+/// What the operator needs to keep the configurations' `caBundle` (and endpoint) current,
+/// and those of the CRDs it converts.
+pub fn rbac_rules(project: &str, webhooks: &Webhooks) -> Vec<PolicyRule> {
+    let mut rules: Vec<PolicyRule> = [
         ("mutatingwebhookconfigurations", mutating_name(project)),
         ("validatingwebhookconfigurations", validating_name(project)),
     ]
@@ -168,7 +215,19 @@ pub fn rbac_rules(project: &str) -> Vec<PolicyRule> {
         resource_names: Some(vec![name]),
         ..rule(&["admissionregistration.k8s.io"], &[resource], &["get", "patch"])
     })
-    .to_vec()
+    .to_vec();
+    let converted = webhooks.conversion_crds();
+    if !converted.is_empty() {
+        rules.push(PolicyRule {
+            resource_names: Some(converted),
+            ..rule(
+                &["apiextensions.k8s.io"],
+                &["customresourcedefinitions"],
+                &["patch"],
+            )
+        });
+    }
+    rules
 }
 
 /// What the operator needs, in its own namespace, to share one webhook certificate among its
@@ -426,6 +485,26 @@ async fn apply(
         .patch(&v.name_any(), &pp, &Patch::Apply(&v))
         .await
         .map_err(configure("validating"))?;
+    // A merge patch, not an apply: `make install` and `make deploy` apply these CRDs
+    // server-side, and must not meet a conflict over the fields kept current here.
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let mut conversion = serde_json::to_value(crd_conversion(project, endpoint, ca))
+        .map_err(|e| WebhookError::Certificate(format!("encoding the CRD conversion: {e}")))?;
+    // The endpoint not used is cleared: a CRD may have only one of `url` and `service`.
+    if let Some(c) = conversion
+        .pointer_mut("/webhook/clientConfig")
+        .and_then(|c| c.as_object_mut())
+    {
+        for key in ["url", "service"] {
+            c.entry(key).or_insert(serde_json::Value::Null);
+        }
+    }
+    for name in webhooks.conversion_crds() {
+        let patch = serde_json::json!({"spec": {"conversion": conversion}});
+        crds.patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map_err(configure("conversion"))?;
+    }
     Ok(())
 }
 
@@ -524,7 +603,7 @@ mod tests {
             ("opkit-webhook-service", Some(443))
         );
         assert_eq!(
-            rbac_rules("opkit")[0].resource_names.as_deref(),
+            rbac_rules("opkit", &hooks())[0].resource_names.as_deref(),
             Some(&["opkit-mutating-webhook-configuration".to_string()][..])
         );
     }

@@ -8,7 +8,10 @@ mod install;
 pub mod shared;
 
 pub use crate::tls::CertSource;
-pub use install::{Endpoint, WebhookOptions, configurations, rbac_rules, secret_rules, service_name, start};
+pub use install::{
+    Endpoint, WebhookOptions, configurations, crd_conversion, rbac_rules, secret_rules, service_name, start,
+    with_conversions,
+};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -20,6 +23,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use futures::future::BoxFuture;
 use kube::Resource;
+
+use crate::conversion::Conversion;
 use kube::core::DynamicObject;
 use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
 use serde::de::DeserializeOwned;
@@ -141,7 +146,11 @@ pub struct Webhooks {
     handlers: HashMap<String, Handler>,
     pub(crate) mutating: Vec<Rule>,
     pub(crate) validating: Vec<Rule>,
+    pub(crate) conversions: Vec<Conversion>,
 }
+
+/// Where the apiserver sends ConversionReviews (one path for every kind, as Kubebuilder does).
+pub const CONVERT_PATH: &str = "/convert";
 
 fn typed<K: DeserializeOwned>(o: &Option<DynamicObject>) -> Result<Option<K>, String> {
     o.as_ref()
@@ -222,24 +231,41 @@ impl Webhooks {
         self
     }
 
+    /// Converts the versions of a kind (served at [`CONVERT_PATH`]); its CRD gets
+    /// `strategy: Webhook` in the manifests and its `caBundle` kept current like the
+    /// admission webhooks'.
+    pub fn conversion(mut self, conversion: Conversion) -> Self {
+        self.conversions.push(conversion);
+        self
+    }
+
     /// Adds every webhook of `other`.
     pub fn merge(mut self, other: Webhooks) -> Self {
         self.handlers.extend(other.handlers);
         self.mutating.extend(other.mutating);
         self.validating.extend(other.validating);
+        self.conversions.extend(other.conversions);
         self
     }
 
     /// Whether there is nothing to serve.
     pub fn is_empty(&self) -> bool {
-        self.handlers.is_empty()
+        self.handlers.is_empty() && self.conversions.is_empty()
     }
 
     /// The paths served, for the webhook configurations.
     pub fn paths(&self) -> Vec<String> {
         let mut p: Vec<String> = self.handlers.keys().cloned().collect();
+        if !self.conversions.is_empty() {
+            p.push(CONVERT_PATH.into());
+        }
         p.sort();
         p
+    }
+
+    /// The names of the CRDs converted by this server.
+    pub fn conversion_crds(&self) -> Vec<String> {
+        self.conversions.iter().map(Conversion::crd_name).collect()
     }
 
     /// The HTTP routes (TLS is added by [`serve`]). Reading the body and answering must
@@ -251,6 +277,14 @@ impl Webhooks {
             r = r.route(
                 path,
                 post(move |body: Bytes| review(h.clone(), body))
+                    .layer(axum::extract::DefaultBodyLimit::max(limits::BODY)),
+            );
+        }
+        if !self.conversions.is_empty() {
+            let conversions = Arc::new(self.conversions.clone());
+            r = r.route(
+                CONVERT_PATH,
+                post(move |body: Bytes| convert(conversions.clone(), body))
                     .layer(axum::extract::DefaultBodyLimit::max(limits::BODY)),
             );
         }
@@ -317,6 +351,33 @@ impl Webhooks {
                 }
             },
         ))
+    }
+}
+
+/// Answers a `ConversionReview`: every object converted, or a failure naming the one that
+/// could not be (the apiserver then refuses the request with that message).
+async fn convert(conversions: Arc<Vec<Conversion>>, body: Bytes) -> Response {
+    use kube::core::conversion::{ConversionRequest, ConversionResponse, ConversionReview};
+    let review: ConversionReview = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return (StatusCode::BAD_REQUEST, format!("not a ConversionReview: {e}")).into_response(),
+    };
+    let req = match ConversionRequest::from_review(review) {
+        Ok(r) => r,
+        Err(e) => return (StatusCode::BAD_REQUEST, e.to_string()).into_response(),
+    };
+    let (objects, desired) = (req.objects.clone(), req.desired_api_version.clone());
+    let resp = ConversionResponse::for_request(req);
+    let resp = match crate::conversion::convert_all(&conversions, &objects, &desired) {
+        Ok(converted) => resp.success(converted),
+        Err(e) => {
+            tracing::info!(error = %e, "conversion refused");
+            resp.failure(kube::core::Status::failure(&e.0, "ConversionFailed"))
+        }
+    };
+    match serde_json::to_vec(&resp.into_review()) {
+        Ok(body) => ([(axum::http::header::CONTENT_TYPE, "application/json")], body).into_response(),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
     }
 }
 

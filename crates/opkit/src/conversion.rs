@@ -1,0 +1,311 @@
+//! Versions of one kind with different schemas, converted by the operator's webhook
+//! (`/convert`, ConversionReview v1), as Kubebuilder's hub and spokes do for Go.
+//!
+//! Each served version is its own Rust type. One is the **hub** (by default the storage
+//! version); an author writes, for every other version (a **spoke**), one function to the hub
+//! and one from it. opkit composes spoke → hub → spoke, keeps `metadata` as it was (only
+//! `apiVersion` changes), and makes every conversion lossless: when the target version cannot
+//! express something of the source (a field it lacks), the source's content is kept in the
+//! annotation `conversion.opkit.dev/<version>` of the result, and restored when the object
+//! comes back to that version, with whatever was changed meanwhile in the other version
+//! applied on top. So v1 → v2 → v1 returns the original object.
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use kube::Resource;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use serde_json::{Map, Value};
+
+/// Prefix of the annotations that keep what a version could not express.
+pub const ANNOTATION_PREFIX: &str = "conversion.opkit.dev/";
+
+/// Why an object could not be converted: the apiserver shows the message to the user, so it
+/// names the field and what the other version accepts.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ConversionError(pub String);
+
+impl ConversionError {
+    /// An error about `field` (a path such as `spec.cronSpec`).
+    pub fn field(field: &str, why: impl std::fmt::Display) -> Self {
+        ConversionError(format!("{field}: {why}"))
+    }
+}
+
+type Step = Arc<dyn Fn(Value) -> Result<Value, ConversionError> + Send + Sync>;
+
+/// One served version: how to go to the hub and back, on JSON.
+#[derive(Clone)]
+struct Version {
+    up: Step,
+    down: Step,
+}
+
+/// The versions of one kind and how they convert: the hub and its spokes.
+#[derive(Clone)]
+pub struct Conversion {
+    group: String,
+    kind: String,
+    plural: String,
+    hub: String,
+    versions: BTreeMap<String, Version>,
+}
+
+fn typed<K: DeserializeOwned>(v: Value) -> Result<K, ConversionError> {
+    let api_version = v
+        .get("apiVersion")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_string();
+    serde_json::from_value(v).map_err(|e| ConversionError(format!("reading the {api_version} object: {e}")))
+}
+
+fn json<K: Serialize>(k: &K) -> Result<Value, ConversionError> {
+    serde_json::to_value(k).map_err(|e| ConversionError(format!("writing the converted object: {e}")))
+}
+
+impl Conversion {
+    /// A kind whose hub is `H`: every spoke converts to and from it.
+    pub fn hub<H>() -> Self
+    where
+        H: Resource<DynamicType = ()>,
+    {
+        let identity: Step = Arc::new(Ok);
+        let hub = H::api_version(&()).to_string();
+        Conversion {
+            group: H::group(&()).to_string(),
+            kind: H::kind(&()).to_string(),
+            plural: H::plural(&()).to_string(),
+            versions: BTreeMap::from([(
+                hub.clone(),
+                Version {
+                    up: identity.clone(),
+                    down: identity,
+                },
+            )]),
+            hub,
+        }
+    }
+
+    /// Adds the spoke `S`, converted to the hub `H` by `to_hub` and back by `from_hub`. Both
+    /// may copy `metadata` or leave it default: it is put back as it was either way.
+    pub fn spoke<S, H>(
+        mut self,
+        to_hub: fn(&S) -> Result<H, ConversionError>,
+        from_hub: fn(&H) -> Result<S, ConversionError>,
+    ) -> Self
+    where
+        S: Resource<DynamicType = ()> + Serialize + DeserializeOwned + 'static,
+        H: Resource<DynamicType = ()> + Serialize + DeserializeOwned + 'static,
+    {
+        assert_eq!(
+            H::api_version(&()),
+            self.hub.as_str(),
+            "a spoke of {} converts to its hub",
+            self.kind
+        );
+        let up: Step = Arc::new(move |v| json(&to_hub(&typed::<S>(v)?)?));
+        let down: Step = Arc::new(move |v| json(&from_hub(&typed::<H>(v)?)?));
+        self.versions
+            .insert(S::api_version(&()).to_string(), Version { up, down });
+        self
+    }
+
+    /// The CRD this conversion serves: `<plural>.<group>`.
+    pub fn crd_name(&self) -> String {
+        format!("{}.{}", self.plural, self.group)
+    }
+
+    /// Whether `api_version` and `kind` are objects of this conversion.
+    pub fn handles(&self, api_version: &str, kind: &str) -> bool {
+        kind == self.kind && self.versions.contains_key(api_version)
+    }
+
+    /// The hub's `apiVersion`.
+    pub fn hub_version(&self) -> &str {
+        &self.hub
+    }
+
+    fn version(&self, api_version: &str) -> Result<&Version, ConversionError> {
+        self.versions.get(api_version).ok_or_else(|| {
+            ConversionError(format!(
+                "{} has no version {api_version}; served: {}",
+                self.kind,
+                self.versions.keys().cloned().collect::<Vec<_>>().join(", ")
+            ))
+        })
+    }
+
+    /// The typed path alone: `from` → hub → `to`, with `metadata` and `kind` kept.
+    fn typed_path(&self, obj: &Value, to: &str) -> Result<Value, ConversionError> {
+        let from = api_version(obj);
+        if from == to {
+            return Ok(obj.clone());
+        }
+        let mut hub = (self.version(&from)?.up)(obj.clone())?;
+        set_type(&mut hub, &self.hub, &self.kind);
+        let mut out = (self.version(to)?.down)(hub)?;
+        set_type(&mut out, to, &self.kind);
+        if let (Some(o), Some(m)) = (out.as_object_mut(), obj.get("metadata")) {
+            o.insert("metadata".into(), m.clone());
+        }
+        Ok(out)
+    }
+
+    /// Converts `obj` to `to` (an `apiVersion` such as `stable.example.com/v2`): the typed
+    /// path, then what `to` kept in an annotation restored, and what `to` cannot express of
+    /// the source kept in one.
+    pub fn convert(&self, obj: &Value, to: &str) -> Result<Value, ConversionError> {
+        let from = api_version(obj);
+        if from == to {
+            return Ok(obj.clone());
+        }
+        self.version(to)?;
+        let saved_key = annotation(to);
+        let saved = annotations(obj)
+            .and_then(|a| a.get(&saved_key))
+            .and_then(Value::as_str)
+            .and_then(|s| serde_json::from_str::<Value>(s).ok());
+        // The source without the content kept for `to` (it is consumed here).
+        let mut src = obj.clone();
+        remove_annotation(&mut src, &saved_key);
+        let mut out = self.typed_path(&src, to)?;
+        if let Some(saved) = saved.filter(Value::is_object) {
+            // What the object was in `to` when it left it, and what it became in `from` then.
+            let left_as = self.typed_path(&with_content(&out, &saved), &from)?;
+            let restored = if content(&left_as) == content(&src) {
+                // Unchanged since: exactly what it was.
+                saved
+            } else {
+                // Changed in `from` meanwhile: those changes, on top of what it was.
+                let base = content(&self.typed_path(&left_as, to)?);
+                let changes = json_patch::diff(&base, &content(&out));
+                let mut merged = saved.clone();
+                match json_patch::patch(&mut merged, &changes) {
+                    Ok(()) => merged,
+                    Err(_) => content(&out),
+                }
+            };
+            out = with_content(&out, &restored);
+        }
+        // What `to` cannot express of the source is kept for the way back.
+        let back = self.typed_path(&out, &from)?;
+        if content(&back) != content(&src) {
+            let kept = serde_json::to_string(&content(&src))
+                .map_err(|e| ConversionError(format!("keeping the {from} fields: {e}")))?;
+            set_annotation(&mut out, &annotation(&from), kept);
+        } else {
+            remove_annotation(&mut out, &annotation(&from));
+        }
+        Ok(out)
+    }
+}
+
+/// The annotation that keeps an object's content in `api_version` (`group/version`).
+fn annotation(api_version: &str) -> String {
+    let version = api_version.rsplit('/').next().unwrap_or(api_version);
+    format!("{ANNOTATION_PREFIX}{version}")
+}
+
+fn api_version(obj: &Value) -> String {
+    obj.get("apiVersion")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_string()
+}
+
+fn set_type(obj: &mut Value, api_version: &str, kind: &str) {
+    if let Some(o) = obj.as_object_mut() {
+        o.insert("apiVersion".into(), api_version.into());
+        o.insert("kind".into(), kind.into());
+    }
+}
+
+/// Everything but `apiVersion`, `kind` and `metadata`: what a conversion changes.
+fn content(obj: &Value) -> Value {
+    let mut m: Map<String, Value> = obj.as_object().cloned().unwrap_or_default();
+    for k in ["apiVersion", "kind", "metadata"] {
+        m.remove(k);
+    }
+    Value::Object(m)
+}
+
+/// `obj`'s type and metadata with `content`.
+fn with_content(obj: &Value, content: &Value) -> Value {
+    let mut m: Map<String, Value> = content.as_object().cloned().unwrap_or_default();
+    for k in ["apiVersion", "kind", "metadata"] {
+        if let Some(v) = obj.get(k) {
+            m.insert(k.into(), v.clone());
+        }
+    }
+    Value::Object(m)
+}
+
+fn annotations(obj: &Value) -> Option<&Map<String, Value>> {
+    obj.get("metadata")?.get("annotations")?.as_object()
+}
+
+fn remove_annotation(obj: &mut Value, key: &str) {
+    let Some(meta) = obj.get_mut("metadata").and_then(Value::as_object_mut) else {
+        return;
+    };
+    let empty = match meta.get_mut("annotations").and_then(Value::as_object_mut) {
+        Some(a) => {
+            a.remove(key);
+            a.is_empty()
+        }
+        None => false,
+    };
+    if empty {
+        meta.remove("annotations");
+    }
+}
+
+fn set_annotation(obj: &mut Value, key: &str, value: String) {
+    let Some(o) = obj.as_object_mut() else {
+        return;
+    };
+    let meta = o.entry("metadata").or_insert_with(|| Value::Object(Map::new()));
+    if let Some(meta) = meta.as_object_mut() {
+        let a = meta
+            .entry("annotations")
+            .or_insert_with(|| Value::Object(Map::new()));
+        if let Some(a) = a.as_object_mut() {
+            a.insert(key.into(), value.into());
+        }
+    }
+}
+
+/// Converts every object of a ConversionReview request to `desired`, in order: all of them or
+/// an error naming the object that could not be.
+pub fn convert_all(
+    conversions: &[Conversion],
+    objects: &[Value],
+    desired: &str,
+) -> Result<Vec<Value>, ConversionError> {
+    objects
+        .iter()
+        .map(|o| {
+            let (version, kind) = (
+                api_version(o),
+                o.get("kind").and_then(Value::as_str).unwrap_or_default(),
+            );
+            let name = o
+                .pointer("/metadata/name")
+                .and_then(Value::as_str)
+                .unwrap_or_default();
+            let c = conversions
+                .iter()
+                .find(|c| c.handles(&version, kind) && c.handles(desired, kind))
+                .ok_or_else(|| {
+                    ConversionError(format!("no conversion of {kind} from {version} to {desired}"))
+                })?;
+            c.convert(o, desired).map_err(|e| {
+                ConversionError(format!(
+                    "converting {kind} {name} from {version} to {desired}: {e}"
+                ))
+            })
+        })
+        .collect()
+}
