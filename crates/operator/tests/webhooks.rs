@@ -466,3 +466,108 @@ async fn crontabs_written_in_either_version_read_back_the_same_in_both() {
         })
         .await;
 }
+
+/// Makes `version` the storage version of the CronTab CRD.
+fn store_crontabs_as(version: &str) -> anyhow::Result<()> {
+    let crd: serde_json::Value = serde_json::from_str(&kubectl(&[
+        "get",
+        "crd",
+        "crontabs.stable.example.com",
+        "-o",
+        "json",
+    ])?)?;
+    let ops: Vec<serde_json::Value> = crd["spec"]["versions"]
+        .as_array()
+        .context("versions")?
+        .iter()
+        .enumerate()
+        .map(|(i, v)| serde_json::json!({"op": "replace", "path": format!("/spec/versions/{i}/storage"), "value": v["name"] == version}))
+        .collect();
+    kubectl(&[
+        "patch",
+        "crd",
+        "crontabs.stable.example.com",
+        "--type",
+        "json",
+        "-p",
+        &serde_json::to_string(&ops)?,
+    ])?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn migrating_the_storage_version_rewrites_every_crontab_and_trims_stored_versions() {
+    use serde_json::json;
+    shared()
+        .in_namespace("migrate", |_client, ns| async move {
+            let _turn = ONE_OPERATOR.lock().await;
+            install_crds()?;
+            let port = common::free_port()?;
+            let log = std::env::temp_dir().join(format!("opkit-migrate-{ns}.log"));
+            let _op = Running(
+                Command::new(env!("CARGO_BIN_EXE_opkit"))
+                    .args(["run", "--controllers", "crontab", "--namespace", &ns])
+                    .args(["--metrics-bind-address", "0", "--health-probe-bind-address", "0"])
+                    .args(["--webhook-bind-address", &format!("127.0.0.1:{port}")])
+                    .args(["--webhook-url", &format!("https://127.0.0.1:{port}")])
+                    .env("KUBECONFIG", shared().kubeconfig())
+                    .stdout(std::fs::File::create(&log)?)
+                    .stderr(Stdio::null())
+                    .spawn()?,
+            );
+            let logs = || std::fs::read_to_string(&log).unwrap_or_default();
+            let (v1, v2) = ("crontabs.v1.stable.example.com", "crontabs.v2.stable.example.com");
+            // Objects written while v1 was the storage version, some with what v1 cannot say.
+            store_crontabs_as("v1")?;
+            let result = async {
+                let objects = |i: usize| {
+                    if i % 2 == 0 {
+                        json!({"apiVersion": "stable.example.com/v1", "kind": "CronTab", "metadata": {"name": format!("old-{i}")},
+                               "spec": {"cronSpec": format!("{} * * * *", i % 60), "image": "busybox"}})
+                    } else {
+                        json!({"apiVersion": "stable.example.com/v2", "kind": "CronTab", "metadata": {"name": format!("old-{i}")},
+                               "spec": {"schedule": {"minute": "0", "hour": format!("{}", i % 24), "dayOfMonth": "*", "month": "*", "dayOfWeek": "*"},
+                                        "timeZone": "Asia/Shanghai", "image": "busybox", "replicas": 3}})
+                    }
+                };
+                wait_for("the conversion webhook", T, || async {
+                    apply(&ns, &objects(0).to_string()).and_then(|(ok, out)| if ok { Ok(()) } else { Err(anyhow::anyhow!(out)) })
+                })
+                .await
+                .with_context(logs)?;
+                for i in 1..20 {
+                    let (ok, out) = apply(&ns, &objects(i).to_string())?;
+                    ensure!(ok, "{out}");
+                }
+                store_crontabs_as("v2")?;
+                let stored = kubectl(&["get", "crd", "crontabs.stable.example.com", "-o", "jsonpath={.status.storedVersions}"])?;
+                ensure!(stored.contains("v1") && stored.contains("v2"), "{stored}");
+                // What every object means, in both versions, before.
+                let specs = |resource: &'static str| {
+                    let ns = ns.clone();
+                    move || -> anyhow::Result<Vec<serde_json::Value>> {
+                        let list: serde_json::Value =
+                            serde_json::from_str(&kubectl(&["get", resource, "-n", &ns, "-o", "json"])?)?;
+                        Ok(list["items"].as_array().context("items")?.iter().map(|o| json!([o["metadata"]["name"], o["spec"]])).collect())
+                    }
+                };
+                let before = (specs(v1)()?, specs(v2)()?);
+                ensure!(before.0.len() == 20, "{:?}", before.0);
+
+                let out = common::opkit(&["migrate-storage", "--crd", "crontabs.stable.example.com"]).output()?;
+                let said = String::from_utf8_lossy(&out.stdout).to_string();
+                ensure!(out.status.success(), "{said}{}", String::from_utf8_lossy(&out.stderr));
+                ensure!(said.contains("rewritten in v2"), "{said}");
+                let stored = kubectl(&["get", "crd", "crontabs.stable.example.com", "-o", "jsonpath={.status.storedVersions}"])?;
+                ensure!(stored == r#"["v2"]"#, "{stored}");
+                let after = (specs(v1)()?, specs(v2)()?);
+                ensure!(after == before, "changed in meaning:\nbefore {before:?}\nafter {after:?}");
+                anyhow::Ok(())
+            }
+            .await;
+            // Whatever happened, the CRD stores v2 again for the other tests.
+            store_crontabs_as("v2")?;
+            result
+        })
+        .await;
+}

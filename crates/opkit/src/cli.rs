@@ -77,6 +77,17 @@ enum Command<A: Args, X: Subcommand> {
     /// Write the OLM bundle (`bundle/`, `bundle.Dockerfile`) from the generated manifests,
     /// `config/manifests/metadata.yaml` and `config/samples`, or check it is fresh.
     Bundle(BundleArgs),
+    /// Rewrite every object of the operator's CRDs (or those named) in their storage version
+    /// and trim `status.storedVersions` to it, after the storage version changed. Objects of a
+    /// converted version need the operator (its conversion webhook) running.
+    MigrateStorage {
+        /// Only this CRD (`<plural>.<group>`; repeatable).
+        #[arg(long = "crd")]
+        crds: Vec<String>,
+        /// Path to a kubeconfig (default: $KUBECONFIG, then in-cluster).
+        #[arg(long)]
+        kubeconfig: Option<PathBuf>,
+    },
     #[command(flatten)]
     Extra(X),
 }
@@ -489,6 +500,27 @@ pub fn main_with<S, A: Args, X: Subcommand>(
             namespaces,
         } => write_manifests(&op, &dir, check, &namespaces),
         Command::Bundle(args) => write_bundle(&op, args),
+        Command::MigrateStorage { crds, kubeconfig } => runtime.block_on(async {
+            let config = match kubeconfig {
+                Some(path) => {
+                    Config::from_custom_kubeconfig(
+                        Kubeconfig::read_from(path)?,
+                        &KubeConfigOptions::default(),
+                    )
+                    .await?
+                }
+                None => Config::infer().await?,
+            };
+            let client = kube::Client::try_from(config)?;
+            let names = match crds.is_empty() {
+                true => op.registry.crds().iter().map(|c| c.name_any()).collect(),
+                false => crds,
+            };
+            for name in names {
+                println!("{}", crate::migrate::migrate_storage(&client, &name).await?);
+            }
+            anyhow::Ok(())
+        }),
         Command::Extra(x) => extra(x),
     }
 }

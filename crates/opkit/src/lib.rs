@@ -22,6 +22,7 @@ pub mod leader;
 pub mod manager;
 pub mod manifests;
 pub mod metrics;
+pub mod migrate;
 pub mod operator;
 pub mod rbac;
 pub mod reconciler;
