@@ -521,7 +521,7 @@ async fn migrating_the_storage_version_rewrites_every_crontab_and_trims_stored_v
             store_crontabs_as("v1")?;
             let result = async {
                 let objects = |i: usize| {
-                    if i % 2 == 0 {
+                    if i.is_multiple_of(2) {
                         json!({"apiVersion": "stable.example.com/v1", "kind": "CronTab", "metadata": {"name": format!("old-{i}")},
                                "spec": {"cronSpec": format!("{} * * * *", i % 60), "image": "busybox"}})
                     } else {
