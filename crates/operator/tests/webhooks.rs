@@ -459,7 +459,7 @@ async fn crontabs_written_in_either_version_read_back_the_same_in_both() {
                 &ns,
                 r#"{"apiVersion":"stable.example.com/v1","kind":"CronTab","metadata":{"name":"hourly"},"spec":{"cronSpec":"@hourly","image":"busybox"}}"#,
             )?;
-            ensure!(!ok && out.contains("spec.cronSpec: \"@hourly\" has 1 fields"), "{out}");
+            ensure!(!ok && out.contains("spec.cronSpec: \"@hourly\" has 1 field;"), "{out}");
             let left = kubectl(&["get", v2, "-n", &ns, "-o", "name"])?;
             ensure!(!left.contains("hourly"), "{left}");
             Ok(())

@@ -20,9 +20,10 @@ pub fn to_hub(c: &v1::CronTab) -> Result<v2::CronTab, ConversionError> {
         return Err(ConversionError::field(
             "spec.cronSpec",
             format!(
-                "{:?} has {} fields; v2 stores five (minute hour day-of-month month day-of-week), so it cannot be stored",
+                "{:?} has {} field{}; v2 stores five (minute hour day-of-month month day-of-week), so it cannot be stored",
                 c.spec.cron_spec,
-                fields.len()
+                fields.len(),
+                if fields.len() == 1 { "" } else { "s" }
             ),
         ));
     };
@@ -114,7 +115,7 @@ mod tests {
             )
             .unwrap_err();
         assert!(
-            err.0.starts_with("spec.cronSpec: \"@hourly\" has 1 fields"),
+            err.0.starts_with("spec.cronSpec: \"@hourly\" has 1 field;"),
             "{err}"
         );
     }
