@@ -30,6 +30,7 @@ use opkit_testenv::proxy::{Fault, FaultProxy};
 use opkit_testenv::{Component, ControlPlane, Options, Signal, wait_for};
 
 mod common;
+use common::{Audited, read_audit};
 
 const NS: &str = "chaos";
 /// The operator's own namespace (its Lease, the shared webhook certificate), which its
@@ -237,45 +238,6 @@ fn start_replica(
         &env,
         cp.dir(),
     )?)
-}
-
-/// One request in the audit log.
-#[derive(Debug)]
-struct Audited {
-    user: String,
-    verb: String,
-    resource: String,
-    subresource: String,
-    name: String,
-    code: i64,
-    received: String,
-    done: String,
-}
-
-fn read_audit(path: &Path) -> anyhow::Result<Vec<Audited>> {
-    let text = std::fs::read_to_string(path)?;
-    let mut out = Vec::new();
-    for line in text.lines() {
-        let v: serde_json::Value = serde_json::from_str(line)?;
-        if v["stage"] != "ResponseComplete" {
-            continue;
-        }
-        let s = |p: &str| v.pointer(p).and_then(|x| x.as_str()).unwrap_or("").to_string();
-        out.push(Audited {
-            user: s("/user/username"),
-            verb: s("/verb"),
-            resource: s("/objectRef/resource"),
-            subresource: s("/objectRef/subresource"),
-            name: s("/objectRef/name"),
-            code: v
-                .pointer("/responseStatus/code")
-                .and_then(|c| c.as_i64())
-                .unwrap_or(0),
-            received: s("/requestReceivedTimestamp"),
-            done: s("/stageTimestamp"),
-        });
-    }
-    Ok(out)
 }
 
 fn is_write(verb: &str) -> bool {
@@ -946,12 +908,14 @@ fn the_audit_check_finds_a_write_by_a_replica_that_lost_the_lease() {
         verb: verb.into(),
         resource: resource.into(),
         subresource: String::new(),
+        group: String::new(),
         name: if resource == "leases" {
             LEASE.into()
         } else {
             "x".into()
         },
         code: 200,
+        decision: "allow".into(),
         received: received.into(),
         done: done.into(),
     };

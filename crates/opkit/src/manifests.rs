@@ -259,11 +259,11 @@ pub fn platform_rules<S>(op: &Operator<S>, webhook_configurations: bool) -> anyh
     if webhook_configurations {
         rules.extend(crate::webhook::rbac_rules(op.name, &webhooks(op)?));
     }
-    // `run` waits for its own CRDs to be Established before starting.
+    // `run` waits for its own CRDs to be Established before starting (polled by name).
     let mut crds = rule(
         &["apiextensions.k8s.io"],
         &["customresourcedefinitions"],
-        &["get", "list", "watch"],
+        &["get"],
     );
     crds.resource_names = Some(op.registry.crds().iter().map(|c| c.name_any()).collect());
     rules.push(crds);

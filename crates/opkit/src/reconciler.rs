@@ -42,8 +42,11 @@ pub trait Reconciler: Send + Sync + 'static {
     /// Name for `--controllers`, metrics labels, logs and the field manager `opkit-<name>`.
     fn name(&self) -> &'static str;
 
-    /// The API access the controller uses, for the generated RBAC; it should cover every
-    /// watch, the primary kind's status and the children's writes.
+    /// The API access the controller uses, for the generated RBAC, and nothing more: `list`
+    /// and `watch` for every watch, `patch` for the status subresource and for children (an
+    /// apply that makes a child also needs `create`), `delete` where children are pruned or
+    /// the object deletes itself, `get` only where `observe` reads through the client. The
+    /// operator's RBAC test fails on a verb no request uses.
     fn rbac() -> Vec<PolicyRule>
     where
         Self: Sized;

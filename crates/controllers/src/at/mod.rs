@@ -63,15 +63,11 @@ pub fn rbac_rules() -> Vec<PolicyRule> {
         rule(
             &["cnat.programming-kubernetes.info"],
             &["ats"],
-            &["get", "list", "watch", "delete"],
+            &["list", "watch", "delete"],
         ),
-        rule(
-            &["cnat.programming-kubernetes.info"],
-            &["ats/status"],
-            &["get", "patch"],
-        ),
+        rule(&["cnat.programming-kubernetes.info"], &["ats/status"], &["patch"]),
         // The Pod is created (never applied: a second apply could start the command twice)
-        // and never changed afterwards.
+        // and never changed afterwards; `get` reads it when the cache may lag (see `observe`).
         rule(&[""], &["pods"], &["get", "list", "watch", "create"]),
         events(),
     ]

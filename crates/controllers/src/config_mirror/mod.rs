@@ -66,20 +66,15 @@ pub fn rbac_rules() -> Vec<PolicyRule> {
         rule(
             &["mirror.opkit.dev"],
             &["configmirrors"],
-            &["get", "list", "watch", "patch"],
+            &["list", "watch", "patch"],
         ),
-        rule(
-            &["mirror.opkit.dev"],
-            &["configmirrors/status"],
-            &["get", "patch"],
-        ),
-        // Copies carry an owner reference that blocks the mirror's deletion until they go.
-        rule(&["mirror.opkit.dev"], &["configmirrors/finalizers"], &["update"]),
-        rule(&[""], &["namespaces"], &["get", "list", "watch"]),
+        rule(&["mirror.opkit.dev"], &["configmirrors/status"], &["patch"]),
+        rule(&[""], &["namespaces"], &["list", "watch"]),
+        // `create`: an apply that makes a copy is authorized as a create too.
         rule(
             &[""],
             &["configmaps"],
-            &["get", "list", "watch", "create", "patch", "delete"],
+            &["list", "watch", "create", "patch", "delete"],
         ),
         events(),
     ]

@@ -70,13 +70,16 @@ pub mod reason {
 /// The API access both loops use, for the generated ClusterRole.
 pub fn rbac_rules() -> Vec<PolicyRule> {
     vec![
+        // The annotation loop applies an Eru (an apply that makes it is authorized as a create
+        // too) and prunes it when the annotation goes.
         rule(
             &["mtsre.meitu.com"],
             &["erus"],
-            &["get", "list", "watch", "create", "patch", "delete"],
+            &["list", "watch", "create", "patch", "delete"],
         ),
-        rule(&["mtsre.meitu.com"], &["erus/status"], &["get", "patch"]),
+        rule(&["mtsre.meitu.com"], &["erus/status"], &["patch"]),
         // `patch` sets the restart annotation; the Deployments themselves are never created.
+        // `get`: the webhook asks whether an Eru's Deployment exists.
         rule(&["apps"], &["deployments"], &["get", "list", "watch", "patch"]),
         events(),
     ]

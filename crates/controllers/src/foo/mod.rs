@@ -39,8 +39,10 @@ const INVALID_SPEC: &str = "InvalidSpec";
 /// The API access this controller uses, for the generated ClusterRole.
 pub fn rbac_rules() -> Vec<PolicyRule> {
     vec![
-        rule(&["samplecontroller.k8s.io"], &["foos"], &["get", "list", "watch"]),
-        rule(&["samplecontroller.k8s.io"], &["foos/status"], &["get", "patch"]),
+        rule(&["samplecontroller.k8s.io"], &["foos"], &["list", "watch"]),
+        rule(&["samplecontroller.k8s.io"], &["foos/status"], &["patch"]),
+        // `get`: a Deployment of that name not in the cache (see `observe`); `delete` prunes
+        // the old one when `deploymentName` changes.
         rule(
             &["apps"],
             &["deployments"],

@@ -65,15 +65,16 @@ impl Default for MemcachedController {
 /// The API access this controller uses, for the generated ClusterRole.
 pub fn rbac_rules() -> Vec<PolicyRule> {
     vec![
-        rule(&["cache.example.com"], &["memcacheds"], &["get", "list", "watch"]),
-        rule(&["cache.example.com"], &["memcacheds/status"], &["get", "patch"]),
-        // `delete` prunes a Deployment the plan no longer produces.
+        rule(&["cache.example.com"], &["memcacheds"], &["list", "watch"]),
+        rule(&["cache.example.com"], &["memcacheds/status"], &["patch"]),
+        // Read from caches only. `create`: an apply that makes the Deployment is authorized as
+        // a create too; `delete` prunes a Deployment the plan no longer produces.
         rule(
             &["apps"],
             &["deployments"],
-            &["get", "list", "watch", "create", "patch", "delete"],
+            &["list", "watch", "create", "patch", "delete"],
         ),
-        rule(&[""], &["pods"], &["get", "list", "watch"]),
+        rule(&[""], &["pods"], &["list", "watch"]),
         events(),
     ]
 }

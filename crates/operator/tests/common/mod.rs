@@ -1,8 +1,9 @@
-//! Shared by the tests that run the `opkit` binary: kubectl, CRD install, processes.
+//! Shared by the tests that run the `opkit` binary: kubectl, CRD install, processes, the
+//! apiserver's audit log.
 #![allow(dead_code)]
 use std::process::{Child, Command, Stdio};
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, anyhow, ensure};
@@ -15,7 +16,13 @@ use opkit_testenv::{shared, wait_for};
 /// Runs the pinned kubectl against the local control plane; its stdout, or an error with
 /// its stderr.
 pub fn kubectl(args: &[&str]) -> anyhow::Result<String> {
-    let out = shared().kubectl().args(args).output()?;
+    run_kubectl(shared().kubectl(), args)
+}
+
+/// Runs `kubectl` (a kubectl command pointed at its cluster) with `args`; its stdout, or an
+/// error with its stderr.
+pub fn run_kubectl(mut kubectl: Command, args: &[&str]) -> anyhow::Result<String> {
+    let out = kubectl.args(args).output()?;
     ensure!(
         out.status.success(),
         "kubectl {}: {}",
@@ -139,4 +146,51 @@ pub async fn service_account_kubeconfig(
     ));
     std::fs::write(&path, shared().kubeconfig_with_token(&token)?)?;
     Ok(path)
+}
+
+/// One request in the apiserver's audit log (a control plane started with `audit_log`).
+#[derive(Debug)]
+pub struct Audited {
+    pub user: String,
+    pub verb: String,
+    /// The API group; empty for the core group.
+    pub group: String,
+    pub resource: String,
+    pub subresource: String,
+    pub name: String,
+    pub code: i64,
+    /// The authorizer's decision (`allow`, `forbid`).
+    pub decision: String,
+    pub received: String,
+    pub done: String,
+}
+
+/// Every answered request in the audit log at `path`. A watch is logged when its answer starts
+/// (it may still be open), and again when it ends.
+pub fn read_audit(path: &Path) -> anyhow::Result<Vec<Audited>> {
+    let text = std::fs::read_to_string(path)?;
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let v: serde_json::Value = serde_json::from_str(line)?;
+        if v["stage"] != "ResponseComplete" && v["stage"] != "ResponseStarted" {
+            continue;
+        }
+        let s = |p: &str| v.pointer(p).and_then(|x| x.as_str()).unwrap_or("").to_string();
+        out.push(Audited {
+            user: s("/user/username"),
+            verb: s("/verb"),
+            group: s("/objectRef/apiGroup"),
+            resource: s("/objectRef/resource"),
+            subresource: s("/objectRef/subresource"),
+            name: s("/objectRef/name"),
+            code: v
+                .pointer("/responseStatus/code")
+                .and_then(|c| c.as_i64())
+                .unwrap_or(0),
+            decision: s("/annotations/authorization.k8s.io~1decision"),
+            received: s("/requestReceivedTimestamp"),
+            done: s("/stageTimestamp"),
+        });
+    }
+    Ok(out)
 }
