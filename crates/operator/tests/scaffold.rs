@@ -131,8 +131,12 @@ async fn a_scaffolded_guestbook_builds_lints_and_passes_its_own_tests() -> anyho
         &dir,
         &format!("create webhook {guestbook} --defaulting --programmatic-validation"),
     )?;
-    // A second served version of the same kind.
+    // A second served version of the same kind, converted to and from v1 (the hub).
     opkit_ok(&dir, "create api --group webapp --version v2 --kind Guestbook")?;
+    opkit_ok(
+        &dir,
+        &format!("create webhook {guestbook} --conversion --spoke v2"),
+    )?;
     // Seed 000's CronTab: a CRD without a controller.
     opkit_ok(
         &dir,
@@ -202,6 +206,10 @@ async fn a_scaffolded_guestbook_builds_lints_and_passes_its_own_tests() -> anyho
         crd.contains("name: v1\n") && crd.contains("name: v2\n"),
         "both versions served:\n{crd}"
     );
+    ensure!(
+        crd.contains("strategy: Webhook") && crd.contains("path: /convert"),
+        "the CRD is not converted by the webhook:\n{crd}"
+    );
     let hooks = std::fs::read_to_string(dir.join("config/webhook/manifests.yaml"))?;
     for path in [
         "/mutate-webapp-my-domain-v1-guestbook",
@@ -233,7 +241,10 @@ async fn a_scaffolded_guestbook_builds_lints_and_passes_its_own_tests() -> anyho
     let tests = project(&dir, "make", &["test"])?;
     ensure!(
         tests.matches("test the_sample_becomes_available ... ok").count() == 2
-            && tests.contains("test the_sample_is_reconciled_and_left_as_it_is ... ok"),
+            && tests.contains("test the_sample_is_reconciled_and_left_as_it_is ... ok")
+            && tests.contains(
+                "test guestbook_conversion::tests::every_version_round_trips_through_the_others ... ok"
+            ),
         "the generated controller tests (Guestbook, Tenant, Deployment) did not all run:\n{tests}"
     );
     eprintln!(
@@ -324,6 +335,17 @@ async fn a_scaffolded_guestbook_builds_lints_and_passes_its_own_tests() -> anyho
         },
     )
     .await?;
+    // The same Guestbook read as v2, through the generated conversion webhook.
+    let v2 = kubectl(&[
+        "get",
+        "guestbooks.v2.webapp.my.domain",
+        "-n",
+        &ns,
+        "defaulted",
+        "-o",
+        "jsonpath={.apiVersion} {.spec.foo}",
+    ])?;
+    ensure!(v2 == "webapp.my.domain/v2 default", "{v2}");
     // CronTab: served without a controller, reachable by its short name.
     let (ok, out) = kubectl_stdin(
         &["apply", "-n", &ns, "-f", "-"],

@@ -97,6 +97,13 @@ pub struct WebhookArgs {
     /// A validating webhook with checks written in Rust.
     #[arg(long)]
     pub programmatic_validation: bool,
+    /// A conversion webhook: `--version` is the hub, each `--spoke` version converts to it
+    /// and back (Kubebuilder's `--conversion --spoke v2`).
+    #[arg(long)]
+    pub conversion: bool,
+    /// A version converted to and from the hub (repeatable or comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    pub spoke: Vec<String>,
     /// The project directory.
     #[arg(long, default_value = ".")]
     pub dir: PathBuf,
@@ -163,6 +170,9 @@ pub struct ResourceEntry {
     /// A validating webhook exists.
     #[serde(default)]
     pub validation: bool,
+    /// The versions converted to and from this one, the hub (empty: no conversion webhook).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub spokes: Vec<String>,
     /// A kind built into Kubernetes (`--resource=false`): a controller, no types or CRD.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub builtin: bool,
@@ -688,6 +698,7 @@ pub fn create_api(args: &ApiArgs) -> anyhow::Result<Report> {
         controller: args.controller && existing.is_none(),
         defaulting: false,
         validation: false,
+        spokes: Vec::new(),
         builtin: false,
     });
     project.save(dir)?;
@@ -810,6 +821,7 @@ fn create_builtin_controller(args: &ApiArgs, project: &mut Project) -> anyhow::R
         controller: true,
         defaulting: false,
         validation: false,
+        spokes: Vec::new(),
         builtin: true,
     });
     project.save(dir)?;
@@ -831,9 +843,14 @@ pub fn create_webhook(args: &WebhookArgs) -> anyhow::Result<Report> {
         &args.gvk.kind,
         &project.domain,
     )?;
+    let admission = args.defaulting || args.programmatic_validation;
     ensure!(
-        args.defaulting || args.programmatic_validation,
-        "say which webhooks: --defaulting and/or --programmatic-validation"
+        admission || args.conversion,
+        "say which webhooks: --defaulting, --programmatic-validation and/or --conversion --spoke <version>"
+    );
+    ensure!(
+        args.conversion != args.spoke.is_empty(),
+        "--conversion takes the versions converted to and from --version (the hub) as --spoke <version>, and --spoke goes only with --conversion"
     );
     ensure!(
         !project
@@ -851,76 +868,158 @@ pub fn create_webhook(args: &WebhookArgs) -> anyhow::Result<Report> {
             res.version
         );
     };
-    let entry = &project.resources[i];
-    if (entry.defaulting || !args.defaulting) && (entry.validation || !args.programmatic_validation) {
-        bail!(
-            "{} {}/{} already has these webhooks (see PROJECT); nothing was changed",
+    let entry = project.resources[i].clone();
+    if admission {
+        if (entry.defaulting || !args.defaulting) && (entry.validation || !args.programmatic_validation) {
+            bail!(
+                "{} {}/{} already has these webhooks (see PROJECT); nothing was changed",
+                res.kind,
+                res.group_domain,
+                res.version
+            );
+        }
+        ensure!(
+            !(entry.defaulting || entry.validation),
+            "{} already has webhooks in crates/controllers/src/{}_webhook.rs; add the others there by hand",
             res.kind,
-            res.group_domain,
-            res.version
+            res.kind_snake
         );
     }
-    ensure!(
-        !(entry.defaulting || entry.validation),
-        "{} already has webhooks in crates/controllers/src/{}_webhook.rs; add the others there by hand",
-        res.kind,
-        res.kind_snake
-    );
+    let mut spokes = Vec::new();
+    if args.conversion {
+        ensure!(
+            !project
+                .resources
+                .iter()
+                .any(|e| e.group == res.group && e.kind == res.kind && !e.spokes.is_empty()),
+            "{} already has a conversion in crates/controllers/src/{}_conversion.rs; add versions there by hand",
+            res.kind,
+            res.kind_snake
+        );
+        for v in &args.spoke {
+            let spoke = Resource::new(&res.group, v, &res.kind, &project.domain)?;
+            ensure!(v != &res.version, "--spoke {v} is the hub (--version) itself");
+            ensure!(
+                project.find(&spoke).is_some(),
+                "{} {}/{v} is not in this project: run `opkit create api --group {} --version {v} --kind {}` first",
+                res.kind,
+                res.group_domain,
+                res.group,
+                res.kind
+            );
+            spokes.push(spoke);
+        }
+    }
     let mut vars = vars_of(&project, &res);
     let scope = if entry.namespaced { "Namespaced" } else { "Cluster" };
     vars.insert("rule_scope", scope.into());
-    let (mut chain, mut handlers) = (String::new(), String::new());
-    if args.defaulting {
-        chain.push_str(&render(
-            include_str!("../templates/webhook-chain-defaulting.rs.tmpl"),
-            &vars,
-        ));
-        handlers.push_str(&render(
-            include_str!("../templates/webhook-defaulting.rs.tmpl"),
-            &vars,
-        ));
-    }
-    if args.programmatic_validation {
-        chain.push_str(&render(
-            include_str!("../templates/webhook-chain-validation.rs.tmpl"),
-            &vars,
-        ));
-        handlers.push_str(&render(
-            include_str!("../templates/webhook-validation.rs.tmpl"),
-            &vars,
-        ));
-    }
-    vars.insert("webhook_chain", chain.trim_end().to_string());
-    vars.insert("webhook_handlers", handlers);
-    let module = format!("{}_webhook", res.kind_snake);
     let mut r = Report::default();
-    r.create(
-        dir,
-        &format!("crates/controllers/src/{module}.rs"),
-        &render(include_str!("../templates/webhook.rs.tmpl"), &vars),
-    )?;
-    r.insert(
-        dir,
-        "crates/controllers/src/lib.rs",
-        "// +opkit:scaffold:modules",
-        &format!("pub mod {module};\n"),
-        &format!("pub mod {module};"),
-    )?;
+    if admission {
+        let (mut chain, mut handlers) = (String::new(), String::new());
+        if args.defaulting {
+            chain.push_str(&render(
+                include_str!("../templates/webhook-chain-defaulting.rs.tmpl"),
+                &vars,
+            ));
+            handlers.push_str(&render(
+                include_str!("../templates/webhook-defaulting.rs.tmpl"),
+                &vars,
+            ));
+        }
+        if args.programmatic_validation {
+            chain.push_str(&render(
+                include_str!("../templates/webhook-chain-validation.rs.tmpl"),
+                &vars,
+            ));
+            handlers.push_str(&render(
+                include_str!("../templates/webhook-validation.rs.tmpl"),
+                &vars,
+            ));
+        }
+        vars.insert("webhook_chain", chain.trim_end().to_string());
+        vars.insert("webhook_handlers", handlers);
+        let module = format!("{}_webhook", res.kind_snake);
+        r.create(
+            dir,
+            &format!("crates/controllers/src/{module}.rs"),
+            &render(include_str!("../templates/webhook.rs.tmpl"), &vars),
+        )?;
+        r.insert(
+            dir,
+            "crates/controllers/src/lib.rs",
+            "// +opkit:scaffold:modules",
+            &format!("pub mod {module};\n"),
+            &format!("pub mod {module};"),
+        )?;
+    }
+    if args.conversion {
+        let (mut chain, mut fns) = (String::new(), String::new());
+        let mut all = vec![format!("\"{}/{}\"", res.group_domain, res.version)];
+        for spoke in &spokes {
+            let mut v = vars.clone();
+            v.insert("spoke", spoke.version.clone());
+            v.insert("spoke_module", spoke.module.clone());
+            let _ = write!(chain, "\n        .spoke({0}_to_hub, {0}_from_hub)", spoke.version);
+            fns.push_str(&render(include_str!("../templates/conversion-spoke.rs.tmpl"), &v));
+            all.push(format!("\"{}/{}\"", spoke.group_domain, spoke.version));
+        }
+        let mut v = vars.clone();
+        v.insert("spoke_chain", chain);
+        v.insert("spoke_fns", fns);
+        v.insert("all_versions", all.join(", "));
+        let module = format!("{}_conversion", res.kind_snake);
+        r.create(
+            dir,
+            &format!("crates/controllers/src/{module}.rs"),
+            &render(include_str!("../templates/conversion.rs.tmpl"), &v),
+        )?;
+        r.insert(
+            dir,
+            "crates/controllers/src/lib.rs",
+            "// +opkit:scaffold:modules",
+            &format!("pub mod {module};\n"),
+            &format!("pub mod {module};"),
+        )?;
+    }
+    let entry = &mut project.resources[i];
+    entry.defaulting |= args.defaulting;
+    entry.validation |= args.programmatic_validation;
+    entry.spokes.extend(spokes.iter().map(|s| s.version.clone()));
+    // The registration's one `webhooks:` line serves every webhook of the kind.
+    let kind_entries = || {
+        project
+            .resources
+            .iter()
+            .filter(|e| !e.builtin && e.group == res.group && e.kind == res.kind)
+    };
+    let has_admission = kind_entries().any(|e| e.defaulting || e.validation);
+    let has_conversion = kind_entries().any(|e| !e.spokes.is_empty());
+    let line = match (has_admission, has_conversion) {
+        (true, false) => format!("webhooks: {}_webhook::webhooks,", res.kind_snake),
+        (false, true) => format!(
+            "webhooks: |w, _| w.conversion({}_conversion::conversion()),",
+            res.kind_snake
+        ),
+        _ => format!(
+            "webhooks: |w, c| {0}_webhook::webhooks(w, c).conversion({0}_conversion::conversion()),",
+            res.kind_snake
+        ),
+    };
     r.replace_after(
         dir,
         "crates/controllers/src/lib.rs",
         &format!("// +opkit:scaffold:webhooks:{}", res.kind),
-        &format!("webhooks: {module}::webhooks,"),
-        &format!("{module}::webhooks"),
+        &line,
+        &line,
     )?;
-    let entry = &mut project.resources[i];
-    entry.defaulting |= args.defaulting;
-    entry.validation |= args.programmatic_validation;
     project.save(dir)?;
     r.lines.push("updated   PROJECT".into());
     r.format();
-    r.notes
-        .push("next: `make manifests` writes config/webhook; `make test`".into());
+    r.notes.push(if args.conversion {
+        "next: map the fields in the conversion when a version's schema changes; `make manifests` gives the CRD its conversion webhook; `make test`".into()
+    } else {
+        "next: `make manifests` writes config/webhook; `make test`".into()
+    });
     Ok(r)
 }
 
@@ -1067,6 +1166,8 @@ mod tests {
             },
             defaulting: true,
             programmatic_validation: true,
+            conversion: false,
+            spoke: Vec::new(),
             dir: d.clone(),
         })
         .unwrap();
@@ -1081,6 +1182,61 @@ mod tests {
         a.dir = d.clone();
         let e = create_api(&a).unwrap_err().to_string();
         assert!(e.contains("cluster-scoped in v1"), "{e}");
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    fn webhook_args(d: &Path, args: &str) -> WebhookArgs {
+        match parse(&format!("create webhook {args}")) {
+            Command::Create(Create::Webhook(mut a)) => {
+                a.dir = d.to_path_buf();
+                a
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_conversion_joins_the_admission_webhooks_of_its_kind() {
+        let d = scaffolded(
+            "conversion",
+            &[
+                "--group webapp --version v1 --kind Guestbook",
+                "--group webapp --version v2 --kind Guestbook",
+            ],
+        );
+        let gvk = "--group webapp --version v1 --kind Guestbook";
+        let refused = |args: &str| create_webhook(&webhook_args(&d, args)).unwrap_err().to_string();
+        assert!(refused(&format!("{gvk} --conversion")).contains("--spoke <version>"));
+        assert!(refused(&format!("{gvk} --conversion --spoke v3")).contains("v3 is not in this project"));
+        assert!(refused(&format!("{gvk} --conversion --spoke v1")).contains("is the hub"));
+        create_webhook(&webhook_args(&d, &format!("{gvk} --conversion --spoke v2"))).unwrap();
+        let conv = read(&d, "crates/controllers/src/guestbook_conversion.rs");
+        assert!(
+            conv.contains("Conversion::hub::<hub::Guestbook>()")
+                && conv.contains(".spoke(v2_to_hub, v2_from_hub)"),
+            "{conv}"
+        );
+        assert!(
+            conv.contains("[\"webapp.my.domain/v1\", \"webapp.my.domain/v2\"]"),
+            "{conv}"
+        );
+        let lib = read(&d, "crates/controllers/src/lib.rs");
+        assert!(
+            lib.contains("webhooks: |w, _| w.conversion(guestbook_conversion::conversion()),"),
+            "{lib}"
+        );
+        assert!(read(&d, "PROJECT").contains("spokes:\n  - v2"));
+        assert!(refused(&format!("{gvk} --conversion --spoke v2")).contains("already has a conversion"));
+        // Admission webhooks afterwards: one line serves both.
+        create_webhook(&webhook_args(&d, &format!("{gvk} --defaulting"))).unwrap();
+        let lib = read(&d, "crates/controllers/src/lib.rs");
+        assert!(
+            lib.contains("webhooks: |w, c| {")
+                && lib.contains(
+                    "guestbook_webhook::webhooks(w, c).conversion(guestbook_conversion::conversion())"
+                ),
+            "{lib}"
+        );
         let _ = std::fs::remove_dir_all(&d);
     }
 
@@ -1135,6 +1291,8 @@ mod tests {
             },
             defaulting: true,
             programmatic_validation: false,
+            conversion: false,
+            spoke: Vec::new(),
             dir: d.clone(),
         })
         .unwrap_err()
@@ -1162,6 +1320,11 @@ mod tests {
             "rule_scope",
             "rust_path",
             "api_version",
+            "spoke",
+            "spoke_module",
+            "spoke_chain",
+            "spoke_fns",
+            "all_versions",
         ] {
             vars.insert(k, String::new());
         }
@@ -1186,6 +1349,8 @@ mod tests {
             include_str!("../templates/webhook-chain-validation.rs.tmpl"),
             include_str!("../templates/webhook-defaulting.rs.tmpl"),
             include_str!("../templates/webhook-validation.rs.tmpl"),
+            include_str!("../templates/conversion.rs.tmpl"),
+            include_str!("../templates/conversion-spoke.rs.tmpl"),
         ] {
             let out = render(t, &vars);
             // `{{` stays only where Rust's format strings escape a brace.
