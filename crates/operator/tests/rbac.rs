@@ -40,23 +40,6 @@ const WORK: &str = "rbac";
 const MIRRORED: &str = "rbac-mirrored";
 const T: Duration = Duration::from_secs(60);
 
-/// Grants known to be unused, still to be removed where they are declared:
-/// `opkit::webhook::rbac_rules` (crates/opkit/src/webhook/install.rs) grants `get` on the
-/// webhook configurations, which the operator only applies (`patch`). The test fails once an
-/// entry is no longer granted or is used, so the list cannot outlive its reason.
-const NOT_YET_REMOVED: &[(&str, &str, &str)] = &[
-    (
-        "admissionregistration.k8s.io",
-        "mutatingwebhookconfigurations",
-        "get",
-    ),
-    (
-        "admissionregistration.k8s.io",
-        "validatingwebhookconfigurations",
-        "get",
-    ),
-];
-
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
@@ -362,19 +345,7 @@ async fn every_verb_the_generated_roles_grant_is_used_by_the_operator() -> anyho
         unused.len(),
         refused.len()
     );
-    let listed = |g: &Grant, (group, resource, verb): &(&str, &str, &str)| {
-        g.group == *group && g.resource == *resource && g.verb == *verb
-    };
-    let stale: Vec<String> = NOT_YET_REMOVED
-        .iter()
-        .filter(|entry| !unused.iter().any(|g| listed(g, entry)))
-        .map(|(group, resource, verb)| format!("{verb} {resource} ({group})"))
-        .collect();
-    let unused: Vec<String> = unused
-        .into_iter()
-        .filter(|g| !NOT_YET_REMOVED.iter().any(|entry| listed(g, entry)))
-        .map(|g| g.to_string())
-        .collect();
+    let unused: Vec<String> = unused.into_iter().map(|g| g.to_string()).collect();
     let mut problems = Vec::new();
     for (list, what) in [
         (
@@ -383,10 +354,6 @@ async fn every_verb_the_generated_roles_grant_is_used_by_the_operator() -> anyho
              this scenario use it)",
         ),
         (refused, "refused by RBAC (the roles lack what the operator uses)"),
-        (
-            stale,
-            "in NOT_YET_REMOVED but granted no more, or used (take them out of the list)",
-        ),
     ] {
         if !list.is_empty() {
             problems.push(format!("{what}:\n  {}", list.join("\n  ")));

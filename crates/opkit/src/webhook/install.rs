@@ -213,7 +213,8 @@ pub fn rbac_rules(project: &str, webhooks: &Webhooks) -> Vec<PolicyRule> {
     ]
     .map(|(resource, name)| PolicyRule {
         resource_names: Some(vec![name]),
-        ..rule(&["admissionregistration.k8s.io"], &[resource], &["get", "patch"])
+        // Applied (server-side), never read.
+        ..rule(&["admissionregistration.k8s.io"], &[resource], &["patch"])
     })
     .to_vec();
     let converted = webhooks.conversion_crds();
