@@ -240,6 +240,42 @@ fn start_replica(
     )?)
 }
 
+/// Creates v1 CronTabs (each converted by the webhook to the stored v2 and back) until `stop`:
+/// how many were created, and every error.
+async fn convert_until(
+    client: kube::Client,
+    round: usize,
+    stop: tokio_util::sync::CancellationToken,
+) -> (usize, Vec<String>) {
+    let resource = kube::core::ApiResource {
+        group: "stable.example.com".into(),
+        version: "v1".into(),
+        api_version: "stable.example.com/v1".into(),
+        kind: "CronTab".into(),
+        plural: "crontabs".into(),
+    };
+    let api: Api<kube::core::DynamicObject> = Api::namespaced_with(client, NS, &resource);
+    let (mut converted, mut failed) = (0, Vec::new());
+    let mut i = 0;
+    while !stop.is_cancelled() {
+        let ct = serde_json::json!({
+            "apiVersion": "stable.example.com/v1", "kind": "CronTab",
+            "metadata": {"name": format!("roll-{round}-{i}")},
+            "spec": {"cronSpec": format!("{} * * * *", i % 60), "image": "busybox"},
+        });
+        match serde_json::from_value(ct) {
+            Ok(ct) => match api.create(&PostParams::default(), &ct).await {
+                Ok(_) => converted += 1,
+                Err(e) => failed.push(e.to_string()),
+            },
+            Err(e) => failed.push(e.to_string()),
+        }
+        i += 1;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    (converted, failed)
+}
+
 fn is_write(verb: &str) -> bool {
     matches!(
         verb,
@@ -263,7 +299,11 @@ fn writes_while_not_leader(audit: &[Audited], replicas: &[&str]) -> Vec<String> 
         // Every replica keeps the shared webhook certificate and configurations current.
         let shared = matches!(
             a.resource.as_str(),
-            "leases" | "secrets" | "mutatingwebhookconfigurations" | "validatingwebhookconfigurations"
+            "leases"
+                | "secrets"
+                | "mutatingwebhookconfigurations"
+                | "validatingwebhookconfigurations"
+                | "customresourcedefinitions"
         );
         if !users.contains(&a.user) || !is_write(&a.verb) || shared {
             continue;
@@ -486,6 +526,7 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
     };
     log(start, "workload started");
 
+    let mut conversion_failures = Vec::new();
     for round in 1..=scale.rounds {
         log(start, &format!("fault round {round}"));
         // 1. The leader frozen for longer than its lease: the standby takes over, and the old
@@ -534,7 +575,11 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
         log(start, "kube-apiserver resumed");
         wait_holder(&leases, "", Duration::from_secs(30)).await?;
 
-        // 6. A rolling restart: each replica stopped gracefully and started again, one by one.
+        // 6. A rolling restart: each replica stopped gracefully and started again, one by one,
+        //    while v1 CronTabs are created: each goes through the conversion webhook (to the
+        //    stored v2 and back), which must keep answering through the roll.
+        let rolled = tokio_util::sync::CancellationToken::new();
+        let converter = tokio::spawn(convert_until(client.clone(), round, rolled.clone()));
         for name in names {
             tokio::time::sleep(Duration::from_secs(3)).await;
             let i = replica_index(&replicas, name);
@@ -542,6 +587,24 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
             log(start, &format!("{name} rolled"));
             wait_holder(&leases, "", Duration::from_secs(30)).await?;
         }
+        rolled.cancel();
+        let (converted, failed) = converter.await?;
+        log(
+            start,
+            &format!(
+                "round {round}: {converted} CronTabs converted through the roll, {} failed {:?}",
+                failed.len(),
+                failed.first()
+            ),
+        );
+        if converted == 0 {
+            conversion_failures.push(format!("round {round}: no CronTab was converted during the roll"));
+        }
+        conversion_failures.extend(
+            failed
+                .into_iter()
+                .map(|e| format!("round {round}: conversion during the roll: {e}")),
+        );
 
         // 7-8. The leader's apiserver connection answers every write with 429 (Retry-After
         //      longer than its renew deadline), then never answers a request on the connections
@@ -694,18 +757,22 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
         || async {
             let mut off = Vec::new();
             for e in erus.list(&Default::default()).await?.items {
-                let count = e.status.map_or(0, |s| s.restart_count);
-                let generation = deployments
-                    .get(&e.spec.deployment_name)
-                    .await?
-                    .metadata
-                    .generation
-                    .unwrap_or(1);
+                let status = e.status.clone().unwrap_or_default();
+                let count = status.restart_count;
+                let d = deployments.get(&e.spec.deployment_name).await?;
+                let generation = d.metadata.generation.unwrap_or(1);
                 if count != generation - 1 {
+                    let stamp = d
+                        .spec
+                        .as_ref()
+                        .and_then(|s| s.template.metadata.as_ref())
+                        .and_then(|m| m.annotations.as_ref())
+                        .and_then(|a| a.get("kubectl.kubernetes.io/restartedAt").cloned());
                     off.push(format!(
-                        "{}: {count} counted, {} made",
+                        "{}: {count} counted, {} made (last slot recorded {:?}, stamp on the Deployment {stamp:?})",
                         e.metadata.name.unwrap_or_default(),
-                        generation - 1
+                        generation - 1,
+                        status.last_schedule_time.map(|t| t.0.to_string()),
                     ));
                 }
             }
@@ -725,7 +792,7 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
     proxy_task.abort();
     let audit = read_audit(&cp.dir().join("audit.log"))?;
 
-    let mut failures = Vec::new();
+    let mut failures = conversion_failures;
     for a in ats.list(&Default::default()).await?.items {
         let name = a.metadata.name.clone().unwrap_or_default();
         let pod = format!("{name}-pod");

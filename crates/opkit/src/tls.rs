@@ -195,7 +195,7 @@ pub(crate) fn serve(
                     }
                 },
             };
-            let (acceptor, app) = (acceptor.clone(), app.clone());
+            let (acceptor, app, stopping) = (acceptor.clone(), app.clone(), shutdown.clone());
             tokio::spawn(async move {
                 let _permit = permit;
                 let tls = match tokio::time::timeout(limits.handshake, acceptor.accept(stream)).await {
@@ -229,9 +229,18 @@ pub(crate) fn serve(
                 };
                 let conn = builder.serve_connection(hyper_util::rt::TokioIo::new(tls), svc);
                 tokio::pin!(conn);
+                // Too old, or the process stopping: the request in flight is answered with
+                // `Connection: close` and an idle connection is closed now, while the process
+                // still runs, so the client opens a new one (to another replica) rather than
+                // sending its next request into a connection that dies with the process.
                 let ended = tokio::select! {
                     r = conn.as_mut() => r,
-                    _ = tokio::time::sleep(limits.age) => {
+                    _ = async {
+                        tokio::select! {
+                            _ = tokio::time::sleep(limits.age) => {}
+                            _ = stopping.cancelled() => {}
+                        }
+                    } => {
                         conn.as_mut().graceful_shutdown();
                         match tokio::time::timeout(limits.drain, conn.as_mut()).await {
                             Ok(r) => r,

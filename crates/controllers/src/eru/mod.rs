@@ -79,7 +79,8 @@ pub fn rbac_rules() -> Vec<PolicyRule> {
         ),
         rule(&["mtsre.meitu.com"], &["erus/status"], &["patch"]),
         // `patch` sets the restart annotation; the Deployments themselves are never created.
-        // `get`: the webhook asks whether an Eru's Deployment exists.
+        // `get`: the webhook asks whether an Eru's Deployment exists, and a restart reads it
+        // first.
         rule(&["apps"], &["deployments"], &["get", "list", "watch", "patch"]),
         events(),
     ]
@@ -148,10 +149,25 @@ impl Reconciler for EruController {
         })
     }
 
-    async fn observe(&self, eru: &Eru, cache: &Cache<Deployment>, _: &Client) -> kube::Result<World> {
+    async fn observe(&self, eru: &Eru, cache: &Cache<Deployment>, client: &Client) -> kube::Result<World> {
         let ns = eru.namespace().unwrap_or_default();
+        let cached = cache.get(&ns, &eru.spec.deployment_name);
+        // About to restart: read the Deployment itself, not the cache, which can lag (a watch
+        // reconnecting after a takeover). The stamp of a restart made just before (by a
+        // replica that lost the Lease before recording it) is then seen: recorded instead of
+        // repeated, or counted when a later slot is due.
+        let restart = matches!(
+            decide(eru, cached.as_deref(), Timestamp::now()).step,
+            Step::Restart { .. }
+        );
+        if !restart {
+            return Ok(World { deployment: cached });
+        }
+        let live = kube::Api::<Deployment>::namespaced(client.clone(), &ns)
+            .get_opt(&eru.spec.deployment_name)
+            .await?;
         Ok(World {
-            deployment: cache.get(&ns, &eru.spec.deployment_name),
+            deployment: live.map(Arc::new),
         })
     }
 
