@@ -367,6 +367,7 @@ async fn run<S, A: Args>(
         .map(|c| c.name_any())
         .collect();
     wait_for_crds(&client, &crds).await?;
+    let mut webhook_server = None;
     if let Some(bind) = addr(&args.webhook_bind_address, "webhook-bind-address")? {
         // Every kind's admission rules, whichever controllers run here: the configurations are
         // shared by all replicas and must not depend on one process's `--controllers`.
@@ -380,10 +381,18 @@ async fn run<S, A: Args>(
             configure: args.manage_webhook_configurations,
             http2: args.webhook_http2,
         };
-        crate::webhook::start(&client, &hooks, &webhook_opts, manager.shutdown_token()).await?;
+        webhook_server =
+            Some(crate::webhook::start(&client, &hooks, &webhook_opts, manager.shutdown_token()).await?);
     }
     tracing::info!(controllers = ?wanted, namespaces = ?scope.list(), "{} starting", op.name);
-    manager.run(opts).await?;
+    let stop = manager.shutdown_token();
+    let result = manager.run(opts).await;
+    // Whatever ended the manager, the webhook server serves its grace period and ends.
+    stop.cancel();
+    if let Some(server) = webhook_server {
+        let _ = server.await;
+    }
+    result?;
     Ok(())
 }
 

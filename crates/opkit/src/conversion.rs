@@ -3,12 +3,16 @@
 //!
 //! Each served version is its own Rust type. One is the **hub** (by default the storage
 //! version); an author writes, for every other version (a **spoke**), one function to the hub
-//! and one from it. opkit composes spoke → hub → spoke, keeps `metadata` as it was (only
-//! `apiVersion` changes), and makes every conversion lossless: when the target version cannot
+//! and one from it. opkit composes spoke → hub → spoke, keeps `metadata` as it was but for
+//! its own annotation below (the apiserver allows only labels and annotations to change), and
+//! makes conversions lossless: when the target version cannot
 //! express something of the source (a field it lacks), the source's content is kept in the
 //! annotation `conversion.opkit.dev/<version>` of the result, and restored when the object
 //! comes back to that version, with whatever was changed meanwhile in the other version
-//! applied on top. So v1 → v2 → v1 returns the original object.
+//! applied on top (a JSON merge patch). So v1 → v2 → v1 returns the original object. Limits:
+//! the annotation counts against the 256 KiB of annotations an object may carry, and it is
+//! not validated as the other version (a user who writes it by hand can set fields only
+//! that version has); content kept there that no longer reads is ignored.
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -172,22 +176,16 @@ impl Conversion {
         remove_annotation(&mut src, &saved_key);
         let mut out = self.typed_path(&src, to)?;
         if let Some(saved) = saved.filter(Value::is_object) {
-            // What the object was in `to` when it left it, and what it became in `from` then.
-            let left_as = self.typed_path(&with_content(&out, &saved), &from)?;
-            let restored = if content(&left_as) == content(&src) {
-                // Unchanged since: exactly what it was.
-                saved
-            } else {
-                // Changed in `from` meanwhile: those changes, on top of what it was.
-                let base = content(&self.typed_path(&left_as, to)?);
-                let changes = json_patch::diff(&base, &content(&out));
-                let mut merged = saved.clone();
-                match json_patch::patch(&mut merged, &changes) {
-                    Ok(()) => merged,
-                    Err(_) => content(&out),
-                }
-            };
-            out = with_content(&out, &restored);
+            // Kept content that no longer reads as `to` (edited by hand, or from before a
+            // schema change) is ignored: one bad object must not fail a whole list.
+            match self.restore(&out, &src, &saved, &from, to) {
+                Ok(restored) => out = with_content(&out, &restored),
+                Err(e) => tracing::warn!(
+                    error = %e,
+                    annotation = %saved_key,
+                    "ignoring the content kept for the way back"
+                ),
+            }
         }
         // What `to` cannot express of the source is kept for the way back.
         let back = self.typed_path(&out, &from)?;
@@ -199,6 +197,54 @@ impl Conversion {
             remove_annotation(&mut out, &annotation(&from));
         }
         Ok(out)
+    }
+}
+
+impl Conversion {
+    /// What `out` (the typed conversion of `src` to `to`) becomes with the content `saved`
+    /// when the object left `to`: exactly `saved` if `src` is what that became in `from`,
+    /// else `saved` with the changes made since (a JSON merge patch, arrays whole).
+    fn restore(
+        &self,
+        out: &Value,
+        src: &Value,
+        saved: &Value,
+        from: &str,
+        to: &str,
+    ) -> Result<Value, ConversionError> {
+        let left_as = self.typed_path(&with_content(out, saved), from)?;
+        if content(&left_as) == content(src) {
+            return Ok(saved.clone());
+        }
+        let base = content(&self.typed_path(&left_as, to)?);
+        let mut merged = saved.clone();
+        json_patch::merge(&mut merged, &merge_patch(&base, &content(out)));
+        Ok(merged)
+    }
+}
+
+/// The JSON merge patch (RFC 7396) that turns `from` into `to`.
+fn merge_patch(from: &Value, to: &Value) -> Value {
+    match (from, to) {
+        (Value::Object(f), Value::Object(t)) => {
+            let mut patch = Map::new();
+            for (k, v) in t {
+                match f.get(k) {
+                    Some(old) if old == v => {}
+                    Some(old) => {
+                        patch.insert(k.clone(), merge_patch(old, v));
+                    }
+                    None => {
+                        patch.insert(k.clone(), v.clone());
+                    }
+                }
+            }
+            for k in f.keys().filter(|k| !t.contains_key(*k)) {
+                patch.insert(k.clone(), Value::Null);
+            }
+            Value::Object(patch)
+        }
+        _ => to.clone(),
     }
 }
 

@@ -190,6 +190,7 @@ fn spawn_tls(
         headers: Duration::from_secs(10),
         age: Duration::from_secs(120),
         drain: Duration::from_secs(10),
+        grace: Duration::ZERO,
         http2: false,
     };
     Ok(crate::tls::serve(

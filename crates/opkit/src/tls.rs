@@ -153,6 +153,10 @@ pub(crate) struct Limits {
     pub age: Duration,
     /// How long that last request may still take.
     pub drain: Duration,
+    /// After `shutdown`, how long the server still accepts and answers, each answer with
+    /// `Connection: close`: the client's next request then opens a connection (to another
+    /// replica, once the Service has dropped this one) instead of meeting one closed under it.
+    pub grace: Duration,
     /// Serve HTTP/2 as well as HTTP/1.1.
     pub http2: bool,
 }
@@ -160,7 +164,8 @@ pub(crate) struct Limits {
 /// Pause after a failed `accept` (out of file descriptors, ...), doubling up to 1 s.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
 
-/// Serves `app` over TLS on `listener` until `shutdown`, within `limits`.
+/// Serves `app` over TLS on `listener` until `shutdown` and its grace period, within `limits`;
+/// the task ends once every connection has (each given `drain` after the grace period).
 pub(crate) fn serve(
     what: &'static str,
     listener: tokio::net::TcpListener,
@@ -170,18 +175,44 @@ pub(crate) fn serve(
     shutdown: CancellationToken,
 ) -> JoinHandle<()> {
     let slots = Arc::new(tokio::sync::Semaphore::new(limits.connections));
+    let closing = CancellationToken::new();
+    let stopping = shutdown.clone();
+    let app = app.layer(axum::middleware::from_fn(
+        move |req: axum::extract::Request, next: axum::middleware::Next| {
+            let stopping = stopping.clone();
+            async move {
+                let http1 = req.version() <= axum::http::Version::HTTP_11;
+                let mut resp = next.run(req).await;
+                if http1 && stopping.is_cancelled() {
+                    resp.headers_mut().insert(
+                        axum::http::header::CONNECTION,
+                        axum::http::HeaderValue::from_static("close"),
+                    );
+                }
+                resp
+            }
+        },
+    ));
+    {
+        let (shutdown, closing) = (shutdown.clone(), closing.clone());
+        tokio::spawn(async move {
+            shutdown.cancelled().await;
+            tokio::time::sleep(limits.grace).await;
+            closing.cancel();
+        });
+    }
     tokio::spawn(async move {
         let mut backoff = ACCEPT_BACKOFF;
         loop {
             let permit = tokio::select! {
-                _ = shutdown.cancelled() => return,
+                _ = closing.cancelled() => break,
                 p = slots.clone().acquire_owned() => match p {
                     Ok(p) => p,
-                    Err(_) => return,
+                    Err(_) => break,
                 },
             };
             let (stream, _) = tokio::select! {
-                _ = shutdown.cancelled() => return,
+                _ = closing.cancelled() => break,
                 r = listener.accept() => match r {
                     Ok(s) => {
                         backoff = ACCEPT_BACKOFF;
@@ -195,7 +226,7 @@ pub(crate) fn serve(
                     }
                 },
             };
-            let (acceptor, app, stopping) = (acceptor.clone(), app.clone(), shutdown.clone());
+            let (acceptor, app, stopping) = (acceptor.clone(), app.clone(), closing.clone());
             tokio::spawn(async move {
                 let _permit = permit;
                 let tls = match tokio::time::timeout(limits.handshake, acceptor.accept(stream)).await {
@@ -229,10 +260,9 @@ pub(crate) fn serve(
                 };
                 let conn = builder.serve_connection(hyper_util::rt::TokioIo::new(tls), svc);
                 tokio::pin!(conn);
-                // Too old, or the process stopping: the request in flight is answered with
+                // Too old, or the grace period over: the request in flight is answered with
                 // `Connection: close` and an idle connection is closed now, while the process
-                // still runs, so the client opens a new one (to another replica) rather than
-                // sending its next request into a connection that dies with the process.
+                // still runs, rather than dying with it.
                 let ended = tokio::select! {
                     r = conn.as_mut() => r,
                     _ = async {
@@ -253,5 +283,9 @@ pub(crate) fn serve(
                 }
             });
         }
+        drop(listener);
+        // Every connection holds a slot until it ends.
+        let all = u32::try_from(limits.connections).unwrap_or(u32::MAX);
+        let _ = tokio::time::timeout(limits.drain, slots.acquire_many(all)).await;
     })
 }

@@ -146,6 +146,18 @@ mod tests {
     }
 
     #[test]
+    fn kept_content_that_no_longer_reads_is_ignored_not_fatal() {
+        let c = conversion();
+        for kept in ["{\"spec\":{}}", "not json", "[1]"] {
+            let mut one = v1("e", json!({"cronSpec": "0 1 * * *", "image": "i"}));
+            one["metadata"]["annotations"] = json!({"conversion.opkit.dev/v2": kept});
+            let two = c.convert(&one, "stable.example.com/v2").unwrap();
+            assert_eq!(two["spec"]["schedule"]["hour"], "1", "{kept}");
+            assert!(two["metadata"].get("annotations").is_none(), "{two}");
+        }
+    }
+
+    #[test]
     fn a_review_converts_a_list_of_mixed_versions_in_order_or_names_the_object_that_failed() {
         let c = [conversion()];
         let one = v1("a", json!({"cronSpec": "0 * * * *", "image": "i"}));

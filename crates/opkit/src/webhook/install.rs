@@ -266,14 +266,16 @@ pub struct WebhookOptions {
     pub http2: bool,
 }
 
-/// Makes or loads the serving certificate, serves `webhooks` until `shutdown`, and points the
-/// webhook configurations at this server with its CA.
+/// Makes or loads the serving certificate, serves `webhooks` until `shutdown` (and its grace
+/// period, [`super::limits::SHUTDOWN_GRACE`]), and points the webhook configurations at this
+/// server with its CA. Await the returned server before the process exits, so the grace
+/// period is served.
 pub async fn start(
     client: &Client,
     webhooks: &Webhooks,
     opts: &WebhookOptions,
     shutdown: CancellationToken,
-) -> Result<(), WebhookError> {
+) -> Result<tokio::task::JoinHandle<()>, WebhookError> {
     let endpoint = match &opts.url {
         Some(u) => Endpoint::Url(u.clone()),
         None => Endpoint::Service {
@@ -322,7 +324,7 @@ pub async fn start(
             (CertSource::Watch(rx), source)
         }
     };
-    serve(webhooks, opts.bind, certs, opts.http2, shutdown.clone()).await?;
+    let server = serve(webhooks, opts.bind, certs, opts.http2, shutdown.clone()).await?;
     let configure = opts.configure;
     let mut source = source;
     let mut bundle = source.bundle().await;
@@ -376,7 +378,7 @@ pub async fn start(
             bundle = now;
         }
     });
-    Ok(())
+    Ok(server)
 }
 
 /// [`shared::ensure`], a transient failure retried with backoff for about 20 s.
@@ -502,9 +504,17 @@ async fn apply(
     }
     for name in webhooks.conversion_crds() {
         let patch = serde_json::json!({"spec": {"conversion": conversion}});
-        crds.patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+        match crds
+            .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
             .await
-            .map_err(configure("conversion"))?;
+        {
+            Ok(_) => {}
+            // Not installed here (this replica runs other controllers): nothing to convert.
+            Err(kube::Error::Api(e)) if e.code == 404 => {
+                tracing::warn!(crd = %name, "not installed: its conversion is not configured");
+            }
+            Err(e) => return Err(configure("conversion")(e)),
+        }
     }
     Ok(())
 }

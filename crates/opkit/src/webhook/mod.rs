@@ -487,6 +487,10 @@ pub mod limits {
     /// The whole body must arrive within this once the headers have (the apiserver sends it
     /// at once), so a slow sender holds a connection slot only briefly.
     pub const BODY_READ: Duration = Duration::from_secs(5);
+    /// After SIGTERM the server still accepts and answers this long, each answer closing its
+    /// connection, so the apiserver moves to another replica without a request failing (a
+    /// conversion has no failure policy). The process waits for it before exiting.
+    pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
     /// A connection is closed (after its current request) once it is this old, so a client
     /// cannot keep a slot for ever by sending a request now and then.
     pub const CONNECTION_AGE: Duration = Duration::from_secs(120);
@@ -529,6 +533,7 @@ pub async fn serve(
         headers: limits::HEADERS,
         age: limits::CONNECTION_AGE,
         drain: limits::REQUEST,
+        grace: limits::SHUTDOWN_GRACE,
         http2,
     };
     Ok(crate::tls::serve(
