@@ -81,6 +81,12 @@ async fn the_generated_deployment_and_rbac_run_every_sample_and_nothing_more() {
             let result = async {
                 for f in std::fs::read_dir(format!("{config}/samples"))? {
                     let f = f?.path();
+                    // A v1 CronTab needs the conversion webhook, which this operator (no
+                    // webhook server, outside the cluster) does not serve; the in-cluster
+                    // test applies it through the webhook Service.
+                    if f.ends_with("stable_v1_crontab.yaml") {
+                        continue;
+                    }
                     kubectl(&["apply", "-n", &ns, "-f", &f.to_string_lossy()])?;
                 }
                 jsonpath_is(&["memcached", "memcached-sample"], &ns, "{.status.readyReplicas}", "3").await?;

@@ -167,6 +167,24 @@ async fn docker_build_load_and_make_deploy_run_the_operator_in_the_cluster() {
                 Ok(())
             })
             .await?;
+            // The conversion webhook, through the same Service: the documentation's v1
+            // CronTab is stored as v2.
+            let samples = concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../../config/samples/stable_v1_crontab.yaml"
+            );
+            wait_for("the v1 CronTab to be converted", T, || async {
+                let (ok, out) = kubectl_stdin(&["apply", "-n", &ns, "-f", "-"], &std::fs::read(samples)?)?;
+                ensure!(ok, "{out}");
+                Ok(())
+            })
+            .await?;
+            let v2 = jsonpath(
+                &["crontabs.v2.stable.example.com", "my-new-cron-object"],
+                &ns,
+                "{.spec.schedule.dayOfWeek}",
+            )?;
+            ensure!(v2 == "*/5", "dayOfWeek {v2:?}");
             // A Memcached without a size gets the schema's default...
             let no_size = r#"{"apiVersion":"cache.example.com/v1","kind":"Memcached",
                 "metadata":{"name":"defaulted"},"spec":{}}"#;

@@ -386,7 +386,7 @@ fn get_json(resource: &str, name: &str, ns: &str) -> anyhow::Result<serde_json::
 async fn crontabs_written_in_either_version_read_back_the_same_in_both() {
     use serde_json::json;
     shared()
-        .in_namespace("convert", |_client, ns| async move {
+        .in_namespace("convert", |client, ns| async move {
             let _turn = ONE_OPERATOR.lock().await;
             install_crds()?;
             let port = common::free_port()?;
@@ -428,8 +428,30 @@ async fn crontabs_written_in_either_version_read_back_the_same_in_both() {
             ensure!(as_v1["metadata"]["uid"] == as_v2["metadata"]["uid"]);
             ensure!(as_v1["metadata"]["resourceVersion"] == as_v2["metadata"]["resourceVersion"]);
 
-            // A v2 object with what v1 cannot say (the time zone).
+            // A v2 object with what v1 cannot say (the time zone), seen by a v1 watch.
+            let as_v1 = kube::core::ApiResource {
+                group: "stable.example.com".into(),
+                version: "v1".into(),
+                api_version: "stable.example.com/v1".into(),
+                kind: "CronTab".into(),
+                plural: "crontabs".into(),
+            };
+            let watched: kube::Api<kube::core::DynamicObject> = kube::Api::namespaced_with(client.clone(), &ns, &as_v1);
+            let from = watched.list(&Default::default()).await?.metadata.resource_version.unwrap_or_default();
+            let mut events = Box::pin(watched.watch(&kube::api::WatchParams::default(), &from).await?);
             kubectl(&["apply", "-n", &ns, "-f", &format!("{samples}/stable_v2_crontab.yaml")])?;
+            let event = tokio::time::timeout(T, futures::StreamExt::next(&mut events))
+                .await
+                .context("no watch event for the v2 object")?
+                .context("the watch ended")??;
+            let kube::core::WatchEvent::Added(seen) = event else {
+                anyhow::bail!("{event:?}");
+            };
+            ensure!(
+                seen.types.as_ref().map(|t| t.api_version.as_str()) == Some("stable.example.com/v1")
+                    && seen.data["spec"]["cronSpec"] == "0 3 * * 1-5",
+                "{seen:?}"
+            );
             let zoned = get_json(v1, "my-zoned-cron-object", &ns)?;
             ensure!(zoned["spec"]["cronSpec"] == "0 3 * * 1-5", "{zoned}");
             // Edited as v1 (what an older client would do): the edit lands, the zone stays.

@@ -3,9 +3,73 @@
 //! be dropped from the CRD while `status.storedVersions` lists it. This rewrites every object
 //! (an update without changes, which the apiserver stores in the current storage version, as
 //! kube-storage-version-migrator does) and then trims `storedVersions` to that version alone.
+use std::collections::HashSet;
+
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, ApiResource, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
+
+/// The apiserver's hash of a storage version, as discovery reports it (`storageVersionHash`):
+/// base64 of the first 8 bytes of SHA-256 of `group/version/kind`.
+fn storage_version_hash(group: &str, version: &str, kind: &str) -> String {
+    let digest = ring::digest::digest(
+        &ring::digest::SHA256,
+        format!("{group}/{version}/{kind}").as_bytes(),
+    );
+    base64(&digest.as_ref()[..8])
+}
+
+fn base64(bytes: &[u8]) -> String {
+    const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::new();
+    for chunk in bytes.chunks(3) {
+        let b = [chunk[0], *chunk.get(1).unwrap_or(&0), *chunk.get(2).unwrap_or(&0)];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(char::from(A[((n >> (18 - 6 * i)) & 63) as usize]));
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+/// Waits until the apiserver stores the CRD's objects in `storage` (it switches shortly after
+/// the CRD changes, and discovery says when): a rewrite before that would store the old
+/// version again. Three answers in a row, a second apart, for apiservers behind one address.
+async fn wait_for_storage(
+    client: &Client,
+    crd: &CustomResourceDefinition,
+    storage: &str,
+) -> anyhow::Result<()> {
+    let (group, kind, plural) = (&crd.spec.group, &crd.spec.names.kind, &crd.spec.names.plural);
+    let want = storage_version_hash(group, storage, kind);
+    let give_up = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
+    let mut in_a_row = 0;
+    while in_a_row < 3 {
+        let list = client
+            .list_api_group_resources(&format!("{group}/{storage}"))
+            .await?;
+        let seen = list
+            .resources
+            .iter()
+            .find(|r| &r.name == plural)
+            .and_then(|r| r.storage_version_hash.clone())
+            .unwrap_or_default();
+        in_a_row = if seen == want { in_a_row + 1 } else { 0 };
+        if tokio::time::Instant::now() > give_up {
+            anyhow::bail!(
+                "the apiserver does not store {plural}.{group} as {storage} yet (storage hash {seen:?}, want {want:?})"
+            );
+        }
+        if in_a_row < 3 {
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        }
+    }
+    Ok(())
+}
 
 /// What one migration did.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -58,13 +122,27 @@ pub async fn migrate_storage(client: &Client, name: &str) -> anyhow::Result<Migr
         kind: crd.spec.names.kind.clone(),
         plural: crd.spec.names.plural.clone(),
     };
+    wait_for_storage(client, &crd, &storage).await?;
     let all: Api<DynamicObject> = Api::all_with(client.clone(), &resource);
     let namespaced = crd.spec.scope == "Namespaced";
     let (mut rewritten, mut skipped) = (0, 0);
+    let mut done: HashSet<String> = HashSet::new();
     let mut lp = ListParams::default().limit(500);
     loop {
-        let page = all.list(&lp).await?;
+        let page = match all.list(&lp).await {
+            Ok(p) => p,
+            // The list outlived etcd's compaction: list again, skipping what is done.
+            Err(kube::Error::Api(e)) if e.code == 410 && lp.continue_token.is_some() => {
+                lp = ListParams::default().limit(500);
+                continue;
+            }
+            Err(e) => return Err(e.into()),
+        };
         for obj in &page.items {
+            let uid = obj.uid().unwrap_or_default();
+            if !done.insert(uid) {
+                continue;
+            }
             let api: Api<DynamicObject> = match (namespaced, obj.namespace()) {
                 (true, Some(ns)) => Api::namespaced_with(client.clone(), &ns, &resource),
                 _ => Api::all_with(client.clone(), &resource),
@@ -88,7 +166,19 @@ pub async fn migrate_storage(client: &Client, name: &str) -> anyhow::Result<Migr
             _ => break,
         }
     }
-    let patch = serde_json::json!({"status": {"storedVersions": [storage]}});
+    // Only if the CRD is as it was: a storage version changed meanwhile may have written
+    // objects in a version that this would drop from the list.
+    let now = crds.get(name).await?;
+    anyhow::ensure!(
+        now.metadata.generation == crd.metadata.generation,
+        "{name} changed while migrating (generation {:?}, was {:?}); run again",
+        now.metadata.generation,
+        crd.metadata.generation
+    );
+    let patch = serde_json::json!({
+        "metadata": {"resourceVersion": now.metadata.resource_version},
+        "status": {"storedVersions": [storage]},
+    });
     crds.patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
         .await?;
     Ok(Migrated {
@@ -98,4 +188,17 @@ pub async fn migrate_storage(client: &Client, name: &str) -> anyhow::Result<Migr
         skipped,
         stored_before,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn storage_version_hashes_are_the_apiservers() {
+        // What kube-apiserver's discovery reports for Deployments (apps/v1).
+        assert_eq!(storage_version_hash("apps", "v1", "Deployment"), "8aSe+NMegvE=");
+        assert_eq!(base64(b"Man"), "TWFu");
+        assert_eq!(base64(b"Ma"), "TWE=");
+    }
 }

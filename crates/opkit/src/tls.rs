@@ -226,66 +226,107 @@ pub(crate) fn serve(
                     }
                 },
             };
-            let (acceptor, app, stopping) = (acceptor.clone(), app.clone(), closing.clone());
-            tokio::spawn(async move {
-                let _permit = permit;
-                let tls = match tokio::time::timeout(limits.handshake, acceptor.accept(stream)).await {
-                    Ok(Ok(t)) => t,
-                    Ok(Err(e)) => {
-                        tracing::debug!(server = what, error = %e, "TLS handshake failed");
-                        return;
-                    }
-                    Err(_) => {
-                        tracing::debug!(server = what, "TLS handshake timed out");
-                        return;
-                    }
-                };
-                let svc = hyper_util::service::TowerToHyperService::new(app);
-                let mut builder =
-                    hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
-                builder
-                    .http1()
-                    .timer(hyper_util::rt::TokioTimer::new())
-                    .header_read_timeout(limits.headers);
-                builder
-                    .http2()
-                    .timer(hyper_util::rt::TokioTimer::new())
-                    .keep_alive_interval(Some(limits.headers))
-                    .keep_alive_timeout(limits.handshake)
-                    .max_concurrent_streams(16);
-                let builder = if limits.http2 {
-                    builder
-                } else {
-                    builder.http1_only()
-                };
-                let conn = builder.serve_connection(hyper_util::rt::TokioIo::new(tls), svc);
-                tokio::pin!(conn);
-                // Too old, or the grace period over: the request in flight is answered with
-                // `Connection: close` and an idle connection is closed now, while the process
-                // still runs, rather than dying with it.
-                let ended = tokio::select! {
-                    r = conn.as_mut() => r,
-                    _ = async {
-                        tokio::select! {
-                            _ = tokio::time::sleep(limits.age) => {}
-                            _ = stopping.cancelled() => {}
-                        }
-                    } => {
-                        conn.as_mut().graceful_shutdown();
-                        match tokio::time::timeout(limits.drain, conn.as_mut()).await {
-                            Ok(r) => r,
-                            Err(_) => Ok(()),
-                        }
-                    }
-                };
-                if let Err(e) = ended {
-                    tracing::debug!(server = what, error = %e, "connection ended with an error");
-                }
-            });
+            tokio::spawn(connection(
+                what,
+                stream,
+                acceptor.clone(),
+                app.clone(),
+                limits,
+                Some(closing.clone()),
+                permit,
+            ));
+        }
+        // Connections the kernel has completed but not handed over yet would be reset with
+        // the listener, and a request may already be on its way in them: take them too (each
+        // answered once, with `Connection: close`).
+        while let Ok(Ok((stream, _))) =
+            tokio::time::timeout(Duration::from_millis(20), listener.accept()).await
+        {
+            let Ok(permit) = slots.clone().try_acquire_owned() else {
+                break;
+            };
+            tokio::spawn(connection(
+                what,
+                stream,
+                acceptor.clone(),
+                app.clone(),
+                limits,
+                None,
+                permit,
+            ));
         }
         drop(listener);
         // Every connection holds a slot until it ends.
         let all = u32::try_from(limits.connections).unwrap_or(u32::MAX);
         let _ = tokio::time::timeout(limits.drain, slots.acquire_many(all)).await;
     })
+}
+
+/// Serves one connection within `limits` until it ends, is too old, or `closing` fires (then
+/// the request in flight is answered with `Connection: close` and an idle connection closed
+/// now, while the process still runs, rather than dying with it).
+async fn connection(
+    what: &'static str,
+    stream: tokio::net::TcpStream,
+    acceptor: tokio_rustls::TlsAcceptor,
+    app: Router,
+    limits: Limits,
+    closing: Option<CancellationToken>,
+    permit: tokio::sync::OwnedSemaphorePermit,
+) {
+    let _permit = permit;
+    let tls = match tokio::time::timeout(limits.handshake, acceptor.accept(stream)).await {
+        Ok(Ok(t)) => t,
+        Ok(Err(e)) => {
+            tracing::debug!(server = what, error = %e, "TLS handshake failed");
+            return;
+        }
+        Err(_) => {
+            tracing::debug!(server = what, "TLS handshake timed out");
+            return;
+        }
+    };
+    let svc = hyper_util::service::TowerToHyperService::new(app);
+    let mut builder = hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
+    builder
+        .http1()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(limits.headers);
+    builder
+        .http2()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .keep_alive_interval(Some(limits.headers))
+        .keep_alive_timeout(limits.handshake)
+        .max_concurrent_streams(16);
+    let builder = if limits.http2 {
+        builder
+    } else {
+        builder.http1_only()
+    };
+    let conn = builder.serve_connection(hyper_util::rt::TokioIo::new(tls), svc);
+    tokio::pin!(conn);
+    let closing = async {
+        match &closing {
+            Some(c) => c.cancelled().await,
+            None => std::future::pending().await,
+        }
+    };
+    let ended = tokio::select! {
+        r = conn.as_mut() => r,
+        _ = async {
+            tokio::select! {
+                _ = tokio::time::sleep(limits.age) => {}
+                _ = closing => {}
+            }
+        } => {
+            conn.as_mut().graceful_shutdown();
+            match tokio::time::timeout(limits.drain, conn.as_mut()).await {
+                Ok(r) => r,
+                Err(_) => Ok(()),
+            }
+        }
+    };
+    if let Err(e) = ended {
+        tracing::debug!(server = what, error = %e, "connection ended with an error");
+    }
 }
