@@ -4,13 +4,12 @@
 //! connection slots) and of 7 MiB bodies neither delays admissions nor takes the operator past
 //! its memory limit (without the server's body budget it peaked at 316 MiB here).
 use std::process::{Command, Stdio};
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
 use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
 use kube::Api;
-use opkit_testenv::{shared, wait_for};
+use opkit_testenv::{shared, tls_connector, wait_for};
 
 mod common;
 use common::{Running, install_crds, kubectl, kubectl_stdin};
@@ -43,21 +42,7 @@ const MEMCACHED_WITHOUT_SIZE: &str = "{\"apiVersion\":\"cache.example.com/v1\",\
 
 /// POSTs `body` to the webhook server over TLS, trusting `ca`; returns the HTTP status.
 async fn post(port: u16, path: &str, ca: &[u8], body: &str) -> anyhow::Result<u16> {
-    use rustls::pki_types::CertificateDer;
-    use rustls::pki_types::pem::PemObject;
-    let mut roots = rustls::RootCertStore::empty();
-    for c in CertificateDer::pem_slice_iter(ca) {
-        roots.add(c?)?;
-    }
-    let config =
-        rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-            .with_safe_default_protocol_versions()?
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
-    let mut tls = tokio_rustls::TlsConnector::from(Arc::new(config))
-        .connect("127.0.0.1".try_into()?, tcp)
-        .await?;
+    let mut tls = connect(&tls_connector(ca)?, port).await?;
     let req = format!(
         "POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
@@ -209,23 +194,6 @@ async fn the_apiserver_calls_the_webhooks_and_kubectl_shows_their_answers() {
         .await;
 }
 
-/// A TLS connector trusting `ca`, offering HTTP/2 and HTTP/1.1.
-fn connector(ca: &[u8]) -> anyhow::Result<tokio_rustls::TlsConnector> {
-    use rustls::pki_types::CertificateDer;
-    use rustls::pki_types::pem::PemObject;
-    let mut roots = rustls::RootCertStore::empty();
-    for c in CertificateDer::pem_slice_iter(ca) {
-        roots.add(c?)?;
-    }
-    let mut config =
-        rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-            .with_safe_default_protocol_versions()?
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-    Ok(tokio_rustls::TlsConnector::from(Arc::new(config)))
-}
-
 type Tls = tokio_rustls::client::TlsStream<tokio::net::TcpStream>;
 
 async fn connect(c: &tokio_rustls::TlsConnector, port: u16) -> anyhow::Result<Tls> {
@@ -345,7 +313,7 @@ async fn a_flood_of_slow_and_large_requests_leaves_admissions_answered_and_memor
                 .clone()
                 .context("no caBundle")?
                 .0;
-            let c = connector(&ca)?;
+            let c = tls_connector(&ca)?;
             let probe = connect(&c, port).await?;
             let alpn = probe.get_ref().1.alpn_protocol().map(|p| p.to_vec());
             ensure!(alpn.as_deref() != Some(b"h2".as_slice()), "HTTP/2 was negotiated");
@@ -375,6 +343,23 @@ async fn a_flood_of_slow_and_large_requests_leaves_admissions_answered_and_memor
         .await;
 }
 
+/// `opkit run` of the CronTab conversion only, serving its webhook on a free port; its log
+/// goes to `log`.
+fn crontab_operator(ns: &str, log: &std::path::Path) -> anyhow::Result<Running> {
+    let port = common::free_port()?;
+    Ok(Running(
+        Command::new(env!("CARGO_BIN_EXE_opkit"))
+            .args(["run", "--controllers", "crontab", "--namespace", ns])
+            .args(["--metrics-bind-address", "0", "--health-probe-bind-address", "0"])
+            .args(["--webhook-bind-address", &format!("127.0.0.1:{port}")])
+            .args(["--webhook-url", &format!("https://127.0.0.1:{port}")])
+            .env("KUBECONFIG", shared().kubeconfig())
+            .stdout(std::fs::File::create(log)?)
+            .stderr(Stdio::null())
+            .spawn()?,
+    ))
+}
+
 /// `kubectl get <resource> <name> -o json` in `ns`, parsed.
 fn get_json(resource: &str, name: &str, ns: &str) -> anyhow::Result<serde_json::Value> {
     Ok(serde_json::from_str(&kubectl(&[
@@ -389,19 +374,8 @@ async fn crontabs_written_in_either_version_read_back_the_same_in_both() {
         .in_namespace("convert", |client, ns| async move {
             let _turn = ONE_OPERATOR.lock().await;
             install_crds()?;
-            let port = common::free_port()?;
             let log = std::env::temp_dir().join(format!("opkit-convert-{ns}.log"));
-            let _op = Running(
-                Command::new(env!("CARGO_BIN_EXE_opkit"))
-                    .args(["run", "--controllers", "crontab", "--namespace", &ns])
-                    .args(["--metrics-bind-address", "0", "--health-probe-bind-address", "0"])
-                    .args(["--webhook-bind-address", &format!("127.0.0.1:{port}")])
-                    .args(["--webhook-url", &format!("https://127.0.0.1:{port}")])
-                    .env("KUBECONFIG", shared().kubeconfig())
-                    .stdout(std::fs::File::create(&log)?)
-                    .stderr(Stdio::null())
-                    .spawn()?,
-            );
+            let _op = crontab_operator(&ns, &log)?;
             let logs = || std::fs::read_to_string(&log).unwrap_or_default();
             let (v1, v2) = ("crontabs.v1.stable.example.com", "crontabs.v2.stable.example.com");
             let samples = format!("{}/../../config/samples", env!("CARGO_MANIFEST_DIR"));
@@ -524,19 +498,8 @@ async fn migrating_the_storage_version_rewrites_every_crontab_and_trims_stored_v
         .in_namespace("migrate", |_client, ns| async move {
             let _turn = ONE_OPERATOR.lock().await;
             install_crds()?;
-            let port = common::free_port()?;
             let log = std::env::temp_dir().join(format!("opkit-migrate-{ns}.log"));
-            let _op = Running(
-                Command::new(env!("CARGO_BIN_EXE_opkit"))
-                    .args(["run", "--controllers", "crontab", "--namespace", &ns])
-                    .args(["--metrics-bind-address", "0", "--health-probe-bind-address", "0"])
-                    .args(["--webhook-bind-address", &format!("127.0.0.1:{port}")])
-                    .args(["--webhook-url", &format!("https://127.0.0.1:{port}")])
-                    .env("KUBECONFIG", shared().kubeconfig())
-                    .stdout(std::fs::File::create(&log)?)
-                    .stderr(Stdio::null())
-                    .spawn()?,
-            );
+            let _op = crontab_operator(&ns, &log)?;
             let logs = || std::fs::read_to_string(&log).unwrap_or_default();
             let (v1, v2) = ("crontabs.v1.stable.example.com", "crontabs.v2.stable.example.com");
             // Objects written while v1 was the storage version, some with what v1 cannot say.

@@ -418,25 +418,31 @@ impl rustls::client::danger::ServerCertVerifier for AnyServer {
     }
 }
 
-/// Whether a TLS client that trusts only `ca` (PEM) completes a handshake with the server on
-/// localhost `port`, named `127.0.0.1`.
-pub async fn tls_trusted(port: u16, ca: &[u8]) -> anyhow::Result<bool> {
+/// A TLS client trusting only `ca` (PEM), offering HTTP/2 and HTTP/1.1.
+pub fn tls_connector(ca: &[u8]) -> anyhow::Result<tokio_rustls::TlsConnector> {
     use rustls::pki_types::CertificateDer;
     use rustls::pki_types::pem::PemObject;
     let mut roots = rustls::RootCertStore::empty();
     for c in CertificateDer::pem_slice_iter(ca) {
         roots.add(c?)?;
     }
-    let config =
+    let mut config =
         rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
             .with_safe_default_protocol_versions()?
             .with_root_certificates(roots)
             .with_no_client_auth();
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(tokio_rustls::TlsConnector::from(Arc::new(config)))
+}
+
+/// Whether a TLS client that trusts only `ca` (PEM) completes a handshake with the server on
+/// localhost `port`, named `127.0.0.1`.
+pub async fn tls_trusted(port: u16, ca: &[u8]) -> anyhow::Result<bool> {
     let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
-    let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+    Ok(tls_connector(ca)?
         .connect("127.0.0.1".try_into()?, tcp)
-        .await;
-    Ok(tls.is_ok())
+        .await
+        .is_ok())
 }
 
 /// A GET over HTTPS with an optional bearer token: status code and body. Any server

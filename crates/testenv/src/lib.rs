@@ -20,7 +20,7 @@ pub use binaries::{Binaries, Versions};
 pub use cluster::{ControlPlane, Options, config_from_file};
 pub use harness::{
     Shared, TestNamespace, http_get, http_request, https_get, kubeconfig_with_token, shared,
-    shared_real_node, tls_trusted, wait_for,
+    shared_real_node, tls_connector, tls_trusted, wait_for,
 };
 pub use nix::sys::signal::Signal;
 pub use process::{Component, free_port};
