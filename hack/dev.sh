@@ -69,7 +69,10 @@ EOT
   --webhook-bind-address 127.0.0.1:9443 --webhook-url https://127.0.0.1:9443 &
 op=$!
 trap 'kill -TERM "$op" 2>/dev/null; wait "$op"' INT TERM
-until "$kubectl" apply -f config/samples/stable_v1_crontab.yaml >/dev/null 2>&1; do
+# Only once the operator has pointed the CRD at its conversion webhook: before that the
+# apiserver would store the v1 object relabelled as v2, without converting it.
+until [[ "$("$kubectl" get crd crontabs.stable.example.com -o jsonpath='{.spec.conversion.strategy}')" == Webhook ]] &&
+  "$kubectl" apply -f config/samples/stable_v1_crontab.yaml >/dev/null 2>&1; do
   kill -0 "$op" 2>/dev/null || break
   sleep 1
 done
