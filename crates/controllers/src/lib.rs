@@ -9,6 +9,31 @@ pub mod eru;
 pub mod foo;
 pub mod memcached;
 
+/// A small deterministic generator (xorshift) for the property tests, so a failing case
+/// reproduces without a seed file or an extra crate.
+#[cfg(test)]
+pub(crate) mod test_rng {
+    pub(crate) struct Rng(pub(crate) u64);
+
+    impl Rng {
+        pub(crate) fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        pub(crate) fn below(&mut self, n: u32) -> u32 {
+            (self.next() % u64::from(n)) as u32
+        }
+        pub(crate) fn within(&mut self, lo: u32, hi: u32) -> u32 {
+            lo + self.below(hi - lo + 1)
+        }
+        pub(crate) fn pick<'a>(&mut self, from: &[&'a str]) -> &'a str {
+            from[(self.next() % from.len() as u64) as usize]
+        }
+    }
+}
+
 use kube::CustomResourceExt;
 use opkit::{Operator, Registration, Registry};
 

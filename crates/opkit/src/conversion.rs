@@ -126,11 +126,6 @@ impl Conversion {
         kind == self.kind && self.versions.contains_key(api_version)
     }
 
-    /// The hub's `apiVersion`.
-    pub fn hub_version(&self) -> &str {
-        &self.hub
-    }
-
     fn version(&self, api_version: &str) -> Result<&Version, ConversionError> {
         self.versions.get(api_version).ok_or_else(|| {
             ConversionError(format!(

@@ -79,6 +79,7 @@ pub fn rbac_rules() -> Vec<PolicyRule> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_rng::Rng;
     use serde_json::{Value, json};
 
     fn v1(name: &str, spec: Value) -> Value {
@@ -183,20 +184,6 @@ mod tests {
         let other = json!({"apiVersion": "example.com/v1", "kind": "Thing", "metadata": {"name": "t"}});
         let err = opkit::conversion::convert_all(&c, &[other], "example.com/v2").unwrap_err();
         assert!(err.0.contains("no conversion of Thing"), "{err}");
-    }
-
-    /// A small deterministic generator, so the property test needs no extra crate.
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-        fn pick<'a>(&mut self, from: &[&'a str]) -> &'a str {
-            from[(self.next() % from.len() as u64) as usize]
-        }
     }
 
     #[test]

@@ -281,6 +281,7 @@ pub fn time_zone(name: Option<&str>) -> Result<TimeZone, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_rng::Rng;
 
     fn ts(s: &str) -> Timestamp {
         s.parse().unwrap()
@@ -490,24 +491,6 @@ mod tests {
         assert_eq!(next, ts("2026-01-01T01:05:00Z"));
         let err = "*/4294967296 * * * *".parse::<Schedule>().unwrap_err();
         assert!(err.contains("step"), "{err}");
-    }
-
-    /// A small deterministic generator (xorshift), so failures reproduce without a seed file.
-    struct Rng(u64);
-
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-        fn below(&mut self, n: u32) -> u32 {
-            (self.next() % u64::from(n)) as u32
-        }
-        fn within(&mut self, lo: u32, hi: u32) -> u32 {
-            lo + self.below(hi - lo + 1)
-        }
     }
 
     /// A random field over `lo..=hi` and the values it stands for, expanded independently of
