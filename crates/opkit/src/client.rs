@@ -12,17 +12,26 @@
 //!
 //! The bound covers the whole answer: the response head and then the body, so a connection
 //! that stops half-way through a large list fails it too.
+//!
+//! Writes also travel on connections of their own, which check the gate again before every
+//! byte they send: a process frozen (SIGSTOP, a VM pause) after the attempt's check but before
+//! its request left finds the gate closed when it runs again, and the request never leaves.
+//! Reads keep kube's connections (and its idle timeout on watches).
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http::{Method, Request, Response};
-use kube::client::{Body, ClientBuilder, DynBody};
+use http_body_util::BodyExt;
+use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use kube::client::{Body, ClientBuilder, ConfigExt, DynBody};
 use kube::{Client, Config};
 use tower::buffer::BufferLayer;
 use tower::retry::RetryLayer;
-use tower::{BoxError, Layer, Service};
+use tower::util::BoxCloneSyncService;
+use tower::{BoxError, Layer, Service, ServiceBuilder, ServiceExt};
 
 use crate::leader::{NotLeader, WriteGate};
 use crate::metrics::Metrics;
@@ -40,8 +49,9 @@ pub struct TimedOut {
     pub why: &'static str,
 }
 
-/// Builds the controllers' client from `config`: kube's stack without its own retry layer,
-/// then [`Attempt`] (the gate and the deadline), then kube's server-aware retry policy.
+/// Builds the controllers' client from `config`: kube's stack without its own retry layer for
+/// reads, connections of their own for writes (see the module), then [`Attempt`] (the gate and
+/// the deadline), then kube's server-aware retry policy.
 pub fn build(
     config: Config,
     gate: &WriteGate,
@@ -50,6 +60,12 @@ pub fn build(
 ) -> kube::Result<Client> {
     let mut config = config;
     config.default_retry = false;
+    let writes = match config.proxy_url {
+        // Through an HTTP or SOCKS proxy, writes share kube's connections: the attempt's check
+        // still holds, only the last one before the socket is missing.
+        Some(_) => None,
+        None => Some(write_pool(&config, gate)?),
+    };
     let builder = ClientBuilder::try_from(config)?;
     let attempts = AttemptLayer {
         gate: gate.clone(),
@@ -57,6 +73,7 @@ pub fn build(
         metrics: metrics.clone(),
     };
     Ok(builder
+        .with_layer(&RouteLayer { writes })
         .with_layer(&attempts)
         .with_layer(&BufferLayer::new(1024))
         .with_layer(&RetryLayer::new(kube::client::retry::RetryPolicy::server_retry()))
@@ -208,14 +225,183 @@ impl http_body::Body for DeadlineBody {
 
 /// Whether `err` (from any kube call) is a write the gate refused before sending it.
 pub fn refused_by_gate(err: &kube::Error) -> bool {
-    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(err);
+    refusal_in(err)
+}
+
+fn refusal_in(err: &(dyn std::error::Error + 'static)) -> bool {
+    let mut source = Some(err);
     while let Some(e) = source {
-        if e.is::<NotLeader>() {
+        // `io::Error` hides what it wraps from `source()`.
+        let wrapped = e
+            .downcast_ref::<std::io::Error>()
+            .and_then(|io| io.get_ref())
+            .is_some_and(|inner| inner.is::<NotLeader>());
+        if e.is::<NotLeader>() || wrapped {
             return true;
         }
         source = e.source();
     }
     false
+}
+
+/// The connections writes travel on.
+type WritePool = BoxCloneSyncService<Request<Body>, Response<Box<DynBody>>, BoxError>;
+
+/// A connection pool of its own for writes, as kube builds its client (TLS, server name,
+/// base URI, credentials, extra headers) but on [`GatedStream`]s.
+fn write_pool(config: &Config, gate: &WriteGate) -> kube::Result<WritePool> {
+    let mut http = HttpConnector::new();
+    http.enforce_http(false);
+    http.set_connect_timeout(config.connect_timeout);
+    http.set_nodelay(true);
+    let tls = config.rustls_https_connector_with_connector(GatedConnector {
+        http,
+        gate: gate.clone(),
+    })?;
+    let hyper = hyper_util::client::legacy::Builder::new(TokioExecutor::new()).build(tls);
+    let service = ServiceBuilder::new()
+        .layer(config.base_uri_layer())
+        .option_layer(config.auth_layer()?)
+        .layer(config.extra_headers_layer()?)
+        .map_err(BoxError::from)
+        .service(hyper)
+        .map_response(|resp: Response<hyper::body::Incoming>| {
+            resp.map(|body| Box::new(BodyExt::map_err(body, BoxError::from)) as Box<DynBody>)
+        });
+    Ok(BoxCloneSyncService::new(service))
+}
+
+/// Sends writes to their own pool, everything else to kube's.
+struct RouteLayer {
+    writes: Option<WritePool>,
+}
+
+impl<S> Layer<S> for RouteLayer {
+    type Service = Route<S>;
+    fn layer(&self, reads: S) -> Route<S> {
+        Route {
+            reads,
+            writes: self.writes.clone(),
+        }
+    }
+}
+
+/// See [`RouteLayer`].
+struct Route<S> {
+    reads: S,
+    writes: Option<WritePool>,
+}
+
+impl<S> Service<Request<Body>> for Route<S>
+where
+    S: Service<Request<Body>, Response = Response<Box<DynBody>>, Error = BoxError>,
+    S::Future: Send + 'static,
+{
+    type Response = Response<Box<DynBody>>;
+    type Error = BoxError;
+    type Future = RespFuture;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        if let Some(w) = &mut self.writes {
+            std::task::ready!(w.poll_ready(cx))?;
+        }
+        self.reads.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<Body>) -> RespFuture {
+        match &mut self.writes {
+            Some(w) if writes(req.method()) => Box::pin(w.call(req)),
+            _ => Box::pin(self.reads.call(req)),
+        }
+    }
+}
+
+/// Opens [`GatedStream`]s.
+#[derive(Clone)]
+struct GatedConnector {
+    http: HttpConnector,
+    gate: WriteGate,
+}
+
+impl Service<http::Uri> for GatedConnector {
+    type Response = GatedStream;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<GatedStream, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.http.poll_ready(cx).map_err(BoxError::from)
+    }
+
+    fn call(&mut self, uri: http::Uri) -> Self::Future {
+        let (connecting, gate) = (self.http.call(uri), self.gate.clone());
+        Box::pin(async move {
+            Ok(GatedStream {
+                inner: connecting.await?,
+                gate,
+            })
+        })
+    }
+}
+
+/// A TCP connection that sends nothing while the write gate is closed: the last check before
+/// a request's bytes leave the process (TLS sits above it, so this sees every byte).
+struct GatedStream {
+    inner: TokioIo<tokio::net::TcpStream>,
+    gate: WriteGate,
+}
+
+impl GatedStream {
+    fn open(&self) -> std::io::Result<()> {
+        self.gate.check().map_err(std::io::Error::other)
+    }
+}
+
+impl hyper::rt::Read for GatedStream {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: hyper::rt::ReadBufCursor<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl hyper::rt::Write for GatedStream {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        self.open()?;
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        self.open()?;
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+impl Connection for GatedStream {
+    fn connected(&self) -> Connected {
+        self.inner.connected()
+    }
 }
 
 #[cfg(test)]
@@ -227,6 +413,85 @@ mod tests {
         *r.method_mut() = method;
         *r.uri_mut() = uri.parse().expect("a valid uri");
         r
+    }
+
+    /// A server that answers every request `200` and reports, per connection, the bytes it
+    /// received once the client closed it.
+    async fn counting_server() -> (u16, tokio::sync::mpsc::UnboundedReceiver<usize>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            while let Ok((mut conn, _)) = listener.accept().await {
+                let tx = tx.clone();
+                tokio::spawn(async move {
+                    let (mut total, mut head) = (0, Vec::new());
+                    let mut buf = [0u8; 4096];
+                    while let Ok(n) = conn.read(&mut buf).await {
+                        if n == 0 {
+                            break;
+                        }
+                        total += n;
+                        head.extend_from_slice(&buf[..n]);
+                        if head.windows(4).any(|w| w == b"\r\n\r\n") {
+                            head.clear();
+                            let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n";
+                            if conn.write_all(ok).await.is_err() {
+                                break;
+                            }
+                        }
+                    }
+                    let _ = tx.send(total);
+                });
+            }
+        });
+        (port, rx)
+    }
+
+    #[tokio::test]
+    async fn a_write_whose_gate_closed_after_its_check_sends_no_byte() {
+        let (port, mut closed) = counting_server().await;
+        let config = Config::new(format!("http://127.0.0.1:{port}").parse().unwrap());
+        let gate = WriteGate::new();
+        gate.enforce();
+        gate.open_until(std::time::Instant::now() + Duration::from_secs(60));
+        let mut pool = write_pool(&config, &gate).unwrap();
+        let patch = || {
+            let mut r = req(Method::PATCH, "/apis/example.com/v1/things/a");
+            *r.body_mut() = Body::from(b"{}".to_vec());
+            r
+        };
+        let first = pool.ready().await.unwrap().call(patch()).await.unwrap();
+        assert_eq!(first.status(), 200);
+
+        // The attempt's check has passed (this call skips it); the gate closes before the
+        // request's bytes leave, as when the process was frozen in between.
+        gate.close();
+        let Err(err) = pool.ready().await.unwrap().call(patch()).await else {
+            panic!("a write went out with the gate closed");
+        };
+        assert!(refusal_in(&*err), "not refused by the gate: {err:?}");
+
+        // The connection is closed with the failed write; what it carried is only the first
+        // request.
+        let total = tokio::time::timeout(Duration::from_secs(10), closed.recv())
+            .await
+            .expect("the connection should close after the refused write")
+            .unwrap();
+        // One request alone, on a connection of its own, for comparison.
+        gate.open_until(std::time::Instant::now() + Duration::from_secs(60));
+        let alone = pool.ready().await.unwrap().call(patch()).await.unwrap();
+        assert_eq!(alone.status(), 200);
+        drop(pool);
+        let second = tokio::time::timeout(Duration::from_secs(10), closed.recv())
+            .await
+            .expect("the second connection should close with the pool")
+            .unwrap();
+        assert_eq!(
+            total, second,
+            "the refused request sent bytes: {total} vs one request's {second}"
+        );
     }
 
     #[test]
