@@ -426,7 +426,13 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(Duration::from_secs(1)).await;
-                let mut rs = lock(&replicas);
+                // A replica being rolled holds the lock while it stops: skip this tick rather
+                // than block a runtime thread the balancer and the proxies need.
+                let mut rs = match replicas.try_lock() {
+                    Ok(rs) => rs,
+                    Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+                    Err(std::sync::TryLockError::WouldBlock) => continue,
+                };
                 for r in rs.iter_mut() {
                     if let Some(status) = r.exited() {
                         let tail = opkit_testenv_tail(&r.log, 3);
@@ -589,7 +595,11 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
         for name in names {
             tokio::time::sleep(Duration::from_secs(3)).await;
             let i = replica_index(&replicas, name);
-            lock(&replicas)[i].restart(Duration::from_secs(10))?;
+            // Stopping waits (blocking) for the replica's grace period: off the runtime, whose
+            // threads carry the webhook balancer and the apiserver proxies meanwhile (blocked,
+            // they would hold the apiserver's requests until the replica is gone).
+            let rs = replicas.clone();
+            tokio::task::spawn_blocking(move || lock(&rs)[i].restart(Duration::from_secs(10))).await??;
             log(start, &format!("{name} rolled"));
             wait_holder(&leases, "", Duration::from_secs(30)).await?;
         }
