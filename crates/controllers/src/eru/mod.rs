@@ -32,8 +32,9 @@ use opkit_api::eru::{Eru, EruStatus, FROM_ANNOTATION_LABEL};
 
 pub use cron::{Schedule, time_zone};
 pub use plan::{
-    Decision, MAX_WAIT, RESTARTED_AT, Step, build_eru_for, check_spec, created_from, decide, restart_patch,
-    restart_stamp, restarted_at, rollout_in_progress, wait_for, wants_eru,
+    Decision, MAX_WAIT, RESTART_COUNT, RESTARTED_AT, RESTARTED_BY, Step, build_eru_for, check_spec,
+    created_from, decide, restart_patch, restart_stamp, restarted_at, restarts_made, rollout_in_progress,
+    wait_for, wants_eru,
 };
 pub use webhook::{validate_eru, webhooks};
 
@@ -221,6 +222,16 @@ pub fn plan(eru: &Eru, deployment: Option<&Deployment>, now: Timestamp) -> Resul
     }
     let mut children = Vec::new();
     let mut requeue = d.next.map(|n| Requeue::After(wait_for(n, now)));
+    // Restarts made but never recorded (status writes lost): the Deployment's own count says
+    // how many; without one (a Deployment restarted before it was counted there), its stamp
+    // tells of the last one.
+    let made = deployment.and_then(|dep| restarts_made(dep, eru));
+    let lost = match (made, d.uncounted) {
+        (Some(n), _) => (n - live.restart_count).max(0),
+        (None, Some(_)) => 1,
+        (None, None) => 0,
+    };
+    status.restart_count += lost;
 
     match &d.step {
         Step::Invalid(why, msg) => {
@@ -292,17 +303,20 @@ pub fn plan(eru: &Eru, deployment: Option<&Deployment>, now: Timestamp) -> Resul
         }
         Step::Restart { slot } | Step::AlreadyRestarted { slot } => {
             if matches!(d.step, Step::Restart { .. }) {
-                // Only the restart annotation, under opkit's field manager.
+                status.restart_count += 1;
+                // Only the restart annotation and the count, under opkit's field manager.
                 children.push(Child::fields::<Deployment>(
                     &ns,
                     &target,
-                    restart_patch(&target, *slot),
+                    restart_patch(&target, *slot, status.restart_count, eru),
                     None,
                 ));
+            } else if made.is_none() {
+                // Made for this slot and not recorded; a count on the Deployment has it already.
+                status.restart_count += 1;
             }
             status.last_schedule_time = Some(Time(*slot));
             status.last_restart_time = Some(Time(now));
-            status.restart_count += 1;
             want.extend([scheduled, not_postponed]);
             events.push(Event::normal(
                 reason::RESTARTED,
@@ -314,18 +328,21 @@ pub fn plan(eru: &Eru, deployment: Option<&Deployment>, now: Timestamp) -> Resul
             ));
         }
     }
-    if let Some(slot) = d.uncounted {
-        status.restart_count += 1;
-        if status.last_schedule_time.as_ref().is_none_or(|t| t.0 < slot) {
-            status.last_schedule_time = Some(Time(slot));
-        }
+    if let Some(slot) = d.uncounted
+        && status.last_schedule_time.as_ref().is_none_or(|t| t.0 < slot)
+    {
+        status.last_schedule_time = Some(Time(slot));
+    }
+    if lost > 0 {
+        let what = match d.uncounted {
+            Some(slot) if lost == 1 => format!("the restart for the {} slot", fmt_time(slot)),
+            _ if lost == 1 => "1 restart".to_string(),
+            _ => format!("{lost} restarts"),
+        };
         events.push(Event::normal(
             reason::RESTARTED,
             "Reconcile",
-            format!(
-                "Counted the restart of Deployment {target} for the {} slot, made before its record was lost",
-                fmt_time(slot)
-            ),
+            format!("Counted {what} of Deployment {target}, made before its record was lost"),
         ));
     }
     status.conditions = conditions::merge(&live.conditions, &want, eru.metadata.generation, &Time(now));
@@ -560,6 +577,55 @@ mod tests {
         assert_eq!(reasons(&p), vec![reason::POSTPONED, reason::RESTARTED]);
         let again = plan(&eru(p.status), Some(&d), ts("2026-01-01T10:00:42Z")).unwrap();
         assert_eq!(again.status.unwrap().restart_count, 1);
+    }
+
+    #[test]
+    fn restarts_whose_records_were_lost_in_a_row_are_all_counted_from_the_deployment() {
+        // Recorded: 1 restart. Made since, each status write lost: restarts 2 and 3 (the
+        // Deployment counts them; its stamp only tells of the last one, 10:00:40).
+        let mut e = eru(Some(EruStatus {
+            restart_count: 1,
+            last_schedule_time: Some(Time(ts("2026-01-01T10:00:00Z"))),
+            ..Default::default()
+        }));
+        e.metadata.uid = Some("eru-uid".into());
+        let mut d = web(true);
+        d.metadata.annotations = Some(
+            [
+                (RESTART_COUNT.to_string(), "3".to_string()),
+                (RESTARTED_BY.to_string(), "eru-uid".to_string()),
+            ]
+            .into(),
+        );
+        d.spec.as_mut().unwrap().template.metadata = Some(ObjectMeta {
+            annotations: Some([(RESTARTED_AT.to_string(), "2026-01-01T10:00:40Z".to_string())].into()),
+            ..Default::default()
+        });
+        let p = plan(&e, Some(&d), ts("2026-01-01T10:01:00Z")).unwrap();
+        let s = p.status.clone().unwrap();
+        assert_eq!(s.restart_count, 4, "1 recorded + 2 lost + the 10:01:00 one");
+        assert_eq!(p.children.len(), 1);
+        assert_eq!(reasons(&p), vec![reason::RESTARTED, reason::RESTARTED]);
+        assert!(
+            p.events.iter().any(|ev| ev.note.contains("Counted 2 restarts")),
+            "{:?}",
+            p.events
+        );
+
+        // The count on the Deployment is another Eru's (same name, recreated): not ours.
+        let mut other = d.clone();
+        other
+            .metadata
+            .annotations
+            .as_mut()
+            .unwrap()
+            .insert(RESTARTED_BY.into(), "older-eru".into());
+        let p = plan(&e, Some(&other), ts("2026-01-01T10:01:00Z")).unwrap();
+        assert_eq!(
+            p.status.unwrap().restart_count,
+            3,
+            "1 + the stamp's + the 10:01:00 one"
+        );
     }
 
     #[test]

@@ -17,6 +17,13 @@ use super::cron::{Schedule, time_zone};
 
 /// The pod-template annotation `kubectl rollout restart` sets; changing it rolls the Pods.
 pub const RESTARTED_AT: &str = "kubectl.kubernetes.io/restartedAt";
+/// The Deployment's count of the restarts its `Eru` made, written by the restart patch itself:
+/// a restart whose status write was lost (say with the Lease) is still counted, however many
+/// were lost in a row.
+pub const RESTART_COUNT: &str = "mtsre.meitu.com/restart-count";
+/// The UID of the `Eru` that [`RESTART_COUNT`] counts for: a new `Eru` of the same name
+/// starts from its own count.
+pub const RESTARTED_BY: &str = "mtsre.meitu.com/restarted-by";
 /// Longest wait before the schedule is looked at again; bounds timers and absorbs clock jumps.
 pub const MAX_WAIT: Duration = Duration::from_secs(3600);
 
@@ -225,15 +232,30 @@ pub fn wait_for(next: Timestamp, now: Timestamp) -> Duration {
     Duration::from_millis(nanos.div_ceil(1_000_000).max(1)).min(MAX_WAIT)
 }
 
-/// The server-side-apply body that restarts `deployment`: only the pod-template annotation,
-/// so opkit owns that one field and nothing else of the Deployment.
-pub fn restart_patch(deployment: &str, slot: Timestamp) -> serde_json::Value {
+/// The server-side-apply body that restarts `deployment` as restart number `count` of `eru`:
+/// the pod-template annotation and the count, so opkit owns those fields and nothing else of
+/// the Deployment.
+pub fn restart_patch(deployment: &str, slot: Timestamp, count: i64, eru: &Eru) -> serde_json::Value {
+    let mut annotations = json!({RESTART_COUNT: count.to_string()});
+    if let Some(uid) = &eru.metadata.uid {
+        annotations[RESTARTED_BY] = json!(uid);
+    }
     json!({
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {"name": deployment},
+        "metadata": {"name": deployment, "annotations": annotations},
         "spec": {"template": {"metadata": {"annotations": {RESTARTED_AT: restart_stamp(slot)}}}},
     })
+}
+
+/// How many restarts of `d` `eru` made, as the Deployment counts them (none: not counted there,
+/// or counted for another `Eru`).
+pub fn restarts_made(d: &Deployment, eru: &Eru) -> Option<i64> {
+    let a = d.metadata.annotations.as_ref()?;
+    if a.get(RESTARTED_BY) != eru.metadata.uid.as_ref() {
+        return None;
+    }
+    a.get(RESTART_COUNT)?.parse().ok()
 }
 
 /// Whether the Deployment asks for an `Eru` (`mtsre.meitu.com/eru: "true"`).
@@ -586,12 +608,23 @@ mod tests {
     }
 
     #[test]
-    fn the_restart_patch_touches_only_the_annotation() {
-        let p = restart_patch("web", ts("2026-01-01T10:00:20Z"));
+    fn the_restart_patch_touches_only_the_annotation_and_the_count() {
+        let mut e = eru(None);
+        e.metadata.uid = Some("eru-uid".into());
+        let p = restart_patch("web", ts("2026-01-01T10:00:20Z"), 7, &e);
         assert_eq!(
             p["spec"],
             json!({"template": {"metadata": {"annotations": {RESTARTED_AT: "2026-01-01T10:00:20Z"}}}})
         );
+        assert_eq!(
+            p["metadata"],
+            json!({"name": "web", "annotations": {RESTART_COUNT: "7", RESTARTED_BY: "eru-uid"}})
+        );
+        let mut d = settled();
+        d.metadata.annotations = serde_json::from_value(p["metadata"]["annotations"].clone()).unwrap();
+        assert_eq!(restarts_made(&d, &e), Some(7));
+        e.metadata.uid = Some("another".into());
+        assert_eq!(restarts_made(&d, &e), None);
     }
 
     #[test]
