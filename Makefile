@@ -95,6 +95,27 @@ deploy: ## Deploy the operator (config/default) to the cluster of $KUBECONFIG, r
 undeploy: ## Remove everything `make deploy` created (CRDs and custom objects included)
 	$(KUBECTL) delete --ignore-not-found -k config/default
 
+HELM ?= $(TESTENV_BIN_DIR)/helm
+RELEASE ?= opkit
+NAMESPACE ?= opkit-system
+
+.PHONY: helm
+helm: ## Regenerate the Helm chart dist/chart/ from the Rust code
+	$(OPKIT) helm --dir dist/chart
+
+.PHONY: helm-lint
+helm-lint: testenv-build ## helm lint --strict dist/chart
+	$(HELM) lint --strict dist/chart
+
+.PHONY: helm-deploy
+helm-deploy: testenv-build ## Install or upgrade the chart as $(RELEASE) in $(NAMESPACE), running image $(IMG); HELM_ARGS adds options (e.g. --set manager.replicas=2)
+	img='$(IMG)'; $(HELM) upgrade --install $(RELEASE) dist/chart --namespace $(NAMESPACE) --create-namespace --wait \
+		--set manager.image.repository=$${img%:*} --set manager.image.tag=$${img##*:} $(HELM_ARGS)
+
+.PHONY: helm-undeploy
+helm-undeploy: testenv-build ## Uninstall the release $(RELEASE) (the CRDs stay unless installed with crd.keep=false)
+	$(HELM) uninstall $(RELEASE) --namespace $(NAMESPACE) --wait
+
 CHANNELS ?= candidate
 DEFAULT_CHANNEL ?=
 BUNDLE_IMG ?= opkit-bundle:v$(VERSION)

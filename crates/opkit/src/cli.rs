@@ -74,6 +74,16 @@ enum Command<A: Args, X: Subcommand> {
         #[arg(long = "namespace", short = 'n')]
         namespaces: Vec<String>,
     },
+    /// Write the Helm chart (the objects of the manifests, with values for what is set at
+    /// install time), or check it is fresh.
+    Helm {
+        /// The chart directory.
+        #[arg(long, default_value = crate::helm::DIR)]
+        dir: PathBuf,
+        /// Fail if a file would change instead of writing it.
+        #[arg(long)]
+        check: bool,
+    },
     /// Write the OLM bundle (`bundle/`, `bundle.Dockerfile`) from the generated manifests,
     /// `config/manifests/metadata.yaml` and `config/samples`, or check it is fresh.
     Bundle(BundleArgs),
@@ -402,8 +412,13 @@ fn write_manifests<S>(
     check: bool,
     namespaces: &[String],
 ) -> anyhow::Result<()> {
+    write_files(manifests::all(op, namespaces)?, dir, check, "make manifests")
+}
+
+/// Writes `files` under `dir`, or with `check` fails naming those that would change.
+fn write_files(files: Vec<(String, String)>, dir: &Path, check: bool, make: &str) -> anyhow::Result<()> {
     let mut stale = Vec::new();
-    for (rel, content) in manifests::all(op, namespaces)? {
+    for (rel, content) in files {
         let path = dir.join(&rel);
         if std::fs::read_to_string(&path).ok().as_deref() == Some(content.as_str()) {
             continue;
@@ -417,10 +432,7 @@ fn write_manifests<S>(
         }
     }
     if !stale.is_empty() {
-        bail!(
-            "generated manifests are stale (run `make manifests`): {}",
-            stale.join(", ")
-        );
+        bail!("generated files are stale (run `{make}`): {}", stale.join(", "));
     }
     Ok(())
 }
@@ -508,6 +520,7 @@ pub fn main_with<S, A: Args, X: Subcommand>(
             check,
             namespaces,
         } => write_manifests(&op, &dir, check, &namespaces),
+        Command::Helm { dir, check } => write_files(crate::helm::chart(&op)?, &dir, check, "make helm"),
         Command::Bundle(args) => write_bundle(&op, args),
         Command::MigrateStorage { crds, kubeconfig } => runtime.block_on(async {
             let config = match kubeconfig {

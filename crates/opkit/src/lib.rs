@@ -18,6 +18,7 @@ pub mod conditions;
 mod context;
 pub mod conversion;
 pub mod diff;
+pub mod helm;
 pub mod leader;
 pub mod manager;
 pub mod manifests;

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Compiles the local control plane (etcd, kube-apiserver, kube-controller-manager,
-# kube-scheduler, kubectl, kwok, kubelet and kube-proxy for the real node, and the upstream
-# sample-controller) from pinned Go modules and caches the binaries outside the repo, keyed by version. Idempotent: prints the bin
+# kube-scheduler, kubectl, kwok, kubelet and kube-proxy for the real node, the upstream
+# sample-controller, and Helm) from pinned Go modules and caches the binaries outside the repo, keyed by version. Idempotent: prints the bin
 # directory and exits at once when the cache is warm.
 #
 # Usage: build-binaries.sh              build what is missing, print the bin dir on stdout
@@ -141,6 +141,17 @@ if [[ ! -x "$bin/kube-score" || "$(cat "$bin/.kube-score.version" 2>/dev/null)" 
   go build -trimpath -ldflags "-s -w" -o "$bin/kube-score.tmp" github.com/zegl/kube-score/cmd/kube-score \
     && mv "$bin/kube-score.tmp" "$bin/kube-score"
   echo "$KUBE_SCORE_VERSION" > "$bin/.kube-score.version"
+fi
+
+# --- helm: the chart's tests install, upgrade, roll back and uninstall it with the real Helm.
+if [[ ! -x "$bin/helm" || "$(cat "$bin/.helm.version" 2>/dev/null)" != "$HELM_VERSION" ]]; then
+  log "building helm ${HELM_VERSION}"
+  d="$work/helm"; rm -rf "$d"; mkdir -p "$d"; cd "$d"
+  go mod init opkit.local/testenv/helm >/dev/null 2>&1
+  go get "helm.sh/helm/v3@${HELM_VERSION}" >&2
+  go build -trimpath -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=${HELM_VERSION}" \
+    -o "$bin/helm.tmp" helm.sh/helm/v3/cmd/helm && mv "$bin/helm.tmp" "$bin/helm"
+  echo "$HELM_VERSION" > "$bin/.helm.version"
 fi
 
 # --- memcached-peer (source in crates/bench/peer-memcached): the Memcached operator written on

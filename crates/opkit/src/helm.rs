@@ -1,0 +1,446 @@
+//! The Helm chart under `dist/chart/` (`make helm`): the objects of `config/`, built by the
+//! same functions of [`crate::manifests`], with what a user sets at install time made values.
+//!
+//! - **CRDs** are templates (`templates/crd/`), not Helm's `crds/` directory: Helm installs
+//!   `crds/` once and never upgrades it, so a new version of the operator would run against
+//!   old schemas. They carry `helm.sh/resource-policy: keep` unless `crd.keep=false`:
+//!   `helm uninstall` leaves them, and with them every custom object, in place.
+//! - **Names** are the operator's, not the release's: the operator finds its Lease, webhook
+//!   configurations, Service and certificate Secret by those names. One release per cluster.
+//! - **The namespace** is the release's; Helm does not label it, so `pod-security.kubernetes.io/
+//!   enforce: restricted` (which `config/` sets) is the user's to add.
+use anyhow::{Context, bail, ensure};
+use kube::ResourceExt;
+
+use crate::manifests::{self, to_yaml};
+use crate::operator::Operator;
+
+/// Where `make helm` writes the chart.
+pub const DIR: &str = "dist/chart";
+
+/// `$` so that it also reads inside a `range`.
+const RELEASE_NAMESPACE: &str = "{{ $.Release.Namespace }}";
+
+/// Every file of the chart, relative to its directory.
+pub fn chart<S>(op: &Operator<S>) -> anyhow::Result<Vec<(String, String)>> {
+    let ns = op.namespace();
+    let mut files = vec![
+        ("Chart.yaml".to_string(), chart_yaml(op)),
+        ("values.yaml".to_string(), values_yaml(op)?),
+        (
+            ".helmignore".to_string(),
+            "# Patterns to ignore when packaging.\n.git/\n*.orig\n*.rej\n".to_string(),
+        ),
+        ("templates/NOTES.txt".to_string(), notes(op)),
+    ];
+
+    let webhooks = manifests::webhooks(op)?;
+    for mut crd in manifests::crds(op)? {
+        let converted = crd
+            .spec
+            .conversion
+            .as_ref()
+            .is_some_and(|c| c.strategy == "Webhook");
+        crd.annotations_mut()
+            .insert("helm.sh/resource-policy".into(), "__KEEP__".into());
+        let mut body = template(&ns, &crd)?;
+        body = replace_line(&body, "helm.sh/resource-policy: __KEEP__", |indent| {
+            format!(
+                "{indent}{{{{- if .Values.crd.keep }}}}\n{indent}helm.sh/resource-policy: keep\n{indent}{{{{- end }}}}"
+            )
+        })?;
+        let guard = if converted {
+            format!(
+                "{{{{- if not .Values.webhook.enable }}}}\n{{{{- fail \"{} is served in several versions converted by the operator's webhook: webhook.enable must stay true\" }}}}\n{{{{- end }}}}\n",
+                crd.name_any()
+            )
+        } else {
+            String::new()
+        };
+        files.push((
+            format!("templates/crd/{}.yaml", crd.name_any()),
+            format!("{guard}{{{{- if .Values.crd.enable }}}}\n{body}{{{{- end }}}}\n"),
+        ));
+    }
+
+    // RBAC: the ClusterRole holds every controller's rules, or (confined to namespaces) only
+    // what stays cluster-wide, with a Role in each namespace.
+    let yaml_rules = |rules: &[k8s_openapi::api::rbac::v1::PolicyRule]| -> anyhow::Result<String> {
+        if rules.is_empty() {
+            return Ok(String::new());
+        }
+        Ok(serde_yaml::to_string(rules)?)
+    };
+    let controllers = yaml_rules(&op.registry.rbac())?;
+    let webhook_rules = yaml_rules(&crate::webhook::rbac_rules(op.name, &webhooks))?;
+    let crd_rule = yaml_rules(&[manifests::crd_read_rule(op)])?;
+    let metrics_rules = yaml_rules(&manifests::metrics_auth_rules())?;
+    let labels = labels_yaml(op, "    ")?;
+    let role_name = format!("{}-manager-role", op.name);
+    files.push((
+        "templates/rbac/role.yaml".into(),
+        format!(
+            "apiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRole\nmetadata:\n  name: {role_name}\nrules:\n\
+             {{{{- if not .Values.manager.namespaces }}}}\n{controllers}{{{{- end }}}}\n\
+             {{{{- if .Values.webhook.enable }}}}\n{webhook_rules}{{{{- end }}}}\n\
+             {crd_rule}\
+             {{{{- if and .Values.metrics.enable .Values.metrics.secure }}}}\n{metrics_rules}{{{{- end }}}}\n\
+             {{{{- range .Values.manager.namespaces }}}}\n---\napiVersion: rbac.authorization.k8s.io/v1\nkind: Role\nmetadata:\n  name: {role_name}\n  namespace: {{{{ . }}}}\n  labels:\n{labels}rules:\n{controllers}{{{{- end }}}}\n"
+        ),
+    ));
+    let binding = template(&ns, &manifests::manager_cluster_role_binding(op))?;
+    let ns_binding = template(&ns, &manifests::manager_role_binding(op, "__EACH__"))?
+        .replace("namespace: __EACH__", "namespace: {{ . }}");
+    files.push((
+        "templates/rbac/role_binding.yaml".into(),
+        format!("{binding}{{{{- range .Values.manager.namespaces }}}}\n---\n{ns_binding}{{{{- end }}}}\n"),
+    ));
+    let (leader_role, leader_binding) = manifests::own_namespace_role(op);
+    files.push((
+        "templates/rbac/leader_election_role.yaml".into(),
+        format!(
+            "{}---\n{}",
+            template(&ns, &leader_role)?,
+            template(&ns, &leader_binding)?
+        ),
+    ));
+    files.push((
+        "templates/rbac/service_account.yaml".into(),
+        template(&ns, &manifests::service_account(op))?,
+    ));
+    files.push((
+        "templates/rbac/metrics_reader_role.yaml".into(),
+        enabled("metrics.enable", &template(&ns, &manifests::metrics_reader(op))?),
+    ));
+
+    files.push(("templates/manager/manager.yaml".into(), deployment(op)?));
+
+    let (mutating, validating) = manifests::webhook_configurations(op)?;
+    // Both, even one without webhooks, as in `config/`: the operator keeps them current.
+    let hooks = format!(
+        "{}---\n{}",
+        template(&ns, &mutating)?,
+        template(&ns, &validating)?
+    );
+    files.push((
+        "templates/webhook/manifests.yaml".into(),
+        enabled("webhook.enable", &hooks),
+    ));
+    files.push((
+        "templates/webhook/service.yaml".into(),
+        enabled("webhook.enable", &template(&ns, &manifests::webhook_service(op))?),
+    ));
+    files.push((
+        "templates/metrics/metrics_service.yaml".into(),
+        enabled("metrics.enable", &template(&ns, &manifests::metrics_service(op))?),
+    ));
+    // Without the file's header, with the note on what the policy cannot say.
+    let policy = manifests::network_policy_yaml(op)?;
+    let policy = policy.split_once('\n').map(|(_, p)| p).unwrap_or(&policy);
+    files.push((
+        "templates/network-policy/network_policy.yaml".into(),
+        enabled("networkPolicy.enable", &namespaced(&ns, policy)?),
+    ));
+    files.push((
+        "templates/prometheus/monitor.yaml".into(),
+        format!(
+            "{{{{- if and .Values.prometheus.enable .Values.metrics.enable }}}}\n{}{{{{- end }}}}\n",
+            template(&ns, &manifests::service_monitor(op))?
+        ),
+    ));
+
+    for (path, content) in &mut files {
+        if path.ends_with(".yaml") && path != "Chart.yaml" && path != "values.yaml" {
+            *content = format!("# Generated by `make helm` (opkit helm). DO NOT EDIT.\n{content}");
+        }
+        ensure!(
+            !content.contains(&ns),
+            "{path}: the namespace {ns} is left in the chart (it must be the release's)"
+        );
+        ensure!(
+            !content.contains("__"),
+            "{path}: a placeholder is left:\n{content}"
+        );
+    }
+    Ok(files)
+}
+
+fn chart_yaml<S>(op: &Operator<S>) -> String {
+    format!(
+        "# Generated by `make helm` (opkit helm). DO NOT EDIT.\napiVersion: v2\nname: {}\ndescription: {}\ntype: application\nversion: {}\nappVersion: \"{}\"\n",
+        op.name,
+        serde_json::to_string(op.about).unwrap_or_default(),
+        op.version,
+        op.version
+    )
+}
+
+fn values_yaml<S>(op: &Operator<S>) -> anyhow::Result<String> {
+    let d = manifests::deployment(op);
+    let container = d
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .and_then(|p| p.containers.first())
+        .context("the manager Deployment has no container")?;
+    let resources = serde_yaml::to_string(&container.resources)?;
+    let (repository, tag) = op
+        .image()
+        .rsplit_once(':')
+        .map(|(r, t)| (r.to_string(), t.to_string()))
+        .context("image without a tag")?;
+    let indented = |s: &str, by: &str| s.lines().map(|l| format!("{by}{l}\n")).collect::<String>();
+    Ok(format!(
+        "# Generated by `make helm` (opkit helm). DO NOT EDIT: set these with --set or -f.\n\
+manager:
+  # Replicas share the work by leader election: one reconciles, the others stand by and serve
+  # the webhooks.
+  replicas: 1
+  image:
+    repository: {repository}
+    tag: {tag}
+    pullPolicy: IfNotPresent
+  # Off only for a single replica that must not wait for a Lease.
+  leaderElection: true
+  # Namespaces to confine the controllers to (a Role in each instead of a ClusterRole);
+  # empty: the whole cluster.
+  namespaces: []
+  # More arguments of `opkit run`, e.g. [\"--controllers=memcached,at\"].
+  args: []
+  resources:
+{resources}  nodeSelector: {{}}
+  tolerations: []
+  affinity: {{}}
+
+crd:
+  # Install and upgrade the CRDs with the chart.
+  enable: true
+  # Leave the CRDs (and every object of theirs) in place on `helm uninstall`.
+  keep: true
+
+metrics:
+  # Serve /metrics on 8443 with its Service.
+  enable: true
+  # HTTPS, and only for tokens allowed to `get` /metrics (bind the {name}-metrics-reader
+  # ClusterRole); false: plain HTTP for anyone who reaches the port.
+  secure: true
+
+webhook:
+  # Admission and conversion webhooks. Kinds served in several versions need it.
+  enable: true
+
+prometheus:
+  # A ServiceMonitor for the metrics Service (needs the Prometheus Operator's CRDs).
+  enable: false
+
+networkPolicy:
+  # Ingress only to the webhook, metrics (from namespaces labelled metrics: enabled) and
+  # probe ports.
+  enable: true
+",
+        resources = indented(&resources, "    "),
+        name = op.name,
+    ))
+}
+
+fn notes<S>(op: &Operator<S>) -> String {
+    format!(
+        "{} {{{{ .Chart.AppVersion }}}} is installed in {{{{ .Release.Namespace }}}}.\n\n\
+         Its Pods meet the restricted Pod Security Standard; to enforce it:\n  \
+         kubectl label namespace {{{{ .Release.Namespace }}}} pod-security.kubernetes.io/enforce=restricted\n\n\
+         Watch it start:\n  kubectl -n {{{{ .Release.Namespace }}}} rollout status deploy/{}\n\
+         {{{{- if .Values.crd.keep }}}}\n\n\
+         `helm uninstall` keeps the CRDs and their objects; delete the CRDs yourself to remove them.\n\
+         {{{{- end }}}}\n",
+        op.name,
+        op.manager()
+    )
+}
+
+/// The manager Deployment of [`manifests::deployment`] with its settings made values.
+fn deployment<S>(op: &Operator<S>) -> anyhow::Result<String> {
+    let ns = op.namespace();
+    let mut d = manifests::deployment(op);
+    let container = d
+        .spec
+        .as_mut()
+        .and_then(|s| s.template.spec.as_mut())
+        .and_then(|p| p.containers.first_mut())
+        .context("the manager Deployment has no container")?;
+    container.image = Some("__IMAGE__".into());
+    container.image_pull_policy = Some("__PULL__".into());
+    let mut y = template(&ns, &d)?;
+    y = replace_line(&y, "replicas: 1", |i| {
+        format!("{i}replicas: {{{{ .Values.manager.replicas }}}}")
+    })?;
+    y = replace_line(&y, "image: __IMAGE__", |i| {
+        format!(
+            "{i}image: \"{{{{ .Values.manager.image.repository }}}}:{{{{ .Values.manager.image.tag }}}}\""
+        )
+    })?;
+    y = replace_line(&y, "imagePullPolicy: __PULL__", |i| {
+        format!("{i}imagePullPolicy: {{{{ .Values.manager.image.pullPolicy }}}}")
+    })?;
+    let when = |cond: &'static str, line: &'static str| {
+        move |i: &str| format!("{i}{{{{- if {cond} }}}}\n{i}{line}\n{i}{{{{- end }}}}")
+    };
+    y = replace_line(
+        &y,
+        "- --leader-elect",
+        when(".Values.manager.leaderElection", "- --leader-elect"),
+    )?;
+    y = replace_line(&y, "- --metrics-bind-address=:8443", |i| {
+        format!(
+            "{i}{{{{- if .Values.metrics.enable }}}}\n{i}- --metrics-bind-address=:8443\n{i}{{{{- else }}}}\n{i}- --metrics-bind-address=0\n{i}{{{{- end }}}}"
+        )
+    })?;
+    y = replace_line(
+        &y,
+        "- --metrics-secure",
+        when(
+            "and .Values.metrics.enable .Values.metrics.secure",
+            "- --metrics-secure",
+        ),
+    )?;
+    y = replace_line(&y, "- --webhook-bind-address=:9443", |i| {
+        format!(
+            "{i}{{{{- if .Values.webhook.enable }}}}\n{i}- --webhook-bind-address=:9443\n{i}{{{{- end }}}}\n\
+             {i}{{{{- range .Values.manager.namespaces }}}}\n{i}- --namespace={{{{ . }}}}\n{i}{{{{- end }}}}\n\
+             {i}{{{{- with .Values.manager.args }}}}\n{i}{{{{- toYaml . | nindent {n} }}}}\n{i}{{{{- end }}}}",
+            n = i.len()
+        )
+    })?;
+    y = replace_block(&y, "resources:", |i| {
+        format!(
+            "{i}resources:\n{i}  {{{{- toYaml .Values.manager.resources | nindent {} }}}}",
+            i.len() + 2
+        )
+    })?;
+    y = replace_line(&y, &format!("serviceAccountName: {}", op.manager()), |i| {
+        let mut out = format!("{i}serviceAccountName: {}", op.manager());
+        for (key, value) in [
+            ("nodeSelector", "nodeSelector"),
+            ("tolerations", "tolerations"),
+            ("affinity", "affinity"),
+        ] {
+            out.push_str(&format!(
+                "\n{i}{{{{- with .Values.manager.{value} }}}}\n{i}{key}:\n{i}  {{{{- toYaml . | nindent {} }}}}\n{i}{{{{- end }}}}",
+                i.len() + 2
+            ));
+        }
+        out
+    })?;
+    Ok(y)
+}
+
+/// `obj` as YAML with the operator's namespace made the release's and Helm as its manager.
+fn template<T: serde::Serialize>(ns: &str, obj: &T) -> anyhow::Result<String> {
+    let y = to_yaml(&[obj])?;
+    let y = y.split_once("---\n").map(|(_, y)| y).unwrap_or(&y);
+    namespaced(ns, y)
+}
+
+fn namespaced(ns: &str, y: &str) -> anyhow::Result<String> {
+    Ok(y.lines()
+        .map(|l| {
+            let trimmed = l.trim_start();
+            let indent = &l[..l.len() - trimmed.len()];
+            if trimmed == format!("namespace: {ns}") {
+                format!("{indent}namespace: {RELEASE_NAMESPACE}\n")
+            } else if trimmed == format!("- {ns}") {
+                // The webhooks' namespaceSelector leaves the operator's namespace out.
+                format!("{indent}- {RELEASE_NAMESPACE}\n")
+            } else if trimmed == "app.kubernetes.io/managed-by: kustomize" {
+                format!("{indent}app.kubernetes.io/managed-by: {{{{ $.Release.Service }}}}\n")
+            } else {
+                format!("{l}\n")
+            }
+        })
+        .collect())
+}
+
+fn enabled(value: &str, body: &str) -> String {
+    format!("{{{{- if .Values.{value} }}}}\n{body}{{{{- end }}}}\n")
+}
+
+fn labels_yaml<S>(op: &Operator<S>, indent: &str) -> anyhow::Result<String> {
+    let y = serde_yaml::to_string(&manifests::labels(op))?;
+    Ok(y.lines()
+        .map(|l| {
+            if l == "app.kubernetes.io/managed-by: kustomize" {
+                format!("{indent}app.kubernetes.io/managed-by: {{{{ $.Release.Service }}}}\n")
+            } else {
+                format!("{indent}{l}\n")
+            }
+        })
+        .collect())
+}
+
+/// Replaces the one line whose content (indentation aside) is `content` by `with(indent)`.
+fn replace_line(y: &str, content: &str, with: impl Fn(&str) -> String) -> anyhow::Result<String> {
+    let mut found = 0;
+    let out: String = y
+        .lines()
+        .map(|l| {
+            let trimmed = l.trim_start();
+            if trimmed == content {
+                found += 1;
+                format!("{}\n", with(&l[..l.len() - trimmed.len()]))
+            } else {
+                format!("{l}\n")
+            }
+        })
+        .collect();
+    if found != 1 {
+        bail!("the chart expects one line `{content}`, found {found}");
+    }
+    Ok(out)
+}
+
+/// Replaces the one mapping key `key` (a line of its own) and everything indented under it.
+fn replace_block(y: &str, key: &str, with: impl Fn(&str) -> String) -> anyhow::Result<String> {
+    let lines: Vec<&str> = y.lines().collect();
+    let starts: Vec<usize> = (0..lines.len())
+        .filter(|&i| lines[i].trim_start() == key)
+        .collect();
+    let [start] = starts[..] else {
+        bail!("the chart expects one block `{key}`, found {}", starts.len());
+    };
+    let indent = lines[start].len() - lines[start].trim_start().len();
+    let end = (start + 1..lines.len())
+        .find(|&i| lines[i].len() - lines[i].trim_start().len() <= indent)
+        .unwrap_or(lines.len());
+    let mut out: Vec<String> = lines[..start].iter().map(|l| l.to_string()).collect();
+    out.push(with(&lines[start][..indent]));
+    out.extend(lines[end..].iter().map(|l| l.to_string()));
+    Ok(out.join("\n") + "\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_line_and_a_block_are_replaced_once_or_refused() {
+        let y = "a:\n  b: 1\n  c:\n    d: 2\n  e: 3\n";
+        let out = replace_block(y, "c:", |i| format!("{i}c: x")).unwrap();
+        assert_eq!(out, "a:\n  b: 1\n  c: x\n  e: 3\n");
+        let out = replace_line(y, "b: 1", |i| format!("{i}b: {{{{ .Values.b }}}}")).unwrap();
+        assert!(out.contains("  b: {{ .Values.b }}\n"));
+        assert!(replace_line(y, "z: 1", |i| i.to_string()).is_err());
+        assert!(replace_line("x: 1\nx: 1\n", "x: 1", |i| i.to_string()).is_err());
+    }
+
+    #[test]
+    fn the_release_namespace_replaces_the_operators() {
+        let out = namespaced(
+            "op-system",
+            "metadata:\n  namespace: op-system\n  name: op-system-x\n",
+        )
+        .unwrap();
+        assert_eq!(
+            out,
+            "metadata:\n  namespace: {{ $.Release.Namespace }}\n  name: op-system-x\n"
+        );
+    }
+}
