@@ -13,6 +13,9 @@ CONTAINER_TOOL ?= $(shell bash hack/container-tool.sh)
 # Runtime base of the operator image; `local` assembles one from this machine's libraries.
 BASE ?=
 TESTENV := cargo run -q -p opkit-testenv --
+# A registry on this machine (the local control plane's, 127.0.0.1:5000) speaks plain HTTP:
+# podman must be told; docker trusts 127.0.0.0/8 by itself.
+insecure = $(if $(and $(findstring podman,$(CONTAINER_TOOL)),$(filter 127.0.0.1:% localhost:%,$(1))),--tls-verify=false)
 
 .PHONY: help
 help: ## Show this help
@@ -136,7 +139,7 @@ bundle-build: ## Build the bundle image $(BUNDLE_IMG) with $(CONTAINER_TOOL)
 
 .PHONY: bundle-push
 bundle-push: ## Push the bundle image $(BUNDLE_IMG)
-	$(CONTAINER_TOOL) push $(BUNDLE_IMG)
+	$(CONTAINER_TOOL) push $(call insecure,$(BUNDLE_IMG)) $(BUNDLE_IMG)
 
 .PHONY: docker-build
 docker-build: ## Build the operator image $(IMG) with $(CONTAINER_TOOL); BASE=local (or an unpullable base) builds on this machine's libraries
@@ -144,7 +147,7 @@ docker-build: ## Build the operator image $(IMG) with $(CONTAINER_TOOL); BASE=lo
 
 .PHONY: docker-push
 docker-push: ## Push the operator image $(IMG)
-	$(CONTAINER_TOOL) push $(IMG)
+	$(CONTAINER_TOOL) push $(call insecure,$(IMG)) $(IMG)
 
 .PHONY: testenv-load
 testenv-load: ## Load the operator image $(IMG) into the local control plane's real node (as kind load does)

@@ -47,10 +47,6 @@ struct Scale {
     rounds: usize,
     /// Seconds over which the Ats fall due.
     spread: u64,
-    /// Whether a conversion failed during a roll fails the run. About one in fifty still fails
-    /// (`EOF` on a connection of the stopping replica, docs/reliability.md): the full run fails
-    /// on it, the short run in `make test` reports it.
-    strict_conversions: bool,
 }
 
 fn scale() -> Scale {
@@ -61,7 +57,6 @@ fn scale() -> Scale {
             erus: 50,
             rounds: 3,
             spread: 150,
-            strict_conversions: true,
         }
     } else {
         Scale {
@@ -70,7 +65,6 @@ fn scale() -> Scale {
             erus: 4,
             rounds: 1,
             spread: 70,
-            strict_conversions: false,
         }
     }
 }
@@ -616,13 +610,11 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
         if converted == 0 {
             conversion_failures.push(format!("round {round}: no CronTab was converted during the roll"));
         }
-        if scale.strict_conversions {
-            conversion_failures.extend(
-                failed
-                    .into_iter()
-                    .map(|e| format!("round {round}: conversion during the roll: {e}")),
-            );
-        }
+        conversion_failures.extend(
+            failed
+                .into_iter()
+                .map(|e| format!("round {round}: conversion during the roll: {e}")),
+        );
 
         // 7-8. The leader's apiserver connection answers every write with 429 (Retry-After
         //      longer than its renew deadline), then never answers a request on the connections

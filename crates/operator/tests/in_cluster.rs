@@ -5,6 +5,8 @@
 //! one, 403 without the role), and `make undeploy` removes it all.
 //! Needs `OPKIT_TESTENV_REAL_NODE=1` (as `make test` sets).
 use std::path::PathBuf;
+
+use serde::Deserialize;
 use std::process::Command;
 use std::time::Duration;
 
@@ -276,7 +278,291 @@ async fn docker_build_load_and_make_deploy_run_the_operator_in_the_cluster() {
                 }
             })
             .await?;
-            Ok(())
+            helm_install_upgrade_rollback_uninstall(&client, &kubeconfig, &ns).await
         })
         .await;
+}
+
+const HELM_NS: &str = "opkit-helm";
+
+/// `helm <args>` on the chart's release against the test cluster; fails with its output.
+fn helm(kubeconfig: &std::path::Path, args: &[&str]) -> anyhow::Result<String> {
+    let bin = opkit_testenv::Binaries::ensure()?;
+    let out = Command::new(bin.path("helm"))
+        .args(args)
+        .args(["--namespace", HELM_NS])
+        .env("KUBECONFIG", kubeconfig)
+        .env("HELM_CACHE_HOME", std::env::temp_dir().join("opkit-helm-cache"))
+        .env("HELM_CONFIG_HOME", std::env::temp_dir().join("opkit-helm-config"))
+        .output()?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    ensure!(out.status.success(), "helm {}:\n{text}", args.join(" "));
+    Ok(text)
+}
+
+/// The same image through the chart: `helm install` runs the operator (webhooks answer,
+/// a Memcached converges); `helm upgrade` to another tag and 2 replicas while Ats are
+/// created every 100 ms, none refused; `helm rollback` to 1 replica of the first tag;
+/// `helm uninstall` leaves only the CRDs (kept by the chart's default).
+async fn helm_install_upgrade_rollback_uninstall(
+    client: &kube::Client,
+    kubeconfig: &std::path::Path,
+    ns: &str,
+) -> anyhow::Result<()> {
+    let cluster = shared_real_node().context("no real node")?;
+    // The upgrade's image comes from the control plane's registry, pushed there by `make
+    // docker-push` (as seed 001 does with 127.0.0.1:5000) and pulled by the node.
+    let registry = cluster.registry().context("the real node has no registry")?;
+    let img2 = format!("{registry}/opkit:in-cluster-test-2");
+    let tool = String::from_utf8(
+        Command::new("bash")
+            .arg(repo().join("hack/container-tool.sh"))
+            .output()?
+            .stdout,
+    )?;
+    let tagged = Command::new(tool.trim()).args(["tag", IMG, &img2]).output()?;
+    ensure!(
+        tagged.status.success(),
+        "tagging {img2}: {}",
+        String::from_utf8_lossy(&tagged.stderr)
+    );
+    make(kubeconfig, &["docker-push", &format!("IMG={img2}")])?;
+    // And the OLM bundle image, with `make bundle-build bundle-push`.
+    let bundle_img = format!("{registry}/opkit-bundle:v0.1.0");
+    make(
+        kubeconfig,
+        &["bundle-build", "bundle-push", &format!("BUNDLE_IMG={bundle_img}")],
+    )?;
+    for (repository, tag) in [("opkit", "in-cluster-test-2"), ("opkit-bundle", "v0.1.0")] {
+        let addr: std::net::SocketAddr = registry.parse()?;
+        let (code, body) = http_get(addr, &format!("/v2/{repository}/tags/list")).await?;
+        ensure!(
+            code == 200 && body.contains(tag),
+            "the registry lists for {repository}: {code} {body}"
+        );
+    }
+    // The node has never seen it: the upgrade's Pods pull it.
+    let images = kubectl(&[
+        "get",
+        "node",
+        opkit_testenv::node::NODE_NAME,
+        "-o",
+        "jsonpath={.status.images[*].names}",
+    ])?;
+    ensure!(!images.contains(&img2), "{img2} is already on the node: {images}");
+
+    // `make undeploy` deleted the CRDs; the chart makes them again once they are gone.
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let ours: Vec<String> = serde_yaml::Deserializer::from_slice(
+        &Command::new(env!("CARGO_BIN_EXE_opkit"))
+            .arg("crd")
+            .output()?
+            .stdout,
+    )
+    .filter_map(|d| serde_yaml::Value::deserialize(d).ok())
+    .filter_map(|v| v["metadata"]["name"].as_str().map(String::from))
+    .collect();
+    ensure!(!ours.is_empty(), "opkit crd printed no CRD");
+    wait_for("the undeployed CRDs to be gone", T, || async {
+        for name in &ours {
+            ensure!(crds.get_opt(name).await?.is_none(), "{name} still there");
+        }
+        Ok(())
+    })
+    .await?;
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    namespaces
+        .create(
+            &PostParams::default(),
+            &Namespace {
+                metadata: ObjectMeta {
+                    name: Some(HELM_NS.into()),
+                    annotations: Some(opkit_testenv::node::namespace_annotations()),
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+        )
+        .await?;
+    let chart = repo().join("dist/chart");
+    let chart = chart.to_str().context("chart path")?;
+    let (repository, tag) = IMG.split_once(':').context("IMG has a tag")?;
+    let installed = helm(
+        kubeconfig,
+        &[
+            "install",
+            "opkit",
+            chart,
+            "--wait",
+            "--timeout",
+            "3m",
+            "--set",
+            &format!("manager.image.repository={repository},manager.image.tag={tag}"),
+        ],
+    )?;
+    ensure!(installed.contains("STATUS: deployed"), "{installed}");
+    let deploys: Api<Deployment> = Api::namespaced(client.clone(), HELM_NS);
+    let available = |n: i32, image: String| {
+        let deploys = deploys.clone();
+        async move {
+            wait_for(&format!("{n} available replicas of {image}"), T, || async {
+                let d = deploys.get("opkit-controller-manager").await?;
+                let img = d
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.template.spec.as_ref())
+                    .and_then(|p| p.containers.first())
+                    .and_then(|c| c.image.clone())
+                    .unwrap_or_default();
+                let st = d.status.unwrap_or_default();
+                let done = img.ends_with(&image)
+                    && st.available_replicas == Some(n)
+                    && st.updated_replicas == Some(n)
+                    && st.replicas == Some(n);
+                if done {
+                    Ok(())
+                } else {
+                    Err(anyhow!("image {img}, status {st:?}"))
+                }
+            })
+            .await
+        }
+    };
+    available(1, IMG.to_string()).await?;
+    // Webhooks answer through the chart's Service, and the operator reconciles.
+    let ancient = r#"{"apiVersion":"cnat.programming-kubernetes.info/v1alpha1","kind":"At",
+        "metadata":{"name":"ancient"},"spec":{"schedule":"2010-01-01T00:00:00Z","command":"echo"}}"#;
+    wait_for("the chart's At webhook to refuse an ancient At", T, || async {
+        let (ok, out) = kubectl_stdin(
+            &["create", "--dry-run=server", "-n", ns, "-f", "-"],
+            ancient.as_bytes(),
+        )?;
+        ensure!(!ok && out.contains("more than 10 years in the past"), "{out}");
+        Ok(())
+    })
+    .await?;
+    let mc = r#"{"apiVersion":"cache.example.com/v1","kind":"Memcached","metadata":{"name":"from-helm"},"spec":{}}"#;
+    let (ok, out) = kubectl_stdin(&["create", "-n", ns, "-f", "-"], mc.as_bytes())?;
+    ensure!(ok, "{out}");
+    jsonpath_is(
+        &["memcached", "from-helm"],
+        ns,
+        "{.status.conditions[?(@.type==\"Available\")].status}",
+        "True",
+    )
+    .await?;
+
+    // The upgrade rolls the Pods while Ats (validated by a `Fail` webhook) are created.
+    let stop = tokio_util::sync::CancellationToken::new();
+    let creator = {
+        let (stop, ns) = (stop.clone(), ns.to_string());
+        tokio::task::spawn_blocking(move || {
+            let (mut made, mut refused) = (0, Vec::new());
+            let mut i = 0;
+            while !stop.is_cancelled() {
+                let at = format!(
+                    r#"{{"apiVersion":"cnat.programming-kubernetes.info/v1alpha1","kind":"At",
+                    "metadata":{{"name":"roll-{i}"}},"spec":{{"schedule":"2099-01-01T00:00:00Z","command":"echo"}}}}"#
+                );
+                match kubectl_stdin(&["create", "-n", &ns, "-f", "-"], at.as_bytes()) {
+                    Ok((true, _)) => made += 1,
+                    Ok((false, out)) => refused.push(out),
+                    Err(e) => refused.push(e.to_string()),
+                }
+                i += 1;
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            (made, refused)
+        })
+    };
+    let (repository2, tag2) = img2.rsplit_once(':').context("the pushed image has a tag")?;
+    let upgraded = helm(
+        kubeconfig,
+        &[
+            "upgrade",
+            "opkit",
+            chart,
+            "--wait",
+            "--timeout",
+            "3m",
+            "--reuse-values",
+            "--set",
+            &format!("manager.image.repository={repository2},manager.image.tag={tag2},manager.replicas=2"),
+        ],
+    );
+    let rolled = match upgraded {
+        Ok(_) => available(2, img2.clone()).await,
+        Err(e) => Err(e),
+    };
+    stop.cancel();
+    let (made, refused) = creator.await?;
+    rolled?;
+    println!(
+        "helm upgrade: {made} Ats created during the roll, {} refused",
+        refused.len()
+    );
+    ensure!(made > 0, "no At was created during the upgrade");
+    ensure!(
+        refused.is_empty(),
+        "admissions failed during helm upgrade: {refused:?}"
+    );
+
+    helm(
+        kubeconfig,
+        &["rollback", "opkit", "1", "--wait", "--timeout", "3m"],
+    )?;
+    available(1, IMG.to_string()).await?;
+    let history = helm(kubeconfig, &["history", "opkit"])?;
+    ensure!(
+        history.lines().count() == 4,
+        "install, upgrade, rollback:\n{history}"
+    );
+
+    // Uninstall: everything goes but the CRDs (and so the custom objects), as the chart says.
+    kubectl(&["delete", "memcached", "from-helm", "-n", ns, "--wait=true"])?;
+    helm(kubeconfig, &["uninstall", "opkit", "--wait", "--timeout", "3m"])?;
+    let kept = crds.get_opt("memcacheds.cache.example.com").await?;
+    ensure!(
+        kept.is_some(),
+        "helm uninstall removed the Memcached CRD (the chart keeps it)"
+    );
+    let left: Vec<String> = [
+        kubectl(&[
+            "get",
+            "deploy,sa,service,role,rolebinding,networkpolicy",
+            "-n",
+            HELM_NS,
+            "-o",
+            "name",
+        ])?
+        .lines()
+        .filter(|l| !l.ends_with("/default") && !l.contains("kube-root-ca"))
+        .map(String::from)
+        .collect::<Vec<_>>(),
+        kubectl(&[
+            "get",
+            "clusterroles,clusterrolebindings,mutatingwebhookconfigurations,validatingwebhookconfigurations",
+            "-o",
+            "name",
+        ])?
+        .lines()
+        .filter(|l| l.contains("opkit"))
+        .map(String::from)
+        .collect(),
+    ]
+    .concat();
+    ensure!(left.is_empty(), "helm uninstall left: {left:?}");
+    // The CRDs are ours to remove now.
+    let all = Command::new(env!("CARGO_BIN_EXE_opkit")).arg("crd").output()?;
+    let (ok, out) = kubectl_stdin(
+        &["delete", "--ignore-not-found", "--wait=true", "-f", "-"],
+        &all.stdout,
+    )?;
+    ensure!(ok, "{out}");
+    namespaces.delete(HELM_NS, &Default::default()).await?;
+    Ok(())
 }

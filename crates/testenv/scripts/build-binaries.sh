@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Compiles the local control plane (etcd, kube-apiserver, kube-controller-manager,
 # kube-scheduler, kubectl, kwok, kubelet and kube-proxy for the real node, the upstream
-# sample-controller, and Helm) from pinned Go modules and caches the binaries outside the repo, keyed by version. Idempotent: prints the bin
+# sample-controller, Helm and an image registry) from pinned Go modules and caches the binaries outside the repo, keyed by version. Idempotent: prints the bin
 # directory and exits at once when the cache is warm.
 #
 # Usage: build-binaries.sh              build what is missing, print the bin dir on stdout
@@ -142,6 +142,11 @@ if [[ ! -x "$bin/kube-score" || "$(cat "$bin/.kube-score.version" 2>/dev/null)" 
     && mv "$bin/kube-score.tmp" "$bin/kube-score"
   echo "$KUBE_SCORE_VERSION" > "$bin/.kube-score.version"
 fi
+
+# --- registry (source in ../registry): go-containerregistry's registry, for `make docker-push`
+# to the local control plane and its real node's pulls.
+build_repo_main registry "$here/../registry/main.go" \
+  github.com/google/go-containerregistry "$GO_CONTAINERREGISTRY_VERSION"
 
 # --- helm: the chart's tests install, upgrade, roll back and uninstall it with the real Helm.
 if [[ ! -x "$bin/helm" || "$(cat "$bin/.helm.version" 2>/dev/null)" != "$HELM_VERSION" ]]; then

@@ -84,6 +84,12 @@ fn print_env(state: &Path, bins: &Binaries) {
         bins.path("kubectl").display()
     );
     println!("export PATH={}:$PATH", bins.dir().display());
+    if let Ok(r) = std::fs::read_to_string(state.join("registry")) {
+        println!(
+            "# the real node pulls from this registry (plain HTTP): make docker-push IMG=$OPKIT_TESTENV_REGISTRY/opkit:v1"
+        );
+        println!("export OPKIT_TESTENV_REGISTRY={}", r.trim());
+    }
 }
 
 /// Parses the command line and runs the command (`build`, `up`, `down`, `env`, `serve`).
@@ -193,9 +199,16 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 state_dir: Some(state.clone()),
                 audit_log,
                 real_node: crate::node::requested(),
+                // Where seed 001 pushes its image, if it is free.
+                registry_port: std::net::TcpListener::bind(("127.0.0.1", 5000))
+                    .is_ok()
+                    .then_some(5000),
                 ..Options::default()
             };
             let cp = ControlPlane::start(opts).await?;
+            if let Some(r) = cp.registry() {
+                std::fs::write(state.join("registry"), r)?;
+            }
             std::fs::write(state.join("serve.pid"), std::process::id().to_string())?;
             std::fs::write(state.join("ready"), cp.server())?;
             eprintln!("serving {} with {:?}", cp.server(), cp.pids());

@@ -29,8 +29,11 @@ pub struct Options {
     pub audit_log: bool,
     /// How long to wait for everything to become ready.
     pub timeout: Duration,
-    /// Also run a real node (containerd, kubelet, kube-proxy; see [`crate::node`]). Needs root.
+    /// Also run a real node (containerd, kubelet, kube-proxy; see [`crate::node`]) and an
+    /// image registry it pulls from. Needs root.
     pub real_node: bool,
+    /// With the real node, the registry's port on 127.0.0.1 (a free one when unset).
+    pub registry_port: Option<u16>,
 }
 
 impl Default for Options {
@@ -41,6 +44,7 @@ impl Default for Options {
             audit_log: false,
             timeout: Duration::from_secs(90),
             real_node: false,
+            registry_port: None,
         }
     }
 }
@@ -55,6 +59,7 @@ pub struct ControlPlane {
     etcd: String,
     components: Vec<Component>,
     node: Option<RealNode>,
+    registry: Option<String>,
 }
 
 /// What a running real node needs for stopping and for loading images.
@@ -152,6 +157,7 @@ impl ControlPlane {
             etcd: String::new(),
             components: Vec::new(),
             node,
+            registry: None,
         };
         let deadline = Instant::now() + opts.timeout;
         // A port found free can still be taken before the component binds it (by another
@@ -362,6 +368,11 @@ impl ControlPlane {
         })
         .await?;
         if let Some(ip) = node_ip {
+            let port = match opts.registry_port {
+                Some(p) => p,
+                None => crate::process::free_port()?,
+            };
+            self.start_registry(port, deadline).await?;
             self.start_real_node(ip, &nodes, deadline).await?;
         }
         let sas: Api<ServiceAccount> = Api::namespaced(client, "default");
@@ -388,6 +399,33 @@ impl ControlPlane {
         Ok(())
     }
 
+    /// The image registry on 127.0.0.1:`port`, blobs under the state directory.
+    async fn start_registry(&mut self, port: u16, deadline: Instant) -> Result<()> {
+        let address = format!("127.0.0.1:{port}");
+        let blobs = self.dir.join("registry");
+        self.launch(
+            "registry",
+            vec![
+                format!("-address={address}"),
+                format!("-blobs={}", blobs.display()),
+            ],
+        )?;
+        let addr = address.clone();
+        self.wait("registry", deadline, "the image registry to listen", || {
+            let addr = addr.clone();
+            async move { tokio::net::TcpStream::connect(&addr).await.ok().map(|_| ()) }
+        })
+        .await?;
+        self.registry = Some(address);
+        Ok(())
+    }
+
+    /// The image registry (`127.0.0.1:PORT`, plain HTTP) the real node pulls from: push an
+    /// image there and a Pod's `image: 127.0.0.1:PORT/name:tag` runs it.
+    pub fn registry(&self) -> Option<&str> {
+        self.registry.as_deref()
+    }
+
     /// containerd with the sample images, the kubelet and kube-proxy; waits for the node to be
     /// Ready.
     async fn start_real_node(
@@ -396,7 +434,11 @@ impl ControlPlane {
         nodes: &Api<Node>,
         deadline: Instant,
     ) -> Result<()> {
-        let plan = node::configure(&self.dir, &self.server, ip, &self.kubeconfig_path())?;
+        let registry = self
+            .registry
+            .clone()
+            .ok_or_else(|| Error::Setup("the real node starts after the registry".into()))?;
+        let plan = node::configure(&self.dir, &self.server, ip, &self.kubeconfig_path(), &registry)?;
         self.launch("containerd", plan.containerd)?;
         let socket = plan.socket.clone();
         self.wait("containerd", deadline, "containerd's socket", || {

@@ -21,6 +21,8 @@ pub struct Shared {
     kubectl: PathBuf,
     /// The real node's containerd socket, when the cluster has one.
     node_socket: Option<PathBuf>,
+    /// The image registry the real node pulls from (`127.0.0.1:PORT`).
+    registry: Option<String>,
 }
 
 /// Set by [`shared_real_node`] before the shared control plane starts.
@@ -65,10 +67,16 @@ pub fn shared() -> &'static Shared {
                 .parent()
                 .map(|d| d.join("node/containerd.sock"))
                 .filter(|s| WANT_REAL_NODE.load(std::sync::atomic::Ordering::SeqCst) && s.exists());
+            let registry = kubeconfig
+                .parent()
+                .and_then(|d| std::fs::read_to_string(d.join("registry")).ok())
+                .map(|r| r.trim().to_string())
+                .filter(|_| node_socket.is_some());
             return Ok(Shared {
                 kubeconfig,
                 kubectl,
                 node_socket,
+                registry,
             });
         }
         let (tx, rx) = std::sync::mpsc::channel();
@@ -94,6 +102,7 @@ pub fn shared() -> &'static Shared {
                             kubeconfig: cp.kubeconfig_path(),
                             kubectl: cp.binaries().path("kubectl"),
                             node_socket: cp.node_socket().map(Path::to_path_buf),
+                            registry: cp.registry().map(String::from),
                         }));
                         let _keep = cp;
                         loop {
@@ -133,6 +142,11 @@ impl Shared {
     /// Whether this cluster has the real node (and test namespaces put their Pods on it).
     pub fn real_node(&self) -> bool {
         self.node_socket.is_some()
+    }
+
+    /// The image registry the real node pulls from (see [`ControlPlane::registry`]).
+    pub fn registry(&self) -> Option<&str> {
+        self.registry.as_deref()
     }
 
     /// Loads an image archive into the real node (see [`ControlPlane::load_image`]).

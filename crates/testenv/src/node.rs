@@ -183,12 +183,27 @@ pub(crate) struct Plan {
 
 /// Writes the configuration of containerd, the CNI bridge, the kubelet and kube-proxy into
 /// `dir/node` and returns how to start them.
-pub(crate) fn configure(dir: &Path, server: &str, ip: IpAddr, admin_kubeconfig: &Path) -> Result<Plan> {
+pub(crate) fn configure(
+    dir: &Path,
+    server: &str,
+    ip: IpAddr,
+    admin_kubeconfig: &Path,
+    registry: &str,
+) -> Result<Plan> {
     let node = dir.join("node");
     let p = |f: &str| node.join(f).display().to_string();
     for d in ["cni", "containerd", "kubelet", "pod-logs", "ipam"] {
         std::fs::create_dir_all(node.join(d))?;
     }
+    // The local registry speaks plain HTTP: containerd is told so for that host only.
+    let hosts = node.join("registry-hosts").join(registry);
+    std::fs::create_dir_all(&hosts)?;
+    std::fs::write(
+        hosts.join("hosts.toml"),
+        format!(
+            "server = \"http://{registry}\"\n\n[host.\"http://{registry}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"
+        ),
+    )?;
     let socket = node.join("containerd.sock");
     std::fs::write(
         node.join("cni/10-opkit.conflist"),
@@ -226,6 +241,8 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "/usr/lib/cni"
     conf_dir = "{cni}"
+  [plugins."io.containerd.grpc.v1.cri".registry]
+    config_path = "{hosts}"
   [plugins."io.containerd.grpc.v1.cri".containerd]
     snapshotter = "overlayfs"
     default_runtime_name = "runc"
@@ -239,6 +256,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
             state = p("containerd/state"),
             socket = socket.display(),
             cni = p("cni"),
+            hosts = p("registry-hosts"),
             runc = p("containerd/runc"),
         ),
     )?;
