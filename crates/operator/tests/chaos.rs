@@ -405,7 +405,8 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
     let ports = [opkit_testenv::free_port()?, opkit_testenv::free_port()?];
     let proxy_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let proxy = proxy_listener.local_addr()?.port();
-    let proxy_task = tokio::spawn(balance(proxy_listener, ports.to_vec()));
+    let draining: Draining = Arc::new(Mutex::new(std::collections::HashSet::new()));
+    let proxy_task = tokio::spawn(balance(proxy_listener, ports.to_vec(), draining.clone()));
     let replicas: Replicas = Arc::new(Mutex::new(Vec::new()));
     lock(&replicas).push(start_replica(&cp, names[0], &kubeconfigs[0], ports[0], proxy)?);
     let leases: Api<Lease> = Api::namespaced(client.clone(), OWN_NS);
@@ -593,7 +594,14 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
             // threads carry the webhook balancer and the apiserver proxies meanwhile (blocked,
             // they would hold the apiserver's requests until the replica is gone).
             let rs = replicas.clone();
-            tokio::task::spawn_blocking(move || lock(&rs)[i].restart(Duration::from_secs(10))).await??;
+            let stopping = tokio::task::spawn_blocking(move || lock(&rs)[i].restart(Duration::from_secs(10)));
+            // As a Service does for a terminating Pod: new connections stop going to it once
+            // the endpoints controller and kube-proxy have seen it (here after 0.5 s, well
+            // within the replica's 5 s grace); it serves the ones it has.
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            lock(&draining).insert(ports[i]);
+            stopping.await??;
+            lock(&draining).remove(&ports[i]);
             log(start, &format!("{name} rolled"));
             wait_holder(&leases, "", Duration::from_secs(30)).await?;
         }
@@ -950,8 +958,12 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
     Ok(())
 }
 
-/// A TCP load balancer: each connection goes to the next backend that accepts it.
-async fn balance(listener: tokio::net::TcpListener, backends: Vec<u16>) {
+/// Backends a [`balance`]r sends no new connection to (a Service's terminating endpoints).
+type Draining = Arc<Mutex<std::collections::HashSet<u16>>>;
+
+/// A TCP load balancer: each connection goes to the next backend that accepts it and is not
+/// draining (any that accepts when all are).
+async fn balance(listener: tokio::net::TcpListener, backends: Vec<u16>, draining: Draining) {
     let mut next = 0usize;
     loop {
         let Ok((mut inbound, _)) = listener.accept().await else {
@@ -959,10 +971,15 @@ async fn balance(listener: tokio::net::TcpListener, backends: Vec<u16>) {
         };
         let first = next;
         next = next.wrapping_add(1);
-        let backends = backends.clone();
+        let mut order: Vec<u16> = (0..backends.len())
+            .map(|k| backends[(first + k) % backends.len()])
+            .collect();
+        {
+            let draining = lock(&draining);
+            order.sort_by_key(|p| draining.contains(p));
+        }
         tokio::spawn(async move {
-            for k in 0..backends.len() {
-                let port = backends[(first + k) % backends.len()];
+            for port in order {
                 if let Ok(mut out) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
                     let _ = tokio::io::copy_bidirectional(&mut inbound, &mut out).await;
                     return;

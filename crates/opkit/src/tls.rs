@@ -226,13 +226,17 @@ pub(crate) fn serve(
                     }
                 },
             };
+            // A connection accepted during the grace period is answered once (with
+            // `Connection: close`) however late its request comes within the header timeout:
+            // its client sent the request already, and closing it unanswered would fail it.
+            let closes = (!shutdown.is_cancelled()).then(|| closing.clone());
             tokio::spawn(connection(
                 what,
                 stream,
                 acceptor.clone(),
                 app.clone(),
                 limits,
-                Some(closing.clone()),
+                closes,
                 permit,
             ));
         }

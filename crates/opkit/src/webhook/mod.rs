@@ -552,6 +552,7 @@ mod tests {
     use crate::tls::certified_key;
     use kube::core::DynamicObject;
     use rustls::pki_types::pem::PemObject;
+    use std::time::Duration;
 
     #[test]
     fn a_key_that_does_not_match_its_certificate_is_refused() {
@@ -573,6 +574,21 @@ mod tests {
     /// One request over TLS with a raw HTTP/1.1 body; the status line.
     async fn post(port: u16, ca: &str, body: &str) -> std::io::Result<String> {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut tls = connect_tls(port, ca).await?;
+        let req = format!(
+            "POST /validate HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        tls.write_all(req.as_bytes()).await?;
+        let mut out = String::new();
+        tls.read_to_string(&mut out).await?;
+        Ok(out.lines().next().unwrap_or_default().to_string())
+    }
+
+    async fn connect_tls(
+        port: u16,
+        ca: &str,
+    ) -> std::io::Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
         let mut roots = rustls::RootCertStore::empty();
         let der = rustls::pki_types::CertificateDer::from_pem_slice(ca.as_bytes())
             .map_err(|e| std::io::Error::other(e.to_string()))?;
@@ -585,17 +601,65 @@ mod tests {
                 .with_no_client_auth();
         let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
         let name = rustls::pki_types::ServerName::try_from("127.0.0.1").map_err(std::io::Error::other)?;
-        let mut tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+        tokio_rustls::TlsConnector::from(Arc::new(config))
             .connect(name, tcp)
-            .await?;
-        let req = format!(
-            "POST /validate HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            body.len()
+            .await
+    }
+
+    #[tokio::test]
+    async fn a_connection_made_late_in_the_grace_period_is_answered_after_it() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let cert = self_signed(&["127.0.0.1".into()]).unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let shutdown = CancellationToken::new();
+        let hooks = Webhooks::new().validating::<DynamicObject, _, _>(
+            Rule {
+                name: "v.example.com",
+                path: "/validate",
+                group: "example.com",
+                versions: &["v1"],
+                resource: "things",
+                operations: &["CREATE"],
+                failure_policy: FailurePolicy::Ignore,
+                scope: RuleScope::Namespaced,
+            },
+            |_| async { Verdict::allow() },
         );
-        tls.write_all(req.as_bytes()).await?;
+        let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+        let server = serve(
+            &hooks,
+            addr,
+            CertSource::Generated(cert.clone()),
+            false,
+            shutdown.clone(),
+        )
+        .await
+        .unwrap();
+        shutdown.cancel();
+        // A client (the apiserver, through a Service that still lists this replica) connects
+        // near the end of the grace period...
+        tokio::time::sleep(limits::SHUTDOWN_GRACE - Duration::from_millis(800)).await;
+        let mut tls = connect_tls(port, &cert.ca_pem).await.unwrap();
+        // ...and its request arrives only once the server has stopped accepting.
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while tokio::net::TcpStream::connect(addr).await.is_ok() {
+            assert!(std::time::Instant::now() < deadline, "the server still accepts");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let req = "POST /validate HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}";
+        tls.write_all(req.as_bytes()).await.unwrap();
         let mut out = String::new();
-        tls.read_to_string(&mut out).await?;
-        Ok(out.lines().next().unwrap_or_default().to_string())
+        let _ = tls.read_to_string(&mut out).await;
+        assert!(out.starts_with("HTTP/1.1 400"), "not answered: {out:?}");
+        assert!(out.to_lowercase().contains("connection: close"), "{out}");
+        tokio::time::timeout(Duration::from_secs(10), server)
+            .await
+            .expect("the server ends once its connections have")
+            .unwrap();
     }
 
     #[tokio::test]
