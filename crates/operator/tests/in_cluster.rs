@@ -324,11 +324,25 @@ async fn helm_install_upgrade_rollback_uninstall(
             .output()?
             .stdout,
     )?;
-    let tagged = Command::new(tool.trim()).args(["tag", IMG, &img2]).output()?;
+    // An image of its own (a label on top), not a second tag of the first: the kubelet
+    // (1.35, pulled-image credential checks) would then count the loaded image as one it
+    // pulled, and the rollback to it would try to pull it from Docker Hub.
+    let context = std::env::temp_dir().join(format!("opkit-img2-{}", std::process::id()));
+    std::fs::create_dir_all(&context)?;
+    std::fs::write(
+        context.join("Containerfile"),
+        format!("FROM {IMG}\nLABEL dev.opkit.test=upgrade\n"),
+    )?;
+    let built = Command::new(tool.trim())
+        .args(["build", "-q", "-t", &img2, "-f"])
+        .arg(context.join("Containerfile"))
+        .arg(&context)
+        .output()?;
+    std::fs::remove_dir_all(&context)?;
     ensure!(
-        tagged.status.success(),
-        "tagging {img2}: {}",
-        String::from_utf8_lossy(&tagged.stderr)
+        built.status.success(),
+        "building {img2}: {}",
+        String::from_utf8_lossy(&built.stderr)
     );
     make(kubeconfig, &["docker-push", &format!("IMG={img2}")])?;
     // And the OLM bundle image, with `make bundle-build bundle-push`.

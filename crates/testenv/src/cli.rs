@@ -84,7 +84,7 @@ fn print_env(state: &Path, bins: &Binaries) {
         bins.path("kubectl").display()
     );
     println!("export PATH={}:$PATH", bins.dir().display());
-    if let Ok(r) = std::fs::read_to_string(state.join("registry")) {
+    if let Ok(r) = std::fs::read_to_string(state.join("registry-address")) {
         println!(
             "# the real node pulls from this registry (plain HTTP): make docker-push IMG=$OPKIT_TESTENV_REGISTRY/opkit:v1"
         );
@@ -207,7 +207,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             };
             let cp = ControlPlane::start(opts).await?;
             if let Some(r) = cp.registry() {
-                std::fs::write(state.join("registry"), r)?;
+                std::fs::write(state.join("registry-address"), r)?;
             }
             std::fs::write(state.join("serve.pid"), std::process::id().to_string())?;
             std::fs::write(state.join("ready"), cp.server())?;

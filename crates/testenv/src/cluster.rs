@@ -402,7 +402,7 @@ impl ControlPlane {
     /// The image registry on 127.0.0.1:`port`, blobs under the state directory.
     async fn start_registry(&mut self, port: u16, deadline: Instant) -> Result<()> {
         let address = format!("127.0.0.1:{port}");
-        let blobs = self.dir.join("registry");
+        let blobs = self.dir.join("registry-blobs");
         self.launch(
             "registry",
             vec![

@@ -69,7 +69,7 @@ pub fn shared() -> &'static Shared {
                 .filter(|s| WANT_REAL_NODE.load(std::sync::atomic::Ordering::SeqCst) && s.exists());
             let registry = kubeconfig
                 .parent()
-                .and_then(|d| std::fs::read_to_string(d.join("registry")).ok())
+                .and_then(|d| std::fs::read_to_string(d.join("registry-address")).ok())
                 .map(|r| r.trim().to_string())
                 .filter(|_| node_socket.is_some());
             return Ok(Shared {
