@@ -262,7 +262,15 @@ async fn a_pod_deleted_while_running_is_reported_not_recreated() {
             let _op = start(&client, &ns).await?;
             create(&client, &ns, &book_sample(None, Some("sleep 30"))).await?;
             wait_phase(&client, &ns, "example-at", Phase::Running).await?;
+            // RUNNING is recorded before the Pod is created (the intent first): wait for it.
             let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+            wait_for("the At's Pod", T, || async {
+                pods.get_opt("example-at-pod")
+                    .await?
+                    .map(|_| ())
+                    .ok_or_else(|| anyhow!("not created yet"))
+            })
+            .await?;
             pods.delete("example-at-pod", &DeleteParams::default()).await?;
             let done = wait_phase(&client, &ns, "example-at", Phase::Done).await?;
             ensure!(done.outcome == Some(Outcome::Failed), "{done:?}");
