@@ -606,9 +606,13 @@ mod tests {
             .await
     }
 
-    #[tokio::test]
-    async fn a_connection_made_late_in_the_grace_period_is_answered_after_it() {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    /// A webhook server with one validating webhook that allows everything, on a free port.
+    async fn validating_server() -> (
+        Certificate,
+        SocketAddr,
+        CancellationToken,
+        tokio::task::JoinHandle<()>,
+    ) {
         let cert = self_signed(&["127.0.0.1".into()]).unwrap();
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
@@ -639,6 +643,14 @@ mod tests {
         )
         .await
         .unwrap();
+        (cert, addr, shutdown, server)
+    }
+
+    #[tokio::test]
+    async fn a_connection_made_late_in_the_grace_period_is_answered_after_it() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (cert, addr, shutdown, server) = validating_server().await;
+        let port = addr.port();
         shutdown.cancel();
         // A client (the apiserver, through a Service that still lists this replica) connects
         // near the end of the grace period...
@@ -665,36 +677,8 @@ mod tests {
     #[tokio::test]
     async fn idle_connections_are_dropped_and_cannot_starve_the_apiserver() {
         use tokio::io::AsyncReadExt;
-        let cert = self_signed(&["127.0.0.1".into()]).unwrap();
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let shutdown = CancellationToken::new();
-        let hooks = Webhooks::new().validating::<DynamicObject, _, _>(
-            Rule {
-                name: "v.example.com",
-                path: "/validate",
-                group: "example.com",
-                versions: &["v1"],
-                resource: "things",
-                operations: &["CREATE"],
-                failure_policy: FailurePolicy::Ignore,
-                scope: RuleScope::Namespaced,
-            },
-            |_| async { Verdict::allow() },
-        );
-        let addr: SocketAddr = ([127, 0, 0, 1], port).into();
-        serve(
-            &hooks,
-            addr,
-            CertSource::Generated(cert.clone()),
-            false,
-            shutdown.clone(),
-        )
-        .await
-        .unwrap();
+        let (cert, addr, shutdown, _server) = validating_server().await;
+        let port = addr.port();
         // More silent connections than the server takes at once: none sends a byte.
         let mut idle = Vec::new();
         for _ in 0..limits::CONNECTIONS + 20 {
