@@ -177,16 +177,13 @@ fn chart_yaml<S>(op: &Operator<S>) -> String {
 
 fn values_yaml<S>(op: &Operator<S>) -> anyhow::Result<String> {
     let d = manifests::deployment(op);
-    let container = d
-        .spec
-        .as_ref()
-        .and_then(|s| s.template.spec.as_ref())
-        .and_then(|p| p.containers.first())
-        .context("the manager Deployment has no container")?;
+    let container = manager_container(&d)?;
     let resources = serde_yaml::to_string(&container.resources)?;
-    let (repository, tag) = op
-        .image()
-        .rsplit_once(':')
+    let pull = container.image_pull_policy.clone().unwrap_or_default();
+    let (repository, tag) = container
+        .image
+        .as_deref()
+        .and_then(|i| i.rsplit_once(':'))
         .map(|(r, t)| (r.to_string(), t.to_string()))
         .context("image without a tag")?;
     let indented = |s: &str, by: &str| s.lines().map(|l| format!("{by}{l}\n")).collect::<String>();
@@ -199,7 +196,7 @@ manager:
   image:
     repository: {repository}
     tag: {tag}
-    pullPolicy: IfNotPresent
+    pullPolicy: {pull}
   # Off only for a single replica that must not wait for a Lease.
   leaderElection: true
   # Namespaces to confine the controllers to (a Role in each instead of a ClusterRole);
@@ -257,28 +254,34 @@ fn notes<S>(op: &Operator<S>) -> String {
     )
 }
 
+/// The manager's container in `d`.
+fn manager_container(
+    d: &k8s_openapi::api::apps::v1::Deployment,
+) -> anyhow::Result<&k8s_openapi::api::core::v1::Container> {
+    d.spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .and_then(|p| p.containers.first())
+        .context("the manager Deployment has no container")
+}
+
 /// The manager Deployment of [`manifests::deployment`] with its settings made values.
 fn deployment<S>(op: &Operator<S>) -> anyhow::Result<String> {
     let ns = op.namespace();
-    let mut d = manifests::deployment(op);
-    let container = d
-        .spec
-        .as_mut()
-        .and_then(|s| s.template.spec.as_mut())
-        .and_then(|p| p.containers.first_mut())
-        .context("the manager Deployment has no container")?;
-    container.image = Some("__IMAGE__".into());
-    container.image_pull_policy = Some("__PULL__".into());
+    let d = manifests::deployment(op);
+    let container = manager_container(&d)?;
+    let image = container.image.clone().unwrap_or_default();
+    let pull = container.image_pull_policy.clone().unwrap_or_default();
     let mut y = template(&ns, &d)?;
     y = replace_line(&y, "replicas: 1", |i| {
         format!("{i}replicas: {{{{ .Values.manager.replicas }}}}")
     })?;
-    y = replace_line(&y, "image: __IMAGE__", |i| {
+    y = replace_line(&y, &format!("image: {image}"), |i| {
         format!(
             "{i}image: \"{{{{ .Values.manager.image.repository }}}}:{{{{ .Values.manager.image.tag }}}}\""
         )
     })?;
-    y = replace_line(&y, "imagePullPolicy: __PULL__", |i| {
+    y = replace_line(&y, &format!("imagePullPolicy: {pull}"), |i| {
         format!("{i}imagePullPolicy: {{{{ .Values.manager.image.pullPolicy }}}}")
     })?;
     let when = |cond: &'static str, line: &'static str| {
