@@ -64,6 +64,8 @@ fn project(dir: &Path, program: &str, args: &[&str]) -> anyhow::Result<String> {
         .args(args)
         .current_dir(dir)
         .env("CARGO_TARGET_DIR", target_dir())
+        // The generated project's dependencies need no debug info here; it saves disk and links.
+        .env("CARGO_PROFILE_DEV_DEBUG", "line-tables-only")
         .env("OPKIT_TESTENV_KUBECONFIG", shared().kubeconfig())
         .env("KUBECONFIG", shared().kubeconfig())
         .env_remove("CARGO_MANIFEST_DIR")
