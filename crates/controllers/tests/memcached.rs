@@ -344,8 +344,10 @@ async fn an_operator_restart_leaves_a_converged_memcached_untouched() {
             op.stop().await;
 
             let op = start(&client, &ns, ManagerOptions::default()).await?;
+            // Its first reconcile (the Memcached and its children may arrive in one or more
+            // batches: one reconcile or several); `assert_quiescent` then waits for all of them.
             wait_for("the new operator to reconcile", T, || async {
-                if op.metrics().reconciles_total() >= 2 {
+                if op.metrics().reconciles_total() >= 1 {
                     Ok(())
                 } else {
                     Err(anyhow!("{} reconciles", op.metrics().reconciles_total()))
