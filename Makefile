@@ -91,8 +91,15 @@ manifests: ## Regenerate config/ from the Rust code; NAMESPACES=a,b confines the
 
 .PHONY: deploy
 deploy: ## Deploy the operator (config/default) to the cluster of $KUBECONFIG, running image $(IMG)
-	$(KUBECTL) apply --server-side -k config/default
-	$(KUBECTL) -n opkit-system set image deployment/opkit-controller-manager manager=$(IMG)
+	IMG=$(IMG) KUBECTL=$(KUBECTL) bash hack/render-default.sh | $(KUBECTL) apply --server-side -f -
+
+INSTALLER ?= dist/install.yaml
+
+.PHONY: build-installer
+build-installer: ## Write $(INSTALLER) (dist/install.yaml): config/default in one file, running image $(IMG), for `kubectl apply -f`
+	mkdir -p $(dir $(INSTALLER))
+	IMG=$(IMG) KUBECTL=$(KUBECTL) bash hack/render-default.sh > $(INSTALLER).tmp
+	mv $(INSTALLER).tmp $(INSTALLER)
 
 .PHONY: undeploy
 undeploy: ## Remove everything `make deploy` created (CRDs and custom objects included)
@@ -114,6 +121,10 @@ helm-lint: testenv-build ## helm lint --strict dist/chart
 helm-deploy: testenv-build ## Install or upgrade the chart as $(RELEASE) in $(NAMESPACE), running image $(IMG); HELM_ARGS adds options (e.g. --set manager.replicas=2)
 	img='$(IMG)'; $(HELM) upgrade --install $(RELEASE) dist/chart --namespace $(NAMESPACE) --create-namespace --wait \
 		--set manager.image.repository=$${img%:*} --set manager.image.tag=$${img##*:} $(HELM_ARGS)
+
+.PHONY: helm-package
+helm-package: testenv-build ## Package dist/chart as dist/opkit-<version>.tgz, for a chart repository or a release
+	$(HELM) package dist/chart --destination dist
 
 .PHONY: helm-undeploy
 helm-undeploy: testenv-build ## Uninstall the release $(RELEASE) (the CRDs stay unless installed with crd.keep=false)
@@ -144,6 +155,12 @@ bundle-push: ## Push the bundle image $(BUNDLE_IMG)
 .PHONY: docker-build
 docker-build: ## Build the operator image $(IMG) with $(CONTAINER_TOOL); BASE=local (or an unpullable base) builds on this machine's libraries
 	IMG=$(IMG) BASE=$(BASE) CONTAINER_TOOL=$(CONTAINER_TOOL) bash hack/docker-build.sh
+
+PLATFORMS ?= linux/amd64,linux/arm64
+
+.PHONY: docker-buildx
+docker-buildx: ## Build and push the operator image $(IMG) for each of $(PLATFORMS) as one multi-architecture image (binaries cross-compiled here)
+	IMG=$(IMG) PLATFORMS=$(PLATFORMS) BASE=$(BASE) CONTAINER_TOOL=$(CONTAINER_TOOL) bash hack/docker-buildx.sh
 
 .PHONY: docker-push
 docker-push: ## Push the operator image $(IMG)

@@ -194,11 +194,56 @@ fn values_switch_parts_off_and_on() {
         err.contains("crontabs.stable.example.com") && err.contains("webhook.enable"),
         "{err}"
     );
+    // The per-kind admin/editor/viewer roles go with rbacHelpers.enable.
+    let helpers = |objs: &std::collections::BTreeMap<String, Value>| {
+        objs.keys()
+            .filter(|k| k.starts_with("ClusterRole /opkit-memcached-"))
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(helpers(&objs).len(), 3, "{:?}", objs.keys());
+    let off = helm_template(&["--set", "rbacHelpers.enable=false"]).unwrap();
+    assert_eq!(helpers(&objects(&off)), Vec::<String>::new());
     // Without the CRDs, nothing of the chart needs them.
     let no_crds = helm_template(&["--set", "crd.enable=false"]).unwrap();
     assert!(
         !objects(&no_crds)
             .keys()
             .any(|k| k.starts_with("CustomResourceDefinition "))
+    );
+}
+
+/// `make build-installer IMG=...`: every object of `config/default` in one file, the manager
+/// running IMG (a registry with a port, so the tag is after the last colon).
+#[test]
+fn build_installer_writes_config_default_with_the_image() {
+    let file = std::env::temp_dir().join(format!("opkit-install-{}.yaml", std::process::id()));
+    let img = "127.0.0.1:5000/opkit:v9.9.9";
+    run(Command::new("make")
+        .arg("-C")
+        .arg(repo())
+        .args(["build-installer", &format!("IMG={img}")])
+        .arg(format!("INSTALLER={}", file.display()))
+        .arg(format!("KUBECTL={}", bin().path("kubectl").display())))
+    .unwrap_or_else(|e| panic!("make build-installer: {e}"));
+    let installer = std::fs::read_to_string(&file).expect("the installer is written");
+    std::fs::remove_file(&file).expect("removed");
+    let (installer, mut config) = (
+        objects(&installer),
+        objects(&kustomize(&repo().join("config/default"))),
+    );
+    let manager = "Deployment opkit-system/opkit-controller-manager";
+    let image = "/spec/template/spec/containers/0/image";
+    assert_eq!(installer[manager].pointer(image), Some(&Value::from(img)));
+    *config
+        .get_mut(manager)
+        .and_then(|d| d.pointer_mut(image))
+        .expect("the manager has an image") = Value::from(img);
+    assert_eq!(installer, config);
+    // Per-kind roles for people, aggregated into Kubernetes' own roles.
+    let viewer = &installer["ClusterRole /opkit-memcached-viewer-role"];
+    assert_eq!(
+        viewer["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"],
+        "true"
     );
 }

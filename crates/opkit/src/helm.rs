@@ -113,6 +113,13 @@ pub fn chart<S>(op: &Operator<S>) -> anyhow::Result<Vec<(String, String)>> {
         enabled("metrics.enable", &template(&ns, &manifests::metrics_reader(op))?),
     ));
 
+    for (file, role) in manifests::user_roles(op) {
+        files.push((
+            format!("templates/rbac/{file}"),
+            enabled("rbacHelpers.enable", &template(&ns, &role)?),
+        ));
+    }
+
     files.push(("templates/manager/manager.yaml".into(), deployment(op)?));
 
     let (mutating, validating) = manifests::webhook_configurations(op)?;
@@ -221,6 +228,11 @@ metrics:
   # HTTPS, and only for tokens allowed to `get` /metrics (bind the {name}-metrics-reader
   # ClusterRole); false: plain HTTP for anyone who reaches the port.
   secure: true
+
+rbacHelpers:
+  # Per kind admin, editor and viewer ClusterRoles, aggregated into Kubernetes' admin, edit
+  # and view roles.
+  enable: true
 
 webhook:
   # Admission and conversion webhooks. Kinds served in several versions need it.

@@ -297,6 +297,57 @@ pub fn metrics_reader<S>(op: &Operator<S>) -> ClusterRole {
     }
 }
 
+/// What a person may do with the operator's kinds, per kind, as Kubebuilder scaffolds:
+/// `admin` (everything), `editor` (create, change, delete) and `viewer` (read). Each is
+/// aggregated into Kubernetes' own `admin`, `edit` and `view` roles, so a namespace's
+/// admins, editors and viewers get the kinds with no binding of their own; bind a role
+/// directly to grant one kind alone. Returned with the file name (`<kind>_<role>_role.yaml`).
+pub fn user_roles<S>(op: &Operator<S>) -> Vec<(String, ClusterRole)> {
+    let crds = op.registry.crds();
+    let mut out = Vec::new();
+    for crd in &crds {
+        let (group, plural) = (&crd.spec.group, &crd.spec.names.plural);
+        let kind = crd.spec.names.kind.to_lowercase();
+        // Kinds of the same name in two groups get the group's first label too.
+        let same_kind = crds
+            .iter()
+            .filter(|c| c.spec.names.kind.eq_ignore_ascii_case(&kind))
+            .count();
+        let stem = if same_kind > 1 {
+            format!("{}_{kind}", group.split('.').next().unwrap_or(group))
+        } else {
+            kind
+        };
+        let status = rule(&[group], &[&format!("{plural}/status")], &["get"]);
+        for (role, aggregate, verbs) in [
+            ("admin", "admin", &["*"][..]),
+            (
+                "editor",
+                "edit",
+                &["create", "delete", "get", "list", "patch", "update", "watch"][..],
+            ),
+            ("viewer", "view", &["get", "list", "watch"][..]),
+        ] {
+            let mut metadata = meta(op, &format!("{}-{}-{role}-role", op.name, stem.replace('_', "-")), None);
+            if let Some(labels) = metadata.labels.as_mut() {
+                labels.insert(
+                    format!("rbac.authorization.k8s.io/aggregate-to-{aggregate}"),
+                    "true".into(),
+                );
+            }
+            out.push((
+                format!("{stem}_{role}_role.yaml"),
+                ClusterRole {
+                    metadata,
+                    rules: Some(vec![rule(&[group], &[plural], verbs), status.clone()]),
+                    ..Default::default()
+                },
+            ));
+        }
+    }
+    out
+}
+
 /// Exactly what [`crate::leader`] uses, in the operator's namespace: read, watch (by name) and
 /// update the Lease `lease` only, create it once (a create cannot be limited by name). A
 /// replica started with another `--leader-election-id` needs its own rule.
@@ -550,20 +601,21 @@ pub fn all<S>(op: &Operator<S>, namespaces: &[String]) -> anyhow::Result<Vec<(St
         "rbac/metrics_reader_role.yaml".into(),
         to_yaml(&[metrics_reader(op)])?,
     ));
-    files.push((
-        "rbac/kustomization.yaml".into(),
-        to_yaml(&[kustomization(
-            &[
-                "service_account.yaml",
-                "role.yaml",
-                "role_binding.yaml",
-                "leader_election_role.yaml",
-                "leader_election_role_binding.yaml",
-                "metrics_reader_role.yaml",
-            ]
-            .map(String::from),
-        )])?,
-    ));
+    let mut rbac = [
+        "service_account.yaml",
+        "role.yaml",
+        "role_binding.yaml",
+        "leader_election_role.yaml",
+        "leader_election_role_binding.yaml",
+        "metrics_reader_role.yaml",
+    ]
+    .map(String::from)
+    .to_vec();
+    for (file, role) in user_roles(op) {
+        files.push((format!("rbac/{file}"), to_yaml(&[role])?));
+        rbac.push(file);
+    }
+    files.push(("rbac/kustomization.yaml".into(), to_yaml(&[kustomization(&rbac)])?));
 
     let ns = Namespace {
         metadata: ObjectMeta {
