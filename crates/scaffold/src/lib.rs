@@ -17,8 +17,10 @@ use serde::{Deserialize, Serialize};
 
 mod builtin;
 mod names;
+mod update;
 pub use builtin::{BUILTINS, Builtin};
 pub use names::{Resource, plural};
+pub use update::{Alpha, UpdateArgs};
 
 /// The version of the opkit crates a new project depends on.
 pub const OPKIT_VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -31,6 +33,10 @@ pub enum Command {
     /// Add an API (types, controller, sample, test) or a webhook to the project.
     #[command(subcommand)]
     Create(Create),
+    /// Commands whose form may still change: `alpha update` brings a project to this opkit's
+    /// templates.
+    #[command(subcommand)]
+    Alpha(Alpha),
 }
 
 /// `opkit init`.
@@ -130,6 +136,11 @@ pub fn run(command: Command) -> anyhow::Result<()> {
         Command::Init(args) => init(&args)?,
         Command::Create(Create::Api(args)) => create_api(&args)?,
         Command::Create(Create::Webhook(args)) => create_webhook(&args)?,
+        Command::Alpha(Alpha::Update(args)) => {
+            let updated = update::update(&args)?;
+            print!("{}", updated.report);
+            return updated.conflicts_resolved();
+        }
     };
     print!("{report}");
     Ok(())
@@ -141,6 +152,10 @@ pub fn run(command: Command) -> anyhow::Result<()> {
 pub struct Project {
     /// The scaffold layout, so a future opkit can tell old projects apart.
     pub layout: String,
+    /// The opkit version whose templates the project is at, so `opkit alpha update` can
+    /// re-scaffold them to see what the user changed (absent in projects made before it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cli_version: Option<String>,
     /// Added to every `--group`.
     pub domain: String,
     /// The DNS label every generated name starts with.
@@ -500,6 +515,7 @@ pub fn init(args: &InitArgs) -> anyhow::Result<Report> {
     }
     Project {
         layout: LAYOUT.into(),
+        cli_version: Some(OPKIT_VERSION.into()),
         domain: args.domain.clone(),
         project_name: name.clone(),
         resources: Vec::new(),
@@ -1306,6 +1322,7 @@ mod tests {
         let res = Resource::new("webapp", "v1", "Guestbook", "my.domain").unwrap();
         let p = Project {
             layout: LAYOUT.into(),
+            cli_version: None,
             domain: "my.domain".into(),
             project_name: "guestbook".into(),
             resources: Vec::new(),
