@@ -1,5 +1,5 @@
-//! The operator as users deploy it, on the real node: `make docker-build`, the image loaded
-//! into the node, `make deploy`. It runs as a Pod under the generated ServiceAccount in the
+//! The operator as users deploy it, on the real node, as seed 001 does: `make docker-build
+//! docker-push` to the control plane's registry, `make deploy` from it. It runs as a Pod under the generated ServiceAccount in the
 //! `restricted` namespace, its probes pass, the apiserver reaches its webhook through the
 //! Service, the metrics Service answers over HTTPS to a token allowed to read it (401 without
 //! one, 403 without the role), and `make undeploy` removes it all.
@@ -22,7 +22,8 @@ mod common;
 use common::{jsonpath, jsonpath_is, kubectl, kubectl_stdin};
 
 const T: Duration = Duration::from_secs(120);
-const IMG: &str = "opkit:in-cluster-test";
+/// The image's name in the control plane's registry (`<registry>/opkit:in-cluster-test`).
+const IMG_NAME: &str = "opkit:in-cluster-test";
 const NS: &str = "opkit-system";
 
 fn repo() -> PathBuf {
@@ -52,9 +53,11 @@ async fn docker_build_load_and_make_deploy_run_the_operator_in_the_cluster() {
         return;
     };
     let kubeconfig = cluster.kubeconfig().to_path_buf();
+    let registry = cluster.registry().expect("the real node has a registry");
+    let img = format!("{registry}/{IMG_NAME}");
     cluster
         .in_namespace("in-cluster", |client, ns| async move {
-            let built = make(&kubeconfig, &["docker-build", &format!("IMG={IMG}")])?;
+            let built = make(&kubeconfig, &["docker-build", &format!("IMG={img}")])?;
             println!(
                 "{}",
                 built
@@ -63,19 +66,16 @@ async fn docker_build_load_and_make_deploy_run_the_operator_in_the_cluster() {
                     .collect::<Vec<_>>()
                     .join("\n")
             );
-            let archive = std::env::temp_dir().join(format!("opkit-in-cluster-{}.tar", std::process::id()));
-            let out = Command::new("bash")
-                .arg(repo().join("hack/testenv-load.sh"))
-                .env("IMG", IMG)
-                .env("ARCHIVE", &archive)
-                .output()?;
-            ensure!(
-                out.status.success(),
-                "saving {IMG}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            cluster.load_image(&archive)?;
-            std::fs::remove_file(&archive)?;
+            // Pushed to the registry, which the node has never pulled it from: the Pod pulls it.
+            make(&kubeconfig, &["docker-push", &format!("IMG={img}")])?;
+            let images = kubectl(&[
+                "get",
+                "node",
+                opkit_testenv::node::NODE_NAME,
+                "-o",
+                "jsonpath={.status.images[*].names}",
+            ])?;
+            ensure!(!images.contains(&img), "{img} is already on the node: {images}");
 
             // The operator's namespace puts its Pods on the real node; `make deploy` adds the
             // restricted Pod Security label to it.
@@ -89,7 +89,34 @@ async fn docker_build_load_and_make_deploy_run_the_operator_in_the_cluster() {
                 ..Default::default()
             };
             namespaces.create(&PostParams::default(), &operator_ns).await?;
-            make(&kubeconfig, &["deploy", &format!("IMG={IMG}")])?;
+            make(&kubeconfig, &["deploy", &format!("IMG={img}")])?;
+
+            // The per-kind viewer/editor roles are aggregated into Kubernetes' `view` and `edit`
+            // (by the controller-manager): a viewer of the namespace reads Memcacheds and may
+            // not create them, an editor may.
+            for (role, who) in [("view", "viewer"), ("edit", "editor")] {
+                kubectl(&["create", "rolebinding", who, "-n", &ns, &format!("--clusterrole={role}"),
+                    &format!("--user={who}")])?;
+            }
+            wait_for("the kinds' roles to be aggregated into view and edit", T, || async {
+                let can = |verb: &str, who: &str| -> anyhow::Result<String> {
+                    // `can-i` exits 1 for "no": read the answer, not the status.
+                    let out = opkit_testenv::shared()
+                        .kubectl()
+                        .args(["auth", "can-i", verb, "memcacheds.cache.example.com", "-n", &ns])
+                        .arg(format!("--as={who}"))
+                        .output()?;
+                    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+                };
+                let answers = [
+                    can("list", "viewer")?,
+                    can("create", "viewer")?,
+                    can("create", "editor")?,
+                ];
+                ensure!(answers == ["yes", "no", "yes"], "list/create as viewer, create as editor: {answers:?}");
+                Ok(())
+            })
+            .await?;
 
             // Available means the kubelet's readiness probe on /readyz passed in the container.
             let deploys: Api<Deployment> = Api::namespaced(client.clone(), NS);
@@ -135,7 +162,7 @@ async fn docker_build_load_and_make_deploy_run_the_operator_in_the_cluster() {
                 container.restart_count
             );
             ensure!(
-                container.image.ends_with(IMG),
+                container.image.ends_with(&img),
                 "manager runs image {}",
                 container.image
             );
@@ -278,7 +305,7 @@ async fn docker_build_load_and_make_deploy_run_the_operator_in_the_cluster() {
                 }
             })
             .await?;
-            helm_install_upgrade_rollback_uninstall(&client, &kubeconfig, &ns).await
+            helm_install_upgrade_rollback_uninstall(&client, &kubeconfig, &ns, &img).await
         })
         .await;
 }
@@ -304,20 +331,20 @@ fn helm(kubeconfig: &std::path::Path, args: &[&str]) -> anyhow::Result<String> {
     Ok(text)
 }
 
-/// The same image through the chart: `helm install` runs the operator (webhooks answer,
-/// a Memcached converges); `helm upgrade` to another tag and 2 replicas while Ats are
-/// created every 100 ms, none refused; `helm rollback` to 1 replica of the first tag;
-/// `helm uninstall` leaves only the CRDs (kept by the chart's default).
+/// The same image (`img`, in the registry) through the chart: `helm install` runs the
+/// operator (webhooks answer, a Memcached converges); `helm upgrade` to another image, loaded
+/// into the node as `make testenv-load` does, and 2 replicas while Ats are created every
+/// 100 ms, none refused; `helm rollback` to 1 replica of the first image; `helm uninstall`
+/// leaves only the CRDs (kept by the chart's default).
 async fn helm_install_upgrade_rollback_uninstall(
     client: &kube::Client,
     kubeconfig: &std::path::Path,
     ns: &str,
+    img: &str,
 ) -> anyhow::Result<()> {
     let cluster = shared_real_node().context("no real node")?;
-    // The upgrade's image comes from the control plane's registry, pushed there by `make
-    // docker-push` (as seed 001 does with 127.0.0.1:5000) and pulled by the node.
     let registry = cluster.registry().context("the real node has no registry")?;
-    let img2 = format!("{registry}/opkit:in-cluster-test-2");
+    let img2 = "opkit:in-cluster-test-2".to_string();
     let tool = String::from_utf8(
         Command::new("bash")
             .arg(repo().join("hack/container-tool.sh"))
@@ -325,13 +352,13 @@ async fn helm_install_upgrade_rollback_uninstall(
             .stdout,
     )?;
     // An image of its own (a label on top), not a second tag of the first: the kubelet
-    // (1.35, pulled-image credential checks) would then count the loaded image as one it
-    // pulled, and the rollback to it would try to pull it from Docker Hub.
+    // (1.35, pulled-image credential checks) would count a loaded image that has the ID of a
+    // pulled one as pulled, and try to pull it again from Docker Hub.
     let context = std::env::temp_dir().join(format!("opkit-img2-{}", std::process::id()));
     std::fs::create_dir_all(&context)?;
     std::fs::write(
         context.join("Containerfile"),
-        format!("FROM {IMG}\nLABEL dev.opkit.test=upgrade\n"),
+        format!("FROM {img}\nLABEL dev.opkit.test=upgrade\n"),
     )?;
     let built = Command::new(tool.trim())
         .args(["build", "-q", "-t", &img2, "-f"])
@@ -344,14 +371,28 @@ async fn helm_install_upgrade_rollback_uninstall(
         "building {img2}: {}",
         String::from_utf8_lossy(&built.stderr)
     );
-    make(kubeconfig, &["docker-push", &format!("IMG={img2}")])?;
-    // And the OLM bundle image, with `make bundle-build bundle-push`.
+    // Into the node the way `make testenv-load` does (kind load's counterpart), for this
+    // test's own node.
+    let archive = std::env::temp_dir().join(format!("opkit-in-cluster-{}.tar", std::process::id()));
+    let out = Command::new("bash")
+        .arg(repo().join("hack/testenv-load.sh"))
+        .env("IMG", &img2)
+        .env("ARCHIVE", &archive)
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "saving {img2}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    cluster.load_image(&archive)?;
+    std::fs::remove_file(&archive)?;
+    // The OLM bundle image, with `make bundle-build bundle-push`.
     let bundle_img = format!("{registry}/opkit-bundle:v0.1.0");
     make(
         kubeconfig,
         &["bundle-build", "bundle-push", &format!("BUNDLE_IMG={bundle_img}")],
     )?;
-    for (repository, tag) in [("opkit", "in-cluster-test-2"), ("opkit-bundle", "v0.1.0")] {
+    for (repository, tag) in [("opkit", "in-cluster-test"), ("opkit-bundle", "v0.1.0")] {
         let addr: std::net::SocketAddr = registry.parse()?;
         let (code, body) = http_get(addr, &format!("/v2/{repository}/tags/list")).await?;
         ensure!(
@@ -359,15 +400,6 @@ async fn helm_install_upgrade_rollback_uninstall(
             "the registry lists for {repository}: {code} {body}"
         );
     }
-    // The node has never seen it: the upgrade's Pods pull it.
-    let images = kubectl(&[
-        "get",
-        "node",
-        opkit_testenv::node::NODE_NAME,
-        "-o",
-        "jsonpath={.status.images[*].names}",
-    ])?;
-    ensure!(!images.contains(&img2), "{img2} is already on the node: {images}");
 
     // `make undeploy` deleted the CRDs; the chart makes them again once they are gone.
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
@@ -404,7 +436,7 @@ async fn helm_install_upgrade_rollback_uninstall(
         .await?;
     let chart = repo().join("dist/chart");
     let chart = chart.to_str().context("chart path")?;
-    let (repository, tag) = IMG.split_once(':').context("IMG has a tag")?;
+    let (repository, tag) = img.rsplit_once(':').context("the image has a tag")?;
     let installed = helm(
         kubeconfig,
         &[
@@ -446,7 +478,7 @@ async fn helm_install_upgrade_rollback_uninstall(
             .await
         }
     };
-    available(1, IMG.to_string()).await?;
+    available(1, img.to_string()).await?;
     // Webhooks answer through the chart's Service, and the operator reconciles.
     let ancient = r#"{"apiVersion":"cnat.programming-kubernetes.info/v1alpha1","kind":"At",
         "metadata":{"name":"ancient"},"spec":{"schedule":"2010-01-01T00:00:00Z","command":"echo"}}"#;
@@ -529,7 +561,7 @@ async fn helm_install_upgrade_rollback_uninstall(
         kubeconfig,
         &["rollback", "opkit", "1", "--wait", "--timeout", "3m"],
     )?;
-    available(1, IMG.to_string()).await?;
+    available(1, img.to_string()).await?;
     let history = helm(kubeconfig, &["history", "opkit"])?;
     ensure!(
         history.lines().count() == 4,
