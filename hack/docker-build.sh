@@ -4,7 +4,7 @@
 #
 # BASE   runtime base image (default: the Dockerfile's distroless cc). When it cannot be pulled
 #        (no registry reachable), or with BASE=local, an equivalent base is assembled from this
-#        machine's Debian libraries (hack/local-base.sh) and the binary is built here
+#        machine's Debian libraries (crates/testenv/scripts/local-base.sh) and the binary is built here
 #        (`--target host`), since the rust build image cannot be pulled either.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +22,7 @@ target=()
 if [[ $BASE == local ]]; then
   echo ">> building the release binary on this machine" >&2
   cargo build --release --locked -q -p opkit-operator
-  BASE=$(bash hack/local-base.sh "$tool" target/release/opkit)
+  BASE=$(bash crates/testenv/scripts/local-base.sh "$tool" target/release/opkit)
   target=(--target host)
 fi
 "$tool" build --build-arg "BASE=$BASE" "${target[@]}" -t "$IMG" .

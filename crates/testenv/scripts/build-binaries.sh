@@ -143,6 +143,17 @@ if [[ ! -x "$bin/kube-score" || "$(cat "$bin/.kube-score.version" 2>/dev/null)" 
   echo "$KUBE_SCORE_VERSION" > "$bin/.kube-score.version"
 fi
 
+# --- actionlint: a test checks the GitHub Actions workflows (opkit's and a scaffold's).
+if [[ ! -x "$bin/actionlint" || "$(cat "$bin/.actionlint.version" 2>/dev/null)" != "$ACTIONLINT_VERSION" ]]; then
+  log "building actionlint ${ACTIONLINT_VERSION}"
+  d="$work/actionlint"; rm -rf "$d"; mkdir -p "$d"; cd "$d"
+  go mod init opkit.local/testenv/actionlint >/dev/null 2>&1
+  go get "github.com/rhysd/actionlint@${ACTIONLINT_VERSION}" >&2
+  go build -trimpath -ldflags "-s -w" -o "$bin/actionlint.tmp" github.com/rhysd/actionlint/cmd/actionlint \
+    && mv "$bin/actionlint.tmp" "$bin/actionlint"
+  echo "$ACTIONLINT_VERSION" > "$bin/.actionlint.version"
+fi
+
 # --- registry (source in ../registry): go-containerregistry's registry, for `make docker-push`
 # to the local control plane and its real node's pulls.
 build_repo_main registry "$here/../registry/main.go" \

@@ -43,6 +43,25 @@ enum Cmd {
         /// The archive.
         archive: PathBuf,
     },
+    /// Print a Namespace (YAML, for `kubectl apply -f -`) whose Pods the scheduler puts on the
+    /// real node: kwok's fake nodes run no container.
+    RealNodeNamespace {
+        /// The namespace.
+        name: String,
+    },
+    /// Assemble an operator image's runtime base from this machine's Debian libraries (glibc
+    /// and libgcc as `binary` links them, the nonroot user, `/tmp`) where the distroless base
+    /// cannot be pulled, and print the image's name.
+    LocalBase {
+        /// The container engine (docker or podman).
+        #[arg(long, default_value = "podman")]
+        tool: String,
+        /// The architecture: amd64, or arm64 from Debian's cross toolchain.
+        #[arg(long, default_value = "amd64")]
+        arch: String,
+        /// The operator binary whose libraries the base holds.
+        binary: PathBuf,
+    },
     /// Run the cluster in the foreground until SIGTERM or Ctrl-C (what `up` starts).
     Serve {
         #[arg(long)]
@@ -115,6 +134,26 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 );
             }
             print_env(&state, &Binaries::ensure()?);
+        }
+        Cmd::RealNodeNamespace { name } => {
+            let ns = serde_json::json!({
+                "apiVersion": "v1",
+                "kind": "Namespace",
+                "metadata": {"name": name, "annotations": crate::node::namespace_annotations()},
+            });
+            print!("{}", serde_yaml::to_string(&ns)?);
+        }
+        Cmd::LocalBase { tool, arch, binary } => {
+            let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/local-base.sh");
+            let status = Command::new("bash")
+                .arg(&script)
+                .arg(&tool)
+                .arg(&binary)
+                .arg(&arch)
+                .status()?;
+            if !status.success() {
+                bail!("{} failed ({status})", script.display());
+            }
         }
         Cmd::Load { archive } => {
             let socket = state.join("node/containerd.sock");
