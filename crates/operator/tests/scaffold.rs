@@ -59,9 +59,15 @@ fn target_dir() -> PathBuf {
 
 /// Runs a command of the generated project (`make ...`, `cargo ...`) in `dir`.
 fn project(dir: &Path, program: &str, args: &[&str]) -> anyhow::Result<String> {
+    project_with(dir, program, args, &[])
+}
+
+/// [`project`] with more environment variables.
+fn project_with(dir: &Path, program: &str, args: &[&str], env: &[(&str, &str)]) -> anyhow::Result<String> {
     let started = Instant::now();
     let out = Command::new(program)
         .args(args)
+        .envs(env.iter().copied())
         .current_dir(dir)
         .env("CARGO_TARGET_DIR", target_dir())
         // The generated project's dependencies need no debug info here; it saves disk and links.
@@ -121,13 +127,31 @@ const CRONTAB_FIELDS: &str = r#"pub struct CronTabSpec {
 
 #[tokio::test]
 async fn a_scaffolded_guestbook_builds_lints_and_passes_its_own_tests() -> anyhow::Result<()> {
+    // With the real node (as `make test` runs), the project's `make test-e2e` runs on it too.
+    let real_node = opkit_testenv::shared_real_node();
     let started = Instant::now();
     let base = tempdir()?;
     let dir = base.join("guestbook");
     std::fs::create_dir_all(&dir)?;
 
+    // The project depends on opkit as crates.io would serve it: the `.crate` files `cargo
+    // package` makes, unpacked, patched in for the registry's (not the checkout).
+    let packaged = packaged_crates(&base)?;
     let guestbook = "--group webapp --version v1 --kind Guestbook";
-    opkit_ok(&dir, "init --domain my.domain")?;
+    opkit_ok(&dir, "init --domain my.domain --opkit-path -")?;
+    let manifest = dir.join("Cargo.toml");
+    let mut cargo_toml = std::fs::read_to_string(&manifest)?;
+    ensure!(!cargo_toml.contains("[patch"), "init --opkit-path - patched:\n{cargo_toml}");
+    cargo_toml.push_str("\n[patch.crates-io]\n");
+    for (name, path) in &packaged {
+        cargo_toml.push_str(&format!("{name} = {{ path = {:?} }}\n", path.display().to_string()));
+    }
+    std::fs::write(&manifest, cargo_toml)?;
+    // The versions opkit is tested with (what `init` copies from a checkout).
+    std::fs::copy(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../Cargo.lock"),
+        dir.join("Cargo.lock"),
+    )?;
     opkit_ok(&dir, &format!("create api {guestbook}"))?;
     opkit_ok(
         &dir,
@@ -254,6 +278,19 @@ async fn a_scaffolded_guestbook_builds_lints_and_passes_its_own_tests() -> anyho
         started.elapsed().as_secs_f64(),
         rust_lines(&dir)
     );
+    // The chart and the single-file installer, from the same code as config/.
+    project(&dir, "make", &["helm", "build-installer", "IMG=127.0.0.1:5000/guestbook:v9"])?;
+    let chart = std::fs::read_to_string(dir.join("dist/chart/Chart.yaml"))?;
+    ensure!(chart.contains("name: guestbook"), "{chart}");
+    let installer = std::fs::read_to_string(dir.join("dist/install.yaml"))?;
+    for expected in [
+        "image: 127.0.0.1:5000/guestbook:v9",
+        "name: guestbooks.webapp.my.domain",
+        "name: guestbook-guestbook-editor-role",
+        "rbac.authorization.k8s.io/aggregate-to-edit: \"true\"",
+    ] {
+        ensure!(installer.contains(expected), "{expected:?} not in dist/install.yaml");
+    }
 
     // The generated operator itself: CRDs installed with `make install`, webhooks served.
     project(&dir, "make", &["install"])?;
@@ -399,8 +436,116 @@ async fn a_scaffolded_guestbook_builds_lints_and_passes_its_own_tests() -> anyho
             "--ignore-not-found",
         ])?;
     }
+
+    // `make test-e2e` on the real node: `make docker-build` with the path patch (the image
+    // build cannot see the patched crates, so the binary is built here: the debug build `make
+    // test` compiled), pushed to the control plane's registry, `make deploy`, and the
+    // Guestbook and Tenant samples made Available by the operator's Pod.
+    if let Some(registry) = real_node.and_then(|n| n.registry()) {
+        // The local run above pointed the CRDs' conversion at its URL; a deploy adds the
+        // Service beside it (the apiserver refuses both), so start from no CRDs, as a user
+        // going from `make run` to `make deploy` is told to.
+        project(&dir, "make", &["uninstall"])?;
+        let e2e = project_with(
+            &dir,
+            "make",
+            &["test-e2e", "PROFILE=dev"],
+            &[("OPKIT_TESTENV_REGISTRY", registry)],
+        );
+        let undeployed = project(&dir, "make", &["undeploy"]);
+        let _ = kubectl(&["delete", "namespace", "guestbook-e2e", "--wait=false"]);
+        let e2e = e2e?;
+        undeployed?;
+        ensure!(
+            e2e.contains("building the binary on this machine")
+                && e2e.contains(&format!("the manager runs on node {}", opkit_testenv::node::NODE_NAME))
+                && e2e.contains("made 2 sample(s) Available"),
+            "make test-e2e:\n{e2e}"
+        );
+        let img = format!("{registry}/guestbook:e2e");
+        ensure!(
+            image_file_is(&img, "manager", &target_dir().join("debug/guestbook"))?,
+            "{img}'s /manager is not the project's binary"
+        );
+    }
     let _ = std::fs::remove_dir_all(&base);
     Ok(())
+}
+
+/// `cargo package` of the crates a scaffolded project depends on, unpacked under `base`:
+/// (crate name, unpacked directory). `--no-verify`: `make lint` verifies them.
+fn packaged_crates(base: &Path) -> anyhow::Result<Vec<(String, PathBuf)>> {
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let target = base.join("package-target");
+    let out = Command::new("cargo")
+        .args(["package", "--no-verify", "--allow-dirty", "--locked", "-q"])
+        .args(["-p", "opkit", "-p", "opkit-testenv"])
+        .arg("--target-dir")
+        .arg(&target)
+        .current_dir(&repo)
+        .env_remove("CARGO_MANIFEST_DIR")
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "cargo package: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let unpacked = base.join("crates");
+    std::fs::create_dir_all(&unpacked)?;
+    let version = env!("CARGO_PKG_VERSION");
+    let mut crates = Vec::new();
+    for name in ["opkit", "opkit-testenv"] {
+        let file = target.join(format!("package/{name}-{version}.crate"));
+        let out = Command::new("tar")
+            .arg("xzf")
+            .arg(&file)
+            .arg("-C")
+            .arg(&unpacked)
+            .output()?;
+        ensure!(
+            out.status.success(),
+            "unpacking {}: {}",
+            file.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        crates.push((name.to_string(), unpacked.join(format!("{name}-{version}"))));
+    }
+    Ok(crates)
+}
+
+/// Whether the file `path` in image `img` has the bytes of `expected` (read through a
+/// created, never started, container).
+fn image_file_is(img: &str, path: &str, expected: &Path) -> anyhow::Result<bool> {
+    let tool = String::from_utf8(
+        Command::new("bash")
+            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../hack/container-tool.sh"))
+            .output()?
+            .stdout,
+    )?;
+    let tool = tool.trim();
+    let name = format!("opkit-scaffold-probe-{}", std::process::id());
+    let created = Command::new(tool).args(["create", "--name", &name, img]).output()?;
+    ensure!(
+        created.status.success(),
+        "{tool} create {img}: {}",
+        String::from_utf8_lossy(&created.stderr)
+    );
+    let copy = std::env::temp_dir().join(&name);
+    let copied = Command::new(tool)
+        .args(["cp", &format!("{name}:/{path}")])
+        .arg(&copy)
+        .output();
+    let _ = Command::new(tool).args(["rm", &name]).output();
+    let _ = Command::new(tool).args(["rmi", img]).output();
+    let copied = copied?;
+    ensure!(
+        copied.status.success(),
+        "{tool} cp {name}:/{path}: {}",
+        String::from_utf8_lossy(&copied.stderr)
+    );
+    let same = std::fs::read(&copy)? == std::fs::read(expected)?;
+    std::fs::remove_file(&copy)?;
+    Ok(same)
 }
 
 /// A fresh directory under the system temporary directory.

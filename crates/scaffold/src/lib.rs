@@ -465,13 +465,25 @@ pub fn init(args: &InitArgs) -> anyhow::Result<Report> {
         ("patch", patch),
     ]);
     let mut r = Report::default();
-    let files: [(&str, &str); 13] = [
+    let files: [(&str, &str); 16] = [
         ("Cargo.toml", include_str!("../templates/Cargo.toml.tmpl")),
         ("Makefile", include_str!("../templates/Makefile.tmpl")),
         ("Dockerfile", include_str!("../templates/Dockerfile.tmpl")),
         ("README.md", include_str!("../templates/README.md.tmpl")),
         (".gitignore", include_str!("../templates/gitignore.tmpl")),
         (".dockerignore", include_str!("../templates/dockerignore.tmpl")),
+        (
+            ".github/workflows/lint.yml",
+            include_str!("../templates/github-lint.yml.tmpl"),
+        ),
+        (
+            ".github/workflows/test.yml",
+            include_str!("../templates/github-test.yml.tmpl"),
+        ),
+        (
+            ".github/workflows/test-e2e.yml",
+            include_str!("../templates/github-test-e2e.yml.tmpl"),
+        ),
         (
             "crates/api/Cargo.toml",
             include_str!("../templates/api.Cargo.toml.tmpl"),
@@ -706,6 +718,21 @@ pub fn create_api(args: &ApiArgs) -> anyhow::Result<Report> {
         ),
         &render(include_str!("../templates/sample.yaml.tmpl"), &vars),
     )?;
+    if args.controller && existing.is_none() {
+        let line = format!(
+            "E2E_SAMPLES += config/samples/{}_{}_{}.yaml",
+            res.group,
+            res.version,
+            res.kind.to_lowercase()
+        );
+        r.insert(
+            dir,
+            "Makefile",
+            "# +opkit:scaffold:e2e-samples",
+            &format!("{line}\n"),
+            &line,
+        )?;
+    }
     project.resources.push(ResourceEntry {
         group: res.group.clone(),
         version: res.version.clone(),

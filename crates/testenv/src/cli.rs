@@ -43,8 +43,9 @@ enum Cmd {
         /// The archive.
         archive: PathBuf,
     },
-    /// Print a Namespace (YAML, for `kubectl apply -f -`) whose Pods the scheduler puts on the
-    /// real node: kwok's fake nodes run no container.
+    /// Print a Namespace whose Pods the scheduler puts on the real node (kwok's fake nodes run no
+    /// container), for `kubectl apply --server-side --field-manager=opkit-testenv -f -`: a
+    /// manager of its own, so a later apply of the namespace from `config/` keeps the annotations.
     RealNodeNamespace {
         /// The namespace.
         name: String,
