@@ -30,10 +30,13 @@ fmt: ## Format the code
 	cargo fmt --all
 
 .PHONY: lint
-lint: ## Check formatting and run clippy with warnings denied
+lint: ## Check formatting, clippy with warnings denied, the docs, and that the published crates package and build
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets -- -D warnings
 	RUSTDOCFLAGS="-D warnings" cargo doc --no-deps -q -p opkit -p opkit-testenv -p opkit-scaffold
+	# The crates a project depends on or scaffolds with, as crates.io would take them: each
+	# packaged (scripts, templates and versions.env inside) and built from its package alone.
+	cargo package --locked --allow-dirty -q -p opkit -p opkit-testenv -p opkit-scaffold
 
 .PHONY: fuzz
 fuzz: ## Fuzz the cron parser for FUZZ_SECONDS (default 120); needs a nightly toolchain and cargo-fuzz
@@ -122,9 +125,11 @@ helm-deploy: testenv-build ## Install or upgrade the chart as $(RELEASE) in $(NA
 	img='$(IMG)'; $(HELM) upgrade --install $(RELEASE) dist/chart --namespace $(NAMESPACE) --create-namespace --wait \
 		--set manager.image.repository=$${img%:*} --set manager.image.tag=$${img##*:} $(HELM_ARGS)
 
+HELM_PACKAGE_DIR ?= dist
+
 .PHONY: helm-package
-helm-package: testenv-build ## Package dist/chart as dist/opkit-<version>.tgz, for a chart repository or a release
-	$(HELM) package dist/chart --destination dist
+helm-package: testenv-build ## Package dist/chart as $(HELM_PACKAGE_DIR)/opkit-<version>.tgz, for a chart repository or a release
+	$(HELM) package dist/chart --destination $(HELM_PACKAGE_DIR)
 
 .PHONY: helm-undeploy
 helm-undeploy: testenv-build ## Uninstall the release $(RELEASE) (the CRDs stay unless installed with crd.keep=false)

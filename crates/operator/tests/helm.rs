@@ -247,3 +247,27 @@ fn build_installer_writes_config_default_with_the_image() {
         "true"
     );
 }
+
+/// `make helm-package`: the chart as one archive, which renders what the directory does.
+#[test]
+fn helm_package_archives_the_chart() {
+    let dir = std::env::temp_dir().join(format!("opkit-helm-package-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a temporary directory");
+    run(Command::new("make")
+        .arg("-C")
+        .arg(repo())
+        .arg("helm-package")
+        .arg(format!("HELM_PACKAGE_DIR={}", dir.display())))
+    .unwrap_or_else(|e| panic!("make helm-package: {e}"));
+    let archive = dir.join(format!("opkit-{}.tgz", env!("CARGO_PKG_VERSION")));
+    let rendered = run(Command::new(bin().path("helm"))
+        .args(["template", "opkit"])
+        .arg(&archive)
+        .args(["--namespace", "opkit-system"]));
+    std::fs::remove_dir_all(&dir).expect("removed");
+    let rendered = rendered.unwrap_or_else(|e| panic!("helm template {}: {e}", archive.display()));
+    assert_eq!(
+        objects(&rendered),
+        objects(&helm_template(&[]).expect("helm template dist/chart"))
+    );
+}
