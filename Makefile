@@ -36,7 +36,9 @@ lint: ## Check formatting, clippy with warnings denied, the docs, and that the p
 	RUSTDOCFLAGS="-D warnings" cargo doc --no-deps -q -p opkit -p opkit-testenv -p opkit-scaffold
 	# The crates a project depends on or scaffolds with, as crates.io would take them: each
 	# packaged (scripts, templates and versions.env inside) and built from its package alone.
-	cargo package --locked --allow-dirty -q -p opkit -p opkit-testenv -p opkit-scaffold
+	# A package carries no [profile]; without debug info its dependencies are those `make test`
+	# compiles, built once.
+	CARGO_PROFILE_DEV_DEBUG=false cargo package --locked --allow-dirty -q -p opkit -p opkit-testenv -p opkit-scaffold
 
 .PHONY: fuzz
 fuzz: ## Fuzz the cron parser for FUZZ_SECONDS (default 120); needs a nightly toolchain and cargo-fuzz
