@@ -23,3 +23,14 @@ cargo clippy --version >/dev/null 2>&1 || rustup component add clippy
 # The real node's container runtime, CNI plugins and iptables (Debian packages; root only, as
 # the real-node tests are).
 if [[ $(id -u) == 0 ]]; then bash "$(dirname "$0")/../crates/testenv/scripts/real-node.sh" install; fi
+# `make docker-buildx` cross-compiles the linux/arm64 image's binary here: Rust's target and
+# Debian's cross gcc (linker, ring's C) and arm64 glibc; qemu-user runs that binary in a test.
+rustup target list --installed 2>/dev/null | grep -qx aarch64-unknown-linux-gnu \
+  || rustup target add aarch64-unknown-linux-gnu
+if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null \
+  && ! { command -v aarch64-linux-gnu-gcc && command -v qemu-aarch64-static; } >/dev/null 2>&1; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+    gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user-static >/dev/null \
+    || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user-static >/dev/null; }
+fi
