@@ -29,15 +29,15 @@ build: ## Build the opkit binary (release)
 fmt: ## Format the code
 	cargo fmt --all
 
+# lint also packages the crates a project depends on or scaffolds with, as crates.io would take
+# them: each packaged (scripts, templates and versions.env inside) and built from its package
+# alone. A package carries no [profile]; without debug info its dependencies are those `make
+# test` compiles, built once.
 .PHONY: lint
 lint: ## Check formatting, clippy with warnings denied, the docs, and that the published crates package and build
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets -- -D warnings
 	RUSTDOCFLAGS="-D warnings" cargo doc --no-deps -q -p opkit -p opkit-testenv -p opkit-scaffold
-	# The crates a project depends on or scaffolds with, as crates.io would take them: each
-	# packaged (scripts, templates and versions.env inside) and built from its package alone.
-	# A package carries no [profile]; without debug info its dependencies are those `make test`
-	# compiles, built once.
 	CARGO_PROFILE_DEV_DEBUG=false cargo package --locked --allow-dirty -q -p opkit -p opkit-testenv -p opkit-scaffold
 
 .PHONY: fuzz

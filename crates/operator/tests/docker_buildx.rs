@@ -59,7 +59,11 @@ fn unpack(registry: &str, repository: &str, digest: &str, root: &Path) -> anyhow
 /// The ELF machine of a binary: 62 x86-64, 183 AArch64.
 fn elf_machine(path: &Path) -> anyhow::Result<u16> {
     let bytes = std::fs::read(path)?;
-    ensure!(bytes.starts_with(b"\x7fELF") && bytes.len() > 20, "{} is no ELF file", path.display());
+    ensure!(
+        bytes.starts_with(b"\x7fELF") && bytes.len() > 20,
+        "{} is no ELF file",
+        path.display()
+    );
     Ok(u16::from_le_bytes([bytes[18], bytes[19]]))
 }
 
@@ -70,14 +74,17 @@ fn docker_buildx_pushes_one_image_for_amd64_and_arm64() -> anyhow::Result<()> {
     };
     let registry = cluster.registry().context("the real node has a registry")?;
     let img = format!("{registry}/opkit:multiarch");
-    let built = run(Command::new("make")
-        .arg("-C")
-        .arg(repo())
-        .args(["docker-buildx", &format!("IMG={img}"), "PLATFORMS=linux/amd64,linux/arm64"]))?;
+    let built = run(Command::new("make").arg("-C").arg(repo()).args([
+        "docker-buildx",
+        &format!("IMG={img}"),
+        "PLATFORMS=linux/amd64,linux/arm64",
+    ]))?;
     println!("{}", String::from_utf8_lossy(&built));
 
     let index = manifest(registry, "opkit", "multiarch")?;
-    let manifests = index["manifests"].as_array().context(format!("not an index: {index}"))?;
+    let manifests = index["manifests"]
+        .as_array()
+        .context(format!("not an index: {index}"))?;
     let digest_of = |arch: &str| {
         manifests
             .iter()
@@ -98,9 +105,19 @@ fn docker_buildx_pushes_one_image_for_amd64_and_arm64() -> anyhow::Result<()> {
             );
         }
         // The arm64 binary runs with only its image's files (loader, glibc, libgcc).
-        if Command::new("qemu-aarch64-static").arg("--version").output().is_err() {
+        if Command::new("qemu-aarch64-static")
+            .arg("--version")
+            .output()
+            .is_err()
+        {
             run(Command::new("apt-get")
-                .args(["install", "-y", "-qq", "--no-install-recommends", "qemu-user-static"])
+                .args([
+                    "install",
+                    "-y",
+                    "-qq",
+                    "--no-install-recommends",
+                    "qemu-user-static",
+                ])
                 .env("DEBIAN_FRONTEND", "noninteractive"))?;
         }
         let arm64 = scratch.join("arm64");

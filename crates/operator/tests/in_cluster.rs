@@ -95,27 +95,41 @@ async fn docker_build_load_and_make_deploy_run_the_operator_in_the_cluster() {
             // (by the controller-manager): a viewer of the namespace reads Memcacheds and may
             // not create them, an editor may.
             for (role, who) in [("view", "viewer"), ("edit", "editor")] {
-                kubectl(&["create", "rolebinding", who, "-n", &ns, &format!("--clusterrole={role}"),
-                    &format!("--user={who}")])?;
+                kubectl(&[
+                    "create",
+                    "rolebinding",
+                    who,
+                    "-n",
+                    &ns,
+                    &format!("--clusterrole={role}"),
+                    &format!("--user={who}"),
+                ])?;
             }
-            wait_for("the kinds' roles to be aggregated into view and edit", T, || async {
-                let can = |verb: &str, who: &str| -> anyhow::Result<String> {
-                    // `can-i` exits 1 for "no": read the answer, not the status.
-                    let out = opkit_testenv::shared()
-                        .kubectl()
-                        .args(["auth", "can-i", verb, "memcacheds.cache.example.com", "-n", &ns])
-                        .arg(format!("--as={who}"))
-                        .output()?;
-                    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
-                };
-                let answers = [
-                    can("list", "viewer")?,
-                    can("create", "viewer")?,
-                    can("create", "editor")?,
-                ];
-                ensure!(answers == ["yes", "no", "yes"], "list/create as viewer, create as editor: {answers:?}");
-                Ok(())
-            })
+            wait_for(
+                "the kinds' roles to be aggregated into view and edit",
+                T,
+                || async {
+                    let can = |verb: &str, who: &str| -> anyhow::Result<String> {
+                        // `can-i` exits 1 for "no": read the answer, not the status.
+                        let out = opkit_testenv::shared()
+                            .kubectl()
+                            .args(["auth", "can-i", verb, "memcacheds.cache.example.com", "-n", &ns])
+                            .arg(format!("--as={who}"))
+                            .output()?;
+                        Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+                    };
+                    let answers = [
+                        can("list", "viewer")?,
+                        can("create", "viewer")?,
+                        can("create", "editor")?,
+                    ];
+                    ensure!(
+                        answers == ["yes", "no", "yes"],
+                        "list/create as viewer, create as editor: {answers:?}"
+                    );
+                    Ok(())
+                },
+            )
             .await?;
 
             // Available means the kubelet's readiness probe on /readyz passed in the container.

@@ -141,10 +141,16 @@ async fn a_scaffolded_guestbook_builds_lints_and_passes_its_own_tests() -> anyho
     opkit_ok(&dir, "init --domain my.domain --opkit-path -")?;
     let manifest = dir.join("Cargo.toml");
     let mut cargo_toml = std::fs::read_to_string(&manifest)?;
-    ensure!(!cargo_toml.contains("[patch"), "init --opkit-path - patched:\n{cargo_toml}");
+    ensure!(
+        !cargo_toml.contains("[patch"),
+        "init --opkit-path - patched:\n{cargo_toml}"
+    );
     cargo_toml.push_str("\n[patch.crates-io]\n");
     for (name, path) in &packaged {
-        cargo_toml.push_str(&format!("{name} = {{ path = {:?} }}\n", path.display().to_string()));
+        cargo_toml.push_str(&format!(
+            "{name} = {{ path = {:?} }}\n",
+            path.display().to_string()
+        ));
     }
     std::fs::write(&manifest, cargo_toml)?;
     // The versions opkit is tested with (what `init` copies from a checkout).
@@ -279,7 +285,11 @@ async fn a_scaffolded_guestbook_builds_lints_and_passes_its_own_tests() -> anyho
         rust_lines(&dir)
     );
     // The chart and the single-file installer, from the same code as config/.
-    project(&dir, "make", &["helm", "build-installer", "IMG=127.0.0.1:5000/guestbook:v9"])?;
+    project(
+        &dir,
+        "make",
+        &["helm", "build-installer", "IMG=127.0.0.1:5000/guestbook:v9"],
+    )?;
     let chart = std::fs::read_to_string(dir.join("dist/chart/Chart.yaml"))?;
     ensure!(chart.contains("name: guestbook"), "{chart}");
     let installer = std::fs::read_to_string(dir.join("dist/install.yaml"))?;
@@ -289,7 +299,10 @@ async fn a_scaffolded_guestbook_builds_lints_and_passes_its_own_tests() -> anyho
         "name: guestbook-guestbook-editor-role",
         "rbac.authorization.k8s.io/aggregate-to-edit: \"true\"",
     ] {
-        ensure!(installer.contains(expected), "{expected:?} not in dist/install.yaml");
+        ensure!(
+            installer.contains(expected),
+            "{expected:?} not in dist/install.yaml"
+        );
     }
 
     // The generated operator itself: CRDs installed with `make install`, webhooks served.
@@ -458,7 +471,10 @@ async fn a_scaffolded_guestbook_builds_lints_and_passes_its_own_tests() -> anyho
         undeployed?;
         ensure!(
             e2e.contains("building the binary on this machine")
-                && e2e.contains(&format!("the manager runs on node {}", opkit_testenv::node::NODE_NAME))
+                && e2e.contains(&format!(
+                    "the manager runs on node {}",
+                    opkit_testenv::node::NODE_NAME
+                ))
                 && e2e.contains("made 2 sample(s) Available"),
             "make test-e2e:\n{e2e}"
         );
@@ -524,7 +540,9 @@ fn image_file_is(img: &str, path: &str, expected: &Path) -> anyhow::Result<bool>
     )?;
     let tool = tool.trim();
     let name = format!("opkit-scaffold-probe-{}", std::process::id());
-    let created = Command::new(tool).args(["create", "--name", &name, img]).output()?;
+    let created = Command::new(tool)
+        .args(["create", "--name", &name, img])
+        .output()?;
     ensure!(
         created.status.success(),
         "{tool} create {img}: {}",

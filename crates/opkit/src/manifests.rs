@@ -328,7 +328,11 @@ pub fn user_roles<S>(op: &Operator<S>) -> Vec<(String, ClusterRole)> {
             ),
             ("viewer", "view", &["get", "list", "watch"][..]),
         ] {
-            let mut metadata = meta(op, &format!("{}-{}-{role}-role", op.name, stem.replace('_', "-")), None);
+            let mut metadata = meta(
+                op,
+                &format!("{}-{}-{role}-role", op.name, stem.replace('_', "-")),
+                None,
+            );
             if let Some(labels) = metadata.labels.as_mut() {
                 labels.insert(
                     format!("rbac.authorization.k8s.io/aggregate-to-{aggregate}"),
@@ -615,7 +619,10 @@ pub fn all<S>(op: &Operator<S>, namespaces: &[String]) -> anyhow::Result<Vec<(St
         files.push((format!("rbac/{file}"), to_yaml(&[role])?));
         rbac.push(file);
     }
-    files.push(("rbac/kustomization.yaml".into(), to_yaml(&[kustomization(&rbac)])?));
+    files.push((
+        "rbac/kustomization.yaml".into(),
+        to_yaml(&[kustomization(&rbac)])?,
+    ));
 
     let ns = Namespace {
         metadata: ObjectMeta {

@@ -13,7 +13,7 @@
 #                               rules; --remove deletes DIR too
 #        real-node.sh copy-libs PROGRAM ROOTFS
 #                               copy the libraries PROGRAM links into ROOTFS (what
-#                               hack/local-base.sh assembles the operator's base with)
+#                               scripts/local-base.sh assembles the operator's base with)
 #        real-node.sh reap PID [--remove] DIR KUBE_PROXY
 #                               wait until process PID is gone, then clean
 #
