@@ -26,7 +26,8 @@ if [[ $(id -u) == 0 ]]; then bash "$(dirname "$0")/../crates/testenv/scripts/rea
 # `make docker-buildx` cross-compiles the linux/arm64 image's binary here: Rust's target and
 # Debian's cross gcc (linker, ring's C) and arm64 glibc; qemu-user runs that binary in a test.
 rustup target list --installed 2>/dev/null | grep -qx aarch64-unknown-linux-gnu \
-  || rustup target add aarch64-unknown-linux-gnu
+  || rustup target add aarch64-unknown-linux-gnu \
+  || echo "warning: could not add Rust's aarch64-unknown-linux-gnu target: make docker-buildx will retry" >&2
 if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null \
   && ! { command -v aarch64-linux-gnu-gcc && command -v qemu-aarch64-static; } >/dev/null 2>&1; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
