@@ -27,11 +27,11 @@ CMD ["run"]
 FROM runtime AS host
 COPY target/release/opkit /opkit
 
-# One platform of `make docker-buildx` (hack/docker-buildx.sh): the binary compiled for it
-# on this machine.
+# One platform of `make docker-buildx` (crates/testenv/scripts/docker-buildx.sh): the binary
+# compiled for it on this machine.
 FROM runtime AS host-cross
 ARG TARGETARCH
-COPY target/image/${TARGETARCH}/opkit /opkit
+COPY target/image/${TARGETARCH}/manager /opkit
 
 # The default target: the binary compiled in the build stage.
 FROM runtime

@@ -164,10 +164,13 @@ docker-build: ## Build the operator image $(IMG) with $(CONTAINER_TOOL); BASE=lo
 	IMG=$(IMG) BASE=$(BASE) CONTAINER_TOOL=$(CONTAINER_TOOL) bash hack/docker-build.sh
 
 PLATFORMS ?= linux/amd64,linux/arm64
+# The cargo profile of docker-buildx's binaries (dev: a quick debug image).
+PROFILE ?= release
 
 .PHONY: docker-buildx
-docker-buildx: ## Build and push the operator image $(IMG) for each of $(PLATFORMS) as one multi-architecture image (binaries cross-compiled here)
-	IMG=$(IMG) PLATFORMS=$(PLATFORMS) BASE=$(BASE) CONTAINER_TOOL=$(CONTAINER_TOOL) bash hack/docker-buildx.sh
+docker-buildx: ## Build and push the operator image $(IMG) for each of $(PLATFORMS) as one multi-architecture image (binaries cross-compiled here; PROFILE=dev for debug ones)
+	IMG=$(IMG) PACKAGE=opkit-operator BINARY=opkit PLATFORMS=$(PLATFORMS) PROFILE=$(PROFILE) BASE=$(BASE) CONTAINER_TOOL=$(CONTAINER_TOOL) \
+		bash crates/testenv/scripts/docker-buildx.sh
 
 .PHONY: docker-push
 docker-push: ## Push the operator image $(IMG)

@@ -16,7 +16,7 @@ use anyhow::{Context, anyhow, ensure};
 use opkit_testenv::{shared, wait_for};
 
 mod common;
-use common::{Running, free_port, kubectl, kubectl_stdin};
+use common::{Running, free_port, index_platforms, kubectl, kubectl_stdin, registry_manifest};
 
 /// Runs `opkit <command line>` (split at spaces) in `dir`; (succeeded, stdout + stderr).
 fn opkit_in(dir: &Path, command: &str) -> anyhow::Result<(bool, String)> {
@@ -482,6 +482,23 @@ async fn a_scaffolded_guestbook_builds_lints_and_passes_its_own_tests() -> anyho
         ensure!(
             image_file_is(&img, "manager", &target_dir().join("debug/guestbook"))?,
             "{img}'s /manager is not the project's binary"
+        );
+        // `make docker-buildx`: one image for amd64 and arm64 (cross-compiled here).
+        let multiarch = format!("{registry}/guestbook:multiarch");
+        project(
+            &dir,
+            "make",
+            &["docker-buildx", &format!("IMG={multiarch}"), "PROFILE=dev"],
+        )?;
+        let mut platforms: Vec<String> =
+            index_platforms(&registry_manifest(registry, "guestbook", "multiarch")?)?
+                .into_iter()
+                .map(|(p, _)| p)
+                .collect();
+        platforms.sort();
+        ensure!(
+            platforms == ["linux/amd64", "linux/arm64"],
+            "{multiarch} holds {platforms:?}"
         );
     }
     let _ = std::fs::remove_dir_all(&base);

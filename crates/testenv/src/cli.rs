@@ -50,6 +50,29 @@ enum Cmd {
         /// The namespace.
         name: String,
     },
+    /// Build and push an operator image for several platforms as one (an image index), each
+    /// binary compiled on this machine (cross-compiled for arm64); run in the project's
+    /// directory, whose Dockerfile has a `host-cross` stage.
+    DockerBuildx {
+        /// The image, e.g. 127.0.0.1:5000/guestbook:v0.1.0.
+        #[arg(long)]
+        img: String,
+        /// The cargo package of the operator binary.
+        #[arg(long)]
+        package: String,
+        /// The binary's name (default: the package's).
+        #[arg(long)]
+        binary: Option<String>,
+        /// Comma-separated platforms.
+        #[arg(long, default_value = "linux/amd64,linux/arm64")]
+        platforms: String,
+        /// The cargo profile (dev: a quick debug image).
+        #[arg(long, default_value = "release")]
+        profile: String,
+        /// The runtime base image (`local`: assembled from this machine's libraries).
+        #[arg(long, default_value = "gcr.io/distroless/cc-debian12:nonroot")]
+        base: String,
+    },
     /// Assemble an operator image's runtime base from this machine's Debian libraries (glibc
     /// and libgcc as `binary` links them, the nonroot user, `/tmp`) where the distroless base
     /// cannot be pulled, and print the image's name.
@@ -143,6 +166,28 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 "metadata": {"name": name, "annotations": crate::node::namespace_annotations()},
             });
             print!("{}", serde_yaml::to_string(&ns)?);
+        }
+        Cmd::DockerBuildx {
+            img,
+            package,
+            binary,
+            platforms,
+            profile,
+            base,
+        } => {
+            let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/docker-buildx.sh");
+            let status = Command::new("bash")
+                .arg(&script)
+                .env("IMG", img)
+                .env("BINARY", binary.as_deref().unwrap_or(&package))
+                .env("PACKAGE", &package)
+                .env("PLATFORMS", platforms)
+                .env("PROFILE", profile)
+                .env("BASE", base)
+                .status()?;
+            if !status.success() {
+                bail!("{} failed ({status})", script.display());
+            }
         }
         Cmd::LocalBase { tool, arch, binary } => {
             let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/local-base.sh");

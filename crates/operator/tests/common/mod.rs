@@ -194,3 +194,48 @@ pub fn read_audit(path: &Path) -> anyhow::Result<Vec<Audited>> {
     }
     Ok(out)
 }
+
+/// A document of the local registry (an image index or manifest) as JSON, over its HTTP API.
+pub fn registry_manifest(
+    registry: &str,
+    repository: &str,
+    reference: &str,
+) -> anyhow::Result<serde_json::Value> {
+    let accept = [
+        "application/vnd.oci.image.index.v1+json",
+        "application/vnd.docker.distribution.manifest.list.v2+json",
+        "application/vnd.oci.image.manifest.v1+json",
+        "application/vnd.docker.distribution.manifest.v2+json",
+    ]
+    .join(",");
+    let out = Command::new("curl")
+        .args(["-sf", "-H", &format!("Accept: {accept}")])
+        .arg(format!("http://{registry}/v2/{repository}/manifests/{reference}"))
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "GET {repository}:{reference} from {registry}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(serde_json::from_slice(&out.stdout)?)
+}
+
+/// The digest of each platform (`os/architecture`) of an image index.
+pub fn index_platforms(index: &serde_json::Value) -> anyhow::Result<Vec<(String, String)>> {
+    let manifests = index["manifests"]
+        .as_array()
+        .with_context(|| format!("not an image index: {index}"))?;
+    Ok(manifests
+        .iter()
+        .map(|m| {
+            (
+                format!(
+                    "{}/{}",
+                    m["platform"]["os"].as_str().unwrap_or_default(),
+                    m["platform"]["architecture"].as_str().unwrap_or_default()
+                ),
+                m["digest"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect())
+}

@@ -1,30 +1,45 @@
 #!/usr/bin/env bash
-# make docker-buildx: the operator image $IMG for every platform of $PLATFORMS (default
-# linux/amd64,linux/arm64), pushed as one multi-architecture image (an OCI image index).
+# make docker-buildx (opkit's and a scaffolded project's, through `opkit-testenv docker-buildx`):
+# the operator image $IMG for every platform of $PLATFORMS (default linux/amd64,linux/arm64),
+# pushed as one multi-architecture image (an image index). Run in the project's directory.
+#
+#   IMG        the image (required)
+#   PACKAGE    the cargo package of the operator binary (required)
+#   BINARY     the binary's name (default: PACKAGE)
+#   PROFILE    cargo profile (default release; dev for a quick debug image)
+#   BASE       the runtime base (default distroless cc, itself multi-arch); `local`, or one that
+#              cannot be pulled: a base assembled from Debian's libraries of each architecture
+#              (local-base.sh)
 #
 # Each binary is compiled on this machine, cross-compiled where the platform is not this
-# machine's (Rust's aarch64-unknown-linux-gnu target and Debian's gcc-aarch64-linux-gnu:
-# `hack/ensure-tools.sh` installs both), so no build stage runs under emulation. Each image is
-# the Dockerfile's `host-cross` stage on BASE (default distroless cc, itself multi-arch) or, when
-# that cannot be pulled or with BASE=local, on a base assembled from Debian's libraries of that
-# architecture (crates/testenv/scripts/local-base.sh).
+# machine's (Rust's aarch64-unknown-linux-gnu target and Debian's gcc-aarch64-linux-gnu,
+# installed on first use), so nothing runs under emulation. It is staged as
+# target/image/<arch>/manager, which the Dockerfile's `host-cross` stage copies (ARG TARGETARCH).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 IMG=${IMG:?IMG is required}
+PACKAGE=${PACKAGE:?PACKAGE is required}
+BINARY=${BINARY:-$PACKAGE}
+PROFILE=${PROFILE:-release}
 PLATFORMS=${PLATFORMS:-linux/amd64,linux/arm64}
 BASE=${BASE:-gcr.io/distroless/cc-debian12:nonroot}
-tool=$(bash hack/container-tool.sh)
+tool=${CONTAINER_TOOL:-$(if command -v docker >/dev/null && docker info >/dev/null 2>&1; then echo docker; else echo podman; fi)}
 native=$(case $(uname -m) in x86_64) echo amd64 ;; aarch64) echo arm64 ;; *) uname -m ;; esac)
 insecure=()
 if [[ $(basename "$tool") == podman && $IMG =~ ^(127\.0\.0\.1|localhost)[:/] ]]; then insecure=(--tls-verify=false); fi
+target_dir=$(cargo metadata --format-version 1 --no-deps | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
+profile_dir=$([[ $PROFILE == dev ]] && echo debug || echo "$PROFILE")
+# Debian's cross gcc links the arm64 binary and compiles ring's C and assembly.
+export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc
+export CC_aarch64_unknown_linux_gnu=aarch64-linux-gnu-gcc AR_aarch64_unknown_linux_gnu=aarch64-linux-gnu-ar
 
 if [[ $BASE != local ]] && ! timeout 120 "$tool" pull -q --platform linux/"$native" "$BASE" >/dev/null 2>&1; then
   echo ">> cannot pull $BASE: building on bases assembled from Debian's libraries (BASE=local)" >&2
   BASE=local
 fi
 
-# Rust's target for another architecture and Debian's cross gcc (linker, ring's C), installed
-# on first use (the packages as root).
+# Rust's target for another architecture and Debian's cross gcc, installed on first use (the
+# packages as root).
 ensure_cross() {
   local triple=$1 gcc=aarch64-linux-gnu-gcc
   rustup target list --installed | grep -qx "$triple" || rustup target add "$triple" >&2
@@ -48,19 +63,19 @@ for platform in "${platforms[@]}"; do
     arm64) triple=aarch64-unknown-linux-gnu ;;
     *) echo "error: platform $platform is not supported (linux/amd64, linux/arm64)" >&2; exit 1 ;;
   esac
-  echo ">> $platform: the release binary ($triple)" >&2
+  echo ">> $platform: the $PROFILE binary ($triple)" >&2
   if [[ $arch == "$native" ]]; then
-    cargo build --release --locked -q -p opkit-operator
-    binary=target/release/opkit
+    cargo build --locked -q --profile "$PROFILE" -p "$PACKAGE"
+    binary=$target_dir/$profile_dir/$BINARY
   else
     ensure_cross "$triple"
-    cargo build --release --locked -q -p opkit-operator --target "$triple"
-    binary=target/$triple/release/opkit
+    cargo build --locked -q --profile "$PROFILE" -p "$PACKAGE" --target "$triple"
+    binary=$target_dir/$triple/$profile_dir/$BINARY
   fi
   mkdir -p "target/image/$arch"
-  cp "$binary" "target/image/$arch/opkit"
+  cp "$binary" "target/image/$arch/manager"
   base=$BASE
-  if [[ $BASE == local ]]; then base=$(bash crates/testenv/scripts/local-base.sh "$tool" "$binary" "$arch"); fi
+  if [[ $BASE == local ]]; then base=$(bash "$here/local-base.sh" "$tool" "$binary" "$arch"); fi
   "$tool" build -q --platform "$platform" --build-arg "BASE=$base" --target host-cross \
     -t "$IMG-$arch" . >/dev/null
   images+=("$IMG-$arch")
