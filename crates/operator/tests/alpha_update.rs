@@ -8,6 +8,9 @@ use std::process::Command;
 
 use anyhow::{Context, ensure};
 
+mod common;
+use common::outcome;
+
 const OLD_VERSION: &str = "0.0.1";
 const CONTROLLER: &str = "crates/controllers/src/guestbook.rs";
 const TYPES: &str = "crates/api/src/webapp_v1/guestbook.rs";
@@ -59,14 +62,7 @@ fn run(dir: &Path, program: &Path, args: &[&str]) -> anyhow::Result<(bool, Strin
         .env("RUST_BACKTRACE", "0")
         .output()
         .with_context(|| format!("running {}", program.display()))?;
-    Ok((
-        out.status.success(),
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ),
-    ))
+    Ok(outcome(&out))
 }
 
 fn run_ok(dir: &Path, program: &Path, args: &[&str]) -> anyhow::Result<String> {

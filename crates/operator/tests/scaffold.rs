@@ -16,7 +16,7 @@ use anyhow::{Context, anyhow, ensure};
 use opkit_testenv::{shared, wait_for};
 
 mod common;
-use common::{Running, free_port, index_platforms, kubectl, kubectl_stdin, registry_manifest};
+use common::{Running, free_port, index_platforms, kubectl, kubectl_stdin, outcome, registry_manifest};
 
 /// Runs `opkit <command line>` (split at spaces) in `dir`; (succeeded, stdout + stderr).
 fn opkit_in(dir: &Path, command: &str) -> anyhow::Result<(bool, String)> {
@@ -25,14 +25,7 @@ fn opkit_in(dir: &Path, command: &str) -> anyhow::Result<(bool, String)> {
         .current_dir(dir)
         .env("RUST_BACKTRACE", "0")
         .output()?;
-    Ok((
-        out.status.success(),
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ),
-    ))
+    Ok(outcome(&out))
 }
 
 fn opkit_ok(dir: &Path, command: &str) -> anyhow::Result<String> {
@@ -78,13 +71,9 @@ fn project_with(dir: &Path, program: &str, args: &[&str], env: &[(&str, &str)]) 
         .env_remove("RUSTFLAGS")
         .stdin(Stdio::null())
         .output()?;
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let (ok, text) = outcome(&out);
     ensure!(
-        out.status.success(),
+        ok,
         "`{program} {}` failed in the generated project:\n{text}",
         args.join(" ")
     );

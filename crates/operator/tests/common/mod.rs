@@ -42,15 +42,19 @@ pub fn kubectl_stdin(args: &[&str], input: &[u8]) -> anyhow::Result<(bool, Strin
         .stderr(Stdio::piped())
         .spawn()?;
     std::io::Write::write_all(c.stdin.as_mut().context("stdin")?, input)?;
-    let out = c.wait_with_output()?;
-    Ok((
+    Ok(outcome(&c.wait_with_output()?))
+}
+
+/// Whether a finished command succeeded, and its stdout followed by its stderr.
+pub fn outcome(out: &std::process::Output) -> (bool, String) {
+    (
         out.status.success(),
         format!(
             "{}{}",
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
         ),
-    ))
+    )
 }
 
 /// `opkit crd | kubectl apply --server-side -f -`, as `make install` does.
