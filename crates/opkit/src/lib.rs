@@ -19,6 +19,7 @@ mod context;
 pub mod conversion;
 pub mod diff;
 pub mod helm;
+mod https;
 pub mod leader;
 pub mod manager;
 pub mod manifests;

@@ -184,16 +184,17 @@ fn spawn_tls(
         ),
     };
     let acceptor = crate::tls::acceptor(&certs, false, "metrics", &shutdown)?;
-    let limits = crate::tls::Limits {
+    let limits = crate::https::Limits {
         connections: 64,
         handshake: Duration::from_secs(10),
         headers: Duration::from_secs(10),
+        idle: crate::https::IDLE,
         age: Duration::from_secs(120),
         drain: Duration::from_secs(10),
         grace: Duration::ZERO,
         http2: false,
     };
-    Ok(crate::tls::serve(
+    Ok(crate::https::serve(
         "metrics", listener, acceptor, app, limits, shutdown,
     ))
 }

@@ -467,8 +467,9 @@ pub mod limits {
 
     /// A TLS handshake longer than this is dropped.
     pub const HANDSHAKE: Duration = Duration::from_secs(10);
-    /// Request headers must arrive within this (HTTP/1; also ends idle keep-alive connections),
-    /// so a slow sender holds a connection slot only briefly.
+    /// A request's headers must arrive within this of its first byte (HTTP/1), so a slow
+    /// sender holds a connection slot only briefly. An idle keep-alive connection stays open
+    /// longer (see [`IDLE`]).
     pub const HEADERS: Duration = Duration::from_secs(5);
     /// Reading a request and answering it; the apiserver itself waits at most 30 s.
     pub const REQUEST: Duration = Duration::from_secs(30);
@@ -491,7 +492,11 @@ pub mod limits {
     /// connection, so the apiserver moves to another replica without a request failing (a
     /// conversion has no failure policy). The process waits for it before exiting.
     pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
-    /// A connection is closed (after its current request) once it is this old, so a client
+    /// A connection with no request for this long is closed: longer than the 90 s after
+    /// which the apiserver (a Go HTTP client) drops an idle connection itself, so it never
+    /// writes a request into a connection closed under it.
+    pub const IDLE: Duration = crate::https::IDLE;
+    /// A connection this old answers its next request with `Connection: close`, so a client
     /// cannot keep a slot for ever by sending a request now and then.
     pub const CONNECTION_AGE: Duration = Duration::from_secs(120);
 }
@@ -527,16 +532,17 @@ pub async fn serve(
         .await
         .map_err(|source| WebhookError::Bind { addr, source })?;
     tracing::info!(%addr, paths = ?webhooks.paths(), "serving admission webhooks");
-    let conns = crate::tls::Limits {
+    let conns = crate::https::Limits {
         connections: limits::CONNECTIONS,
         handshake: limits::HANDSHAKE,
         headers: limits::HEADERS,
+        idle: limits::IDLE,
         age: limits::CONNECTION_AGE,
         drain: limits::REQUEST,
         grace: limits::SHUTDOWN_GRACE,
         http2,
     };
-    Ok(crate::tls::serve(
+    Ok(crate::https::serve(
         "webhook",
         listener,
         acceptor,
@@ -549,9 +555,9 @@ pub async fn serve(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::https::tests::connect_tls;
     use crate::tls::certified_key;
     use kube::core::DynamicObject;
-    use rustls::pki_types::pem::PemObject;
     use std::time::Duration;
 
     #[test]
@@ -583,27 +589,6 @@ mod tests {
         let mut out = String::new();
         tls.read_to_string(&mut out).await?;
         Ok(out.lines().next().unwrap_or_default().to_string())
-    }
-
-    async fn connect_tls(
-        port: u16,
-        ca: &str,
-    ) -> std::io::Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
-        let mut roots = rustls::RootCertStore::empty();
-        let der = rustls::pki_types::CertificateDer::from_pem_slice(ca.as_bytes())
-            .map_err(|e| std::io::Error::other(e.to_string()))?;
-        roots.add(der).map_err(|e| std::io::Error::other(e.to_string()))?;
-        let config =
-            rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-                .with_safe_default_protocol_versions()
-                .map_err(|e| std::io::Error::other(e.to_string()))?
-                .with_root_certificates(roots)
-                .with_no_client_auth();
-        let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
-        let name = rustls::pki_types::ServerName::try_from("127.0.0.1").map_err(std::io::Error::other)?;
-        tokio_rustls::TlsConnector::from(Arc::new(config))
-            .connect(name, tcp)
-            .await
     }
 
     /// A webhook server with one validating webhook that allows everything, on a free port.
