@@ -22,7 +22,8 @@ use tokio_util::sync::CancellationToken;
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Limits {
     /// Connections served at once. When all are taken, a new connection takes the slot of the
-    /// one idle longest; with none idle it waits (then in the listen backlog).
+    /// one idle longest, if idle for [`Limits::reclaim`]; otherwise it waits (then in the
+    /// listen backlog).
     pub connections: usize,
     /// A TLS handshake longer than this is dropped.
     pub handshake: Duration,
@@ -33,6 +34,10 @@ pub(crate) struct Limits {
     /// Go's HTTP clients (the apiserver's, Prometheus's) drop an idle connection themselves, so
     /// they close first and never write into a connection closed under them.
     pub idle: Duration,
+    /// A connection idle this long gives its slot up to a new one when all are taken. Closing
+    /// an idle connection may still meet its client reusing it; one its client uses often
+    /// (the apiserver's, during a flood of other connections) is never idle this long.
+    pub reclaim: Duration,
     /// A connection this old answers its next request with `Connection: close` (HTTP/2: is
     /// told to go away), so no client keeps a slot, or one replica, for ever.
     pub age: Duration,
@@ -48,6 +53,9 @@ pub(crate) struct Limits {
 
 /// No request for this long closes a connection: see [`Limits::idle`].
 pub(crate) const IDLE: Duration = Duration::from_secs(120);
+
+/// Idle this long, a connection gives its slot up when all are taken: see [`Limits::reclaim`].
+pub(crate) const RECLAIM: Duration = Duration::from_secs(30);
 
 /// Pause after a failed `accept` (out of file descriptors, ...), doubling up to 1 s.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
@@ -111,6 +119,11 @@ impl Activity {
 
     fn idle(&self) -> bool {
         self.inflight.load(Ordering::Acquire) == 0
+    }
+
+    /// Answering nothing, and no request on its way.
+    fn quiet(&self) -> bool {
+        self.idle() && !self.reading.load(Ordering::Acquire)
     }
 
     /// When a connection answering nothing times out, and whether that is the header timeout
@@ -190,16 +203,19 @@ impl Connections {
         Registered(self.clone(), id)
     }
 
-    /// Asks the connection idle longest to close; false when none is idle.
-    fn reclaim_one(&self) -> bool {
-        let open = self.open.lock().unwrap_or_else(|e| e.into_inner());
-        let oldest = open.values().filter(|a| a.idle()).min_by_key(|a| a.since());
-        match oldest {
-            Some(a) => {
-                a.reclaim.notify_one();
-                true
-            }
-            None => false,
+    /// Asks the connection quiet longest, if quiet for `after`, to close.
+    fn reclaim_one(&self, after: Duration) {
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        let oldest = open
+            .iter()
+            .filter(|(_, a)| a.quiet())
+            .map(|(id, a)| (*id, a.since()))
+            .min_by_key(|(_, since)| *since);
+        if let Some((id, since)) = oldest
+            && since.elapsed() >= after
+            && let Some(a) = open.remove(&id)
+        {
+            a.reclaim.notify_one();
         }
     }
 }
@@ -264,15 +280,15 @@ pub(crate) fn serve(
                     }
                 },
             };
-            // All slots taken: the connection idle longest gives its slot up (checked again
-            // every 100 ms, as connections become idle); none idle, the new one waits.
+            // All slots taken: the connection idle longest gives its slot up if idle long
+            // enough (checked again every 100 ms); otherwise the new one waits.
             let permit = loop {
                 match slots.clone().try_acquire_owned() {
                     Ok(p) => break p,
                     Err(tokio::sync::TryAcquireError::Closed) => break 'accept,
                     Err(tokio::sync::TryAcquireError::NoPermits) => {}
                 }
-                server.conns.reclaim_one();
+                server.conns.reclaim_one(limits.reclaim);
                 tokio::select! {
                     _ = closing.cancelled() => break 'accept,
                     p = tokio::time::timeout(Duration::from_millis(100), slots.clone().acquire_owned()) => {
@@ -415,7 +431,7 @@ impl Server {
                 r = conn.as_mut() => break Exit::Ended(r),
                 _ = activity.changed.notified() => {}
                 _ = activity.reclaim.notified() => {
-                    if activity.idle() {
+                    if activity.quiet() {
                         tracing::debug!(server = what, "an idle connection gives its slot up");
                         break Exit::Close;
                     }
@@ -556,6 +572,7 @@ pub(crate) mod tests {
             handshake: Duration::from_secs(5),
             headers: Duration::from_secs(1),
             idle: Duration::from_secs(3),
+            reclaim: Duration::from_secs(2),
             age: Duration::from_secs(120),
             drain: Duration::from_secs(5),
             grace: Duration::ZERO,
@@ -601,7 +618,7 @@ pub(crate) mod tests {
     }
 
     #[tokio::test]
-    async fn a_new_client_takes_the_slot_of_the_connection_idle_longest() {
+    async fn a_new_client_takes_the_slot_of_a_connection_idle_long_enough() {
         let limits = Limits {
             idle: Duration::from_secs(60),
             ..limits()
@@ -616,7 +633,7 @@ pub(crate) mod tests {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         let started = Instant::now();
-        let answered = tokio::time::timeout(Duration::from_secs(5), async {
+        let answered = tokio::time::timeout(limits.reclaim * 3, async {
             let mut tls = connect_tls(port, &ca).await?;
             get(&mut tls).await
         })
@@ -624,7 +641,13 @@ pub(crate) mod tests {
         .expect("answered long before the idle timeout")
         .unwrap();
         assert!(answered.starts_with("HTTP/1.1 200"), "{answered}");
-        assert!(started.elapsed() < limits.idle / 4);
+        // Not before the oldest had been idle for the reclaim time: a connection its client
+        // is using is not taken from it.
+        let waited = started.elapsed();
+        assert!(
+            waited >= limits.reclaim - Duration::from_millis(400),
+            "{waited:?}"
+        );
         // The one that gave its slot up is the oldest; the others still serve.
         closed(&mut held[0], Duration::from_secs(5)).await;
         for tls in &mut held[2..] {

@@ -189,6 +189,7 @@ fn spawn_tls(
         handshake: Duration::from_secs(10),
         headers: Duration::from_secs(10),
         idle: crate::https::IDLE,
+        reclaim: crate::https::RECLAIM,
         age: Duration::from_secs(120),
         drain: Duration::from_secs(10),
         grace: Duration::ZERO,

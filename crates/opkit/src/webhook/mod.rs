@@ -537,6 +537,7 @@ pub async fn serve(
         handshake: limits::HANDSHAKE,
         headers: limits::HEADERS,
         idle: limits::IDLE,
+        reclaim: crate::https::RECLAIM,
         age: limits::CONNECTION_AGE,
         drain: limits::REQUEST,
         grace: limits::SHUTDOWN_GRACE,
