@@ -246,6 +246,7 @@ async fn convert_until(
     client: kube::Client,
     round: usize,
     stop: tokio_util::sync::CancellationToken,
+    start: Instant,
 ) -> (usize, Vec<String>) {
     let resource = kube::core::ApiResource {
         group: "stable.example.com".into(),
@@ -266,7 +267,8 @@ async fn convert_until(
         match serde_json::from_value(ct) {
             Ok(ct) => match api.create(&PostParams::default(), &ct).await {
                 Ok(_) => converted += 1,
-                Err(e) => failed.push(e.to_string()),
+                // When, to set it against the replicas' logs.
+                Err(e) => failed.push(format!("[{:6.1}s] {e}", start.elapsed().as_secs_f64())),
             },
             Err(e) => failed.push(e.to_string()),
         }
@@ -586,7 +588,7 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
         //    while v1 CronTabs are created: each goes through the conversion webhook (to the
         //    stored v2 and back), which must keep answering through the roll.
         let rolled = tokio_util::sync::CancellationToken::new();
-        let converter = tokio::spawn(convert_until(client.clone(), round, rolled.clone()));
+        let converter = tokio::spawn(convert_until(client.clone(), round, rolled.clone(), start));
         for name in names {
             tokio::time::sleep(Duration::from_secs(3)).await;
             let i = replica_index(&replicas, name);

@@ -418,8 +418,15 @@ impl Server {
         };
         tokio::pin!(closing);
         let age_at = opened + limits.age;
-        let mut aged = false;
+        let (mut aged, mut closed) = (false, false);
         let exit = loop {
+            // Closing, an HTTP/1 connection whose next request has begun to arrive answers it
+            // first (with `Connection: close`): closing it now would fail a request its client
+            // has already sent. A quiet one is closed; HTTP/2 is told to go away.
+            if closed && (http2 || activity.quiet()) {
+                tracing::debug!(server = what, "closing a quiet connection: the server stops");
+                break Exit::Close;
+            }
             let timeout = activity.timeout(http2, &limits);
             let wait = async {
                 match timeout {
@@ -436,7 +443,7 @@ impl Server {
                         break Exit::Close;
                     }
                 }
-                _ = &mut closing => break Exit::Close,
+                _ = &mut closing, if !closed => closed = true,
                 _ = tokio::time::sleep_until(age_at), if !aged => {
                     aged = true;
                     if http2 {
@@ -450,6 +457,7 @@ impl Server {
                             tracing::debug!(server = what, "request headers timed out");
                             break Exit::Cut;
                         }
+                        tracing::debug!(server = what, "closing a connection idle for the idle timeout");
                         break Exit::Close;
                     }
                     _ => {}
@@ -654,6 +662,28 @@ pub(crate) mod tests {
             assert!(get(tls).await.unwrap().starts_with("HTTP/1.1 200"));
         }
         shutdown.cancel();
+    }
+
+    #[tokio::test]
+    async fn a_request_arriving_when_the_server_closes_is_answered_first() {
+        let (ca, port, shutdown) = server(limits()).await;
+        let mut tls = connect_tls(port, &ca).await.unwrap();
+        assert!(get(&mut tls).await.unwrap().starts_with("HTTP/1.1 200"));
+        // The client has begun its next request on the kept-alive connection...
+        tls.write_all(b"GET / HTTP/1.1\r\nHo").await.unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        // ...when the server stops (no grace period here): it closes its idle connections.
+        shutdown.cancel();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let mut rest = Vec::new();
+        let answered = async {
+            tls.write_all(b"st: x\r\n\r\n").await?;
+            tls.read_to_end(&mut rest).await
+        };
+        let _ = tokio::time::timeout(Duration::from_secs(5), answered).await;
+        let rest = String::from_utf8_lossy(&rest).to_lowercase();
+        assert!(rest.starts_with("http/1.1 200"), "not answered: {rest:?}");
+        assert!(rest.contains("connection: close"), "{rest}");
     }
 
     #[tokio::test]
