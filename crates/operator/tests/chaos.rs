@@ -408,7 +408,7 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
     let proxy_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let proxy = proxy_listener.local_addr()?.port();
     let draining: Draining = Arc::new(Mutex::new(std::collections::HashSet::new()));
-    let proxy_task = tokio::spawn(balance(proxy_listener, ports.to_vec(), draining.clone()));
+    let proxy_task = tokio::spawn(balance(proxy_listener, ports.to_vec(), draining.clone(), start));
     let replicas: Replicas = Arc::new(Mutex::new(Vec::new()));
     lock(&replicas).push(start_replica(&cp, names[0], &kubeconfigs[0], ports[0], proxy)?);
     let leases: Api<Lease> = Api::namespaced(client.clone(), OWN_NS);
@@ -964,8 +964,9 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
 type Draining = Arc<Mutex<std::collections::HashSet<u16>>>;
 
 /// A TCP load balancer: each connection goes to the next backend that accepts it and is not
-/// draining (any that accepts when all are).
-async fn balance(listener: tokio::net::TcpListener, backends: Vec<u16>, draining: Draining) {
+/// draining (any that accepts when all are). A connection no backend accepts is closed, and
+/// logged: its client sees `EOF`, as through a Service without a ready endpoint.
+async fn balance(listener: tokio::net::TcpListener, backends: Vec<u16>, draining: Draining, start: Instant) {
     let mut next = 0usize;
     loop {
         let Ok((mut inbound, _)) = listener.accept().await else {
@@ -987,6 +988,7 @@ async fn balance(listener: tokio::net::TcpListener, backends: Vec<u16>, draining
                     return;
                 }
             }
+            log(start, "webhook balancer: no replica accepted a connection");
         });
     }
 }
