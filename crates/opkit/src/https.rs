@@ -574,6 +574,14 @@ pub(crate) mod tests {
         (cert.ca_pem, port, shutdown)
     }
 
+    /// A server within `limits` and a connection to it kept alive after one answered request.
+    async fn kept_alive(limits: Limits) -> (u16, String, CancellationToken, Tls) {
+        let (ca, port, shutdown) = server(limits).await;
+        let mut tls = connect_tls(port, &ca).await.unwrap();
+        assert!(get(&mut tls).await.unwrap().starts_with("HTTP/1.1 200"));
+        (port, ca, shutdown, tls)
+    }
+
     fn limits() -> Limits {
         Limits {
             connections: 4,
@@ -590,9 +598,7 @@ pub(crate) mod tests {
 
     #[tokio::test]
     async fn a_keep_alive_connection_idle_past_the_header_timeout_is_still_served() {
-        let (ca, port, shutdown) = server(limits()).await;
-        let mut tls = connect_tls(port, &ca).await.unwrap();
-        assert!(get(&mut tls).await.unwrap().starts_with("HTTP/1.1 200"));
+        let (_, _, shutdown, mut tls) = kept_alive(limits()).await;
         // Idle longer than the header timeout, as the apiserver's pooled connections are
         // between admissions: the next request on it is answered.
         tokio::time::sleep(limits().headers + Duration::from_millis(700)).await;
@@ -609,9 +615,7 @@ pub(crate) mod tests {
 
     #[tokio::test]
     async fn a_request_whose_headers_come_too_slowly_is_cut_at_the_header_timeout() {
-        let (ca, port, shutdown) = server(limits()).await;
-        let mut tls = connect_tls(port, &ca).await.unwrap();
-        assert!(get(&mut tls).await.unwrap().starts_with("HTTP/1.1 200"));
+        let (port, ca, shutdown, mut tls) = kept_alive(limits()).await;
         tokio::time::sleep(Duration::from_millis(500)).await;
         tls.write_all(b"GET / HTTP/1.1\r\nHo").await.unwrap();
         let took = closed(&mut tls, limits().headers * 3).await;
@@ -666,9 +670,7 @@ pub(crate) mod tests {
 
     #[tokio::test]
     async fn a_request_arriving_when_the_server_closes_is_answered_first() {
-        let (ca, port, shutdown) = server(limits()).await;
-        let mut tls = connect_tls(port, &ca).await.unwrap();
-        assert!(get(&mut tls).await.unwrap().starts_with("HTTP/1.1 200"));
+        let (_, _, shutdown, mut tls) = kept_alive(limits()).await;
         // The client has begun its next request on the kept-alive connection...
         tls.write_all(b"GET / HTTP/1.1\r\nHo").await.unwrap();
         tokio::time::sleep(Duration::from_millis(200)).await;
