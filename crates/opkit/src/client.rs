@@ -22,6 +22,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use futures::FutureExt;
 use http::{Method, Request, Response};
 use http_body_util::BodyExt;
 use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
@@ -66,11 +67,13 @@ pub fn build(
         Some(_) => None,
         None => Some(write_pool(&config, gate)?),
     };
+    let host = config.cluster_url.authority().map(|a| a.to_string()).unwrap_or_default();
     let builder = ClientBuilder::try_from(config)?;
     let attempts = AttemptLayer {
         gate: gate.clone(),
         timeout: request_timeout,
         metrics: metrics.clone(),
+        host,
     };
     Ok(builder
         .with_layer(&RouteLayer { writes })
@@ -86,6 +89,7 @@ pub struct AttemptLayer {
     gate: WriteGate,
     timeout: Duration,
     metrics: Metrics,
+    host: String,
 }
 
 impl<S> Layer<S> for AttemptLayer {
@@ -96,6 +100,7 @@ impl<S> Layer<S> for AttemptLayer {
             gate: self.gate.clone(),
             timeout: self.timeout,
             metrics: self.metrics.clone(),
+            host: self.host.clone(),
         }
     }
 }
@@ -106,6 +111,8 @@ pub struct Attempt<S> {
     gate: WriteGate,
     timeout: Duration,
     metrics: Metrics,
+    /// The apiserver's `host:port`, the `host` label of `rest_client_*`.
+    host: String,
 }
 
 /// Whether a request changes state (and so must pass the write gate).
@@ -152,7 +159,19 @@ where
         } else {
             (Some(timeout), "request timeout")
         };
-        let fut = self.inner.call(req);
+        let method = req.method().clone();
+        let (metrics, host) = (self.metrics.clone(), self.host.clone());
+        let (unanswered_method, unanswered_host) = (method.clone(), host.clone());
+        // Every request sent is counted once its answer starts (or fails), by status code.
+        let fut = self.inner.call(req).map(move |r: Result<Response<Box<DynBody>>, BoxError>| {
+            let code = match &r {
+                Ok(resp) => resp.status().as_u16().to_string(),
+                Err(_) => "<error>".to_string(),
+            };
+            let seconds = now.elapsed().as_secs_f64();
+            metrics.request(method.as_str(), &host, &code, seconds);
+            r
+        });
         let Some(deadline) = deadline else {
             return Box::pin(fut);
         };
@@ -172,6 +191,8 @@ where
                 }),
                 Err(_) => {
                     metrics.request_timed_out(why);
+                    let seconds = now.elapsed().as_secs_f64();
+                    metrics.request(unanswered_method.as_str(), &unanswered_host, "<error>", seconds);
                     Err(Box::new(TimedOut {
                         after: deadline.saturating_duration_since(now),
                         why,

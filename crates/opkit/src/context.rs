@@ -121,6 +121,11 @@ impl ControllerContext {
         let _ = leading.wait_for(|l| *l).await;
     }
 
+    /// Whether this replica leads now (always without leader election).
+    pub(crate) fn is_leading(&self) -> bool {
+        *self.leading.borrow()
+    }
+
     pub(crate) fn shared(&self) -> &SharedWatches {
         &self.shared
     }

@@ -381,7 +381,7 @@ impl Manager {
             .then(|| server::MetricsAuth::new(ungated_client.unwrap_or(client.clone())));
         let readiness: Vec<(&'static str, Arc<AtomicBool>)> =
             controllers.iter().map(|c| (c.name, c.ready.clone())).collect();
-        let http = server::serve(&opts, metrics, auth, readiness, shutdown.clone()).await?;
+        let http = server::serve(&opts, metrics.clone(), auth, readiness, shutdown.clone()).await?;
 
         let signals = if opts.handle_signals {
             let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
@@ -431,6 +431,10 @@ impl Manager {
                 running.push(task.map(move |r| (name, r)));
             }
         };
+        let lease = opts.leader_election.as_ref().map(|c| c.name.clone());
+        if let Some(name) = &lease {
+            metrics.leading(name, false);
+        }
         if let Some(e) = &elector {
             // A standby is healthy and ready (to take over); readiness then tracks the
             // controllers' caches once this replica leads.
@@ -448,16 +452,20 @@ impl Manager {
                 return Ok(());
             };
             tracing::info!(identity = e.identity(), "became the leader");
+            if let Some(name) = &lease {
+                metrics.leading(name, true);
+            }
             for (ready, synced) in &readiness {
                 ready.store(synced.is_synced(), std::sync::atomic::Ordering::SeqCst);
             }
             // Renewals stop at shutdown, so the gate closes at most a renew deadline later:
             // the drain may write until then, and a write still unanswered when the Lease is
             // released (a standby then takes over at once) was cut off by the gate long before.
-            let (shutdown, lost) = (shutdown.clone(), lost.clone());
-            let e = e.clone();
+            let (shutdown, lost, metrics) = (shutdown.clone(), lost.clone(), metrics.clone());
+            let (e, lease) = (e.clone(), lease.clone().unwrap_or_default());
             renewal = Some(tokio::spawn(async move {
                 let r = e.renew(&shutdown, deadline).await;
+                metrics.leading(&lease, false);
                 if let Err(err) = &r {
                     tracing::error!(error = %err, "leader election lost, stopping");
                     lost.cancel();

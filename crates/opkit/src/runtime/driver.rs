@@ -50,6 +50,7 @@ struct Runner<R: Reconciler> {
     writer: Arc<Writer>,
     finalizer: Option<String>,
     hold: Hold,
+    queue: crate::metrics::Queue,
 }
 
 /// Builds and runs a controller over `namespaces` (`None`: all; a cluster-scoped primary kind
@@ -63,6 +64,7 @@ pub(crate) fn run<R: Reconciler>(
 ) -> BoxFuture<'static, ()> {
     let reconciler = Arc::new(reconciler);
     let concurrency = ctx.tuning().concurrency;
+    ctx.metrics().max_concurrent(concurrency);
     let limit = (concurrency > 0).then(|| Arc::new(Semaphore::new(concurrency.into())));
     let namespaces = if super::cache::namespaced::<R::Object>() {
         namespaces
@@ -92,6 +94,7 @@ pub(crate) fn run<R: Reconciler>(
             writer: writer.clone(),
             finalizer: finalizer.clone(),
             hold: Hold::new(ctx.tuning().progress_delay),
+            queue: ctx.metrics().queue(),
         });
         let shutdown = ctx.shutdown_signal();
         let background = async move {
@@ -124,6 +127,9 @@ impl<R: Reconciler> Runner<R> {
             Some(s) => s.clone().acquire_owned().await.ok(),
             None => None,
         };
+        let _work = self
+            .queue
+            .start(&super::watches::queue_key(obj.namespace().as_deref(), &obj.name_any()));
         let timer = self.ctx.metrics().reconcile_started();
         let timeout = self.ctx.tuning().timeout;
         // A panic (in a plan, an observe, a mapper) fails this object's reconcile only: it is

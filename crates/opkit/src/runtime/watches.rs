@@ -203,6 +203,43 @@ where
     field_manager: String,
     echoes: Echoes,
     shared: SharedWatches,
+    enqueue: Enqueue<K>,
+}
+
+/// Tells the controller's work-queue metrics that a reconcile of an object was asked for
+/// (only while this replica leads: a standby's reconciles wait for the Lease, not in a queue).
+struct Enqueue<K: Resource<DynamicType = ()> + Clone + 'static> {
+    queue: crate::metrics::Queue,
+    ctx: crate::context::ControllerContext,
+    store: reflector::Store<K>,
+}
+
+impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Clone for Enqueue<K> {
+    fn clone(&self) -> Self {
+        Enqueue {
+            queue: self.queue.clone(),
+            ctx: self.ctx.clone(),
+            store: self.store.clone(),
+        }
+    }
+}
+
+impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Enqueue<K> {
+    fn add(&self, r: &ObjectRef<K>) {
+        if !self.ctx.is_leading() {
+            return;
+        }
+        let (store, r2) = (self.store.clone(), r.clone());
+        let exists: crate::metrics::Exists = Box::new(move || store.get(&r2).is_some());
+        if exists() {
+            self.queue.add(queue_key(r.namespace.as_deref(), &r.name), exists);
+        }
+    }
+}
+
+/// What the work-queue metrics know an object by; the same at both ends of the queue.
+pub(crate) fn queue_key(namespace: Option<&str>, name: &str) -> String {
+    format!("{}/{name}", namespace.unwrap_or(""))
 }
 
 /// The watches of one manager, by what they watch: controllers that declare the same watch
@@ -267,14 +304,26 @@ where
             field_manager: ctx.field_manager().to_string(),
             echoes: ctx.echoes().clone(),
             shared: ctx.shared().clone(),
+            enqueue: Enqueue {
+                queue: ctx.metrics().queue(),
+                ctx: ctx.clone(),
+                store: reflector::store().0,
+            },
         };
         let watch = reconciler.primary();
         let (primary, events) = w.subscribe(&watch);
         primary.add_index(UID_INDEX, Arc::new(|o: &K| o.uid().into_iter().collect()));
+        w.enqueue.store = primary.store();
+        let enqueue = w.enqueue.clone();
         let stream = events
             .inspect(w.synced.track())
             .filter(triggers(watch.filter, w.echoes.clone()))
-            .applied_objects();
+            .applied_objects()
+            .inspect(move |o| {
+                if let Ok(o) = o {
+                    enqueue.add(&ObjectRef::from_obj(o));
+                }
+            });
         w.controller = Some(
             Controller::for_stream(stream, primary.store())
                 .with_config(ControllerConfig::default().concurrency(concurrency)),
@@ -444,6 +493,7 @@ where
     {
         let (cache, stream) = self.reflect(w);
         let primary = self.primary.clone();
+        let enqueue = self.enqueue.clone();
         let owners = move |c: C| {
             let ns = c.namespace().filter(|_| namespaced::<K>());
             let mut refs: Vec<ObjectRef<K>> = c
@@ -465,6 +515,7 @@ where
             if let Some(uid) = c.labels().get(OWNER_LABEL) {
                 refs.extend(primary.indexed_refs(UID_INDEX, uid));
             }
+            refs.iter().for_each(|r| enqueue.add(r));
             refs
         };
         self.controller = self.controller.take().map(|c| c.watches_stream(stream, owners));
@@ -479,6 +530,12 @@ where
         I::IntoIter: Send,
     {
         let (cache, stream) = self.reflect(w);
+        let enqueue = self.enqueue.clone();
+        let map = move |c: C| {
+            let refs: Vec<ObjectRef<K>> = map(c).into_iter().collect();
+            refs.iter().for_each(|r| enqueue.add(r));
+            refs
+        };
         self.controller = self.controller.take().map(|c| c.watches_stream(stream, map));
         cache
     }

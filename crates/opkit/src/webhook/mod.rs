@@ -147,6 +147,7 @@ pub struct Webhooks {
     pub(crate) mutating: Vec<Rule>,
     pub(crate) validating: Vec<Rule>,
     pub(crate) conversions: Vec<Conversion>,
+    metrics: Option<crate::metrics::Metrics>,
 }
 
 /// Where the apiserver sends ConversionReviews (one path for every kind, as Kubebuilder does).
@@ -239,6 +240,13 @@ impl Webhooks {
         self
     }
 
+    /// Counts every request in `metrics` (controller-runtime's `controller_runtime_webhook_*`
+    /// families, by path; a path not served counts as `other`).
+    pub fn with_metrics(mut self, metrics: crate::metrics::Metrics) -> Self {
+        self.metrics = Some(metrics);
+        self
+    }
+
     /// Adds every webhook of `other`.
     pub fn merge(mut self, other: Webhooks) -> Self {
         self.handlers.extend(other.handlers);
@@ -289,6 +297,7 @@ impl Webhooks {
             );
         }
         let budget = Arc::new(tokio::sync::Semaphore::new(limits::BODIES_IN_FLIGHT / 1024));
+        let (metrics, paths) = (self.metrics.clone(), Arc::new(self.paths()));
         r.layer(axum::middleware::from_fn(
             move |req: axum::extract::Request, next: axum::middleware::Next| {
                 let budget = budget.clone();
@@ -351,6 +360,22 @@ impl Webhooks {
                 }
             },
         ))
+        .layer(axum::middleware::from_fn(move |req: axum::extract::Request, next: axum::middleware::Next| {
+            let (metrics, paths) = (metrics.clone(), paths.clone());
+            async move {
+                let Some(metrics) = metrics else {
+                    return next.run(req).await;
+                };
+                // Known paths only: a label per arbitrary path would let any client grow
+                // the series without bound.
+                let path = req.uri().path();
+                let webhook = if paths.iter().any(|p| p == path) { path } else { "other" };
+                let timer = metrics.webhook_started(webhook);
+                let resp = next.run(req).await;
+                timer.finish(resp.status().as_u16());
+                resp
+            }
+        }))
     }
 }
 

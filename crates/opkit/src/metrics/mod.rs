@@ -1,4 +1,11 @@
-//! Prometheus metrics shared by every controller of a manager.
+//! Prometheus metrics shared by every controller of a manager: controller-runtime's families
+//! under their own names ([`standard`]), the `process_*` families ([`process`]), and opkit's
+//! own under the `opkit_` prefix (writes, refused writes, caches), which controller-runtime
+//! has no equivalent for.
+mod process;
+mod standard;
+
+pub(crate) use standard::{Exists, Queue};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -8,7 +15,7 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -56,7 +63,7 @@ struct CallLabels {
 }
 
 fn duration_histogram() -> Histogram {
-    Histogram::new(exponential_buckets(0.001, 2.0, 15))
+    standard::seconds_histogram()
 }
 
 /// The metric families; one instance per manager, registered once.
@@ -77,6 +84,8 @@ pub struct Metrics {
     calls: Family<CallLabels, Counter>,
     caches: Arc<Mutex<Vec<(CacheLabels, CacheProbe)>>>,
     totals: Arc<Mutex<HashMap<String, Arc<Totals>>>>,
+    standard: standard::Standard,
+    process: process::Process,
 }
 
 /// Running totals per controller, for tests and benchmarks that wait on them.
@@ -94,7 +103,10 @@ impl std::fmt::Debug for Metrics {
 
 impl Default for Metrics {
     fn default() -> Self {
-        let mut registry = Registry::with_prefix("opkit");
+        let mut root = Registry::default();
+        let standard = standard::Standard::register(&mut root);
+        let process = process::Process::register(&mut root);
+        let registry = root.sub_registry_with_prefix("opkit");
         let reconciles = Family::<ResultLabels, Counter>::default();
         let active = Family::<ControllerLabel, Gauge>::default();
         let failures = Family::<ErrorLabels, Counter>::default();
@@ -166,7 +178,7 @@ impl Default for Metrics {
             cache_bytes.clone(),
         );
         Metrics {
-            registry: Arc::new(registry),
+            registry: Arc::new(root),
             reconciles,
             active,
             failures,
@@ -181,6 +193,8 @@ impl Default for Metrics {
             calls,
             caches: Arc::default(),
             totals: Arc::default(),
+            standard,
+            process,
         }
     }
 }
@@ -200,9 +214,47 @@ impl Metrics {
             .inc();
     }
 
+    /// Counts one request to the Kubernetes API (`code`: the HTTP status, or `<error>` when
+    /// none came) and how long its answer took to start.
+    pub(crate) fn request(&self, method: &str, host: &str, code: &str, seconds: f64) {
+        let l = standard::RequestLabels {
+            code: code.to_string(),
+            host: host.to_string(),
+            method: method.to_string(),
+        };
+        self.standard.requests.get_or_create(&l).inc();
+        let l = standard::RequestLatencyLabels {
+            host: host.to_string(),
+            verb: method.to_string(),
+        };
+        self.standard.request_duration.get_or_create(&l).observe(seconds);
+    }
+
+    /// Marks a webhook request (by path) as being served; the guard records its code and
+    /// latency.
+    pub(crate) fn webhook_started(&self, webhook: &str) -> WebhookTimer {
+        let l = standard::WebhookLabels {
+            webhook: webhook.to_string(),
+        };
+        self.standard.webhook_in_flight.get_or_create(&l).inc();
+        WebhookTimer {
+            metrics: self.clone(),
+            labels: l,
+            start: Instant::now(),
+        }
+    }
+
+    /// Sets `leader_election_master_status` for the Lease `name`.
+    pub(crate) fn leading(&self, name: &str, leading: bool) {
+        let l = standard::LeaseLabels { name: name.to_string() };
+        self.standard.leader.get_or_create(&l).set(i64::from(leading));
+    }
+
     /// The Prometheus text exposition of every metric.
     pub fn encode(&self) -> String {
         self.measure_caches();
+        self.standard.refresh();
+        self.process.refresh();
         let mut out = String::new();
         // Encoding into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
@@ -270,6 +322,7 @@ impl ControllerMetrics {
     /// work, not its start.
     pub(crate) fn reconcile_started(&self) -> ReconcileTimer {
         self.metrics.active.get_or_create(&self.label()).inc();
+        self.metrics.standard.workers.get_or_create(&self.cr_label()).inc();
         ReconcileTimer {
             metrics: self.clone(),
             start: Instant::now(),
@@ -283,6 +336,22 @@ impl ControllerMetrics {
             category: category.to_string(),
         };
         self.metrics.failures.get_or_create(&l).inc();
+        self.metrics.standard.errors.get_or_create(&self.cr_label()).inc();
+        self.queue().retry();
+    }
+
+    /// This controller's work queue, as client-go's `workqueue_*` families see it.
+    pub(crate) fn queue(&self) -> Queue {
+        self.metrics.standard.queue(&self.controller)
+    }
+
+    /// Publishes how many reconciles may run at once (0: unbounded).
+    pub(crate) fn max_concurrent(&self, n: u16) {
+        self.metrics
+            .standard
+            .max_workers
+            .get_or_create(&self.cr_label())
+            .set(i64::from(n));
     }
 
     /// Reports a cache of `kind` in `opkit_cache_objects` and `opkit_cache_bytes_estimate`;
@@ -312,6 +381,7 @@ impl ControllerMetrics {
     /// Counts a reconcile that panicked; the caller also counts it as failed.
     pub(crate) fn reconcile_panicked(&self) {
         self.metrics.panics.get_or_create(&self.label()).inc();
+        self.metrics.standard.panics.get_or_create(&self.cr_label()).inc();
     }
 
     /// Counts a write the leader-election gate refused.
@@ -363,6 +433,12 @@ impl ControllerMetrics {
             controller: self.controller.clone(),
         }
     }
+
+    fn cr_label(&self) -> standard::Controller {
+        standard::Controller {
+            controller: self.controller.clone(),
+        }
+    }
 }
 
 /// Records how a reconcile finished; dropped unfinished (cancelled), it still leaves the
@@ -381,20 +457,66 @@ impl ReconcileTimer {
             result: result.to_string(),
         };
         m.metrics.reconciles.get_or_create(&l).inc();
-        m.metrics
-            .duration
-            .get_or_create(&m.label())
-            .observe(self.start.elapsed().as_secs_f64());
+        let seconds = self.start.elapsed().as_secs_f64();
+        m.metrics.duration.get_or_create(&m.label()).observe(seconds);
+        // controller-runtime's results: an invalid spec is its terminal error (not retried
+        // until the object changes); every other outcome that is not an error succeeded.
+        let standard = &m.metrics.standard;
+        let cr = match result {
+            "error" => "error",
+            "invalid" => {
+                standard.errors.get_or_create(&m.cr_label()).inc();
+                standard.terminal.get_or_create(&m.cr_label()).inc();
+                "error"
+            }
+            _ => "success",
+        };
+        let l = standard::ControllerResult {
+            controller: m.controller.clone(),
+            result: cr.to_string(),
+        };
+        standard.reconciles.get_or_create(&l).inc();
+        standard.time.get_or_create(&m.cr_label()).observe(seconds);
         m.totals.finished.fetch_add(1, Ordering::SeqCst);
     }
 }
 
 impl Drop for ReconcileTimer {
     fn drop(&mut self) {
+        let m = &self.metrics;
+        m.metrics.active.get_or_create(&m.label()).dec();
+        m.metrics.standard.workers.get_or_create(&m.cr_label()).dec();
+    }
+}
+
+/// Records how a webhook request ended (see [`Metrics::webhook_started`]).
+pub(crate) struct WebhookTimer {
+    metrics: Metrics,
+    labels: standard::WebhookLabels,
+    start: Instant,
+}
+
+impl WebhookTimer {
+    /// Counts the request under its HTTP status code.
+    pub(crate) fn finish(self, code: u16) {
+        let s = &self.metrics.standard;
+        s.webhook_latency
+            .get_or_create(&self.labels)
+            .observe(self.start.elapsed().as_secs_f64());
+        let l = standard::WebhookCodeLabels {
+            webhook: self.labels.webhook.clone(),
+            code: code.to_string(),
+        };
+        s.webhook_requests.get_or_create(&l).inc();
+    }
+}
+
+impl Drop for WebhookTimer {
+    fn drop(&mut self) {
         self.metrics
-            .metrics
-            .active
-            .get_or_create(&self.metrics.label())
+            .standard
+            .webhook_in_flight
+            .get_or_create(&self.labels)
             .dec();
     }
 }
