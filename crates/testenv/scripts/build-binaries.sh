@@ -102,6 +102,8 @@ if [[ ! -x "$bin/kwok" || "$(cat "$bin/.kwok.stamp" 2>/dev/null)" != "$kwok_stam
   easycel=$(go list -m -f '{{.Path}}@{{.Version}}' github.com/wzshiming/easycel)
   [[ "$easycel" == "github.com/wzshiming/easycel@v0.6.0" ]] \
     || { log "error: kwok now uses $easycel; check whether patches/$(basename "$kwok_patch") is still needed"; exit 1; }
+  # `go get` fetched go.mod files only: the source to patch may not be in the module cache.
+  go mod download github.com/wzshiming/easycel >&2
   cp -r "$(go list -m -f '{{.Dir}}' github.com/wzshiming/easycel)" easycel && chmod -R u+w easycel
   git apply --directory=easycel -p1 "$kwok_patch"
   go mod edit -replace github.com/wzshiming/easycel=./easycel
