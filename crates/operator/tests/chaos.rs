@@ -171,6 +171,22 @@ async fn wait_restarted(
     .await
 }
 
+/// Waits until `replica`'s webhook server accepts connections on `port` (it binds only once
+/// it has its certificate): what a Service's readiness would wait for.
+async fn wait_serving(replica: &str, port: u16) -> anyhow::Result<()> {
+    wait_for(
+        &format!("{replica} to serve its webhooks"),
+        Duration::from_secs(30),
+        || async move {
+            tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .map(drop)
+                .map_err(anyhow::Error::from)
+        },
+    )
+    .await
+}
+
 /// `kubeconfig` (a token user) pointed at `proxy` instead of the apiserver.
 fn through(kubeconfig: &Path, proxy: &FaultProxy) -> anyhow::Result<std::path::PathBuf> {
     let mut kc: serde_yaml::Value = serde_yaml::from_str(&std::fs::read_to_string(kubeconfig)?)?;
@@ -592,6 +608,14 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
         for name in names {
             tokio::time::sleep(Duration::from_secs(3)).await;
             let i = replica_index(&replicas, name);
+            // As a Deployment does (maxUnavailable 1 of 2): a replica is stopped only while
+            // the other serves. The other may have just been restarted by the supervisor
+            // (leadership lost in the apiserver freeze), and serves only once it has read the
+            // shared certificate.
+            for (k, port) in ports.iter().enumerate().filter(|(k, _)| *k != i) {
+                wait_serving(names[k], *port).await?;
+            }
+            log(start, &format!("every other replica serves its webhooks: rolling {name}"));
             // Stopping waits (blocking) for the replica's grace period: off the runtime, whose
             // threads carry the webhook balancer and the apiserver proxies meanwhile (blocked,
             // they would hold the apiserver's requests until the replica is gone).
