@@ -59,7 +59,9 @@ cat <<EOT
      kubectl get crontabs.v2.stable.example.com -o yaml
      kubectl apply -f - <<< '{"apiVersion":"cache.example.com/v1","kind":"Memcached","metadata":{"name":"nosize"},"spec":{}}'
                                                  # defaulted to size 1 by its schema
-     curl -s localhost:8080/metrics | grep opkit_
+     curl -s localhost:8080/metrics              # controller-runtime's families and opkit_*:
+                                                 # docs/observability.md lists them, the alerts
+                                                 # and the Grafana dashboards in config/
    Ctrl-C stops the operator; 'make testenv-down' stops the local control plane.
 
 EOT

@@ -615,7 +615,10 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
             for (k, port) in ports.iter().enumerate().filter(|(k, _)| *k != i) {
                 wait_serving(names[k], *port).await?;
             }
-            log(start, &format!("every other replica serves its webhooks: rolling {name}"));
+            log(
+                start,
+                &format!("every other replica serves its webhooks: rolling {name}"),
+            );
             // Stopping waits (blocking) for the replica's grace period: off the runtime, whose
             // threads carry the webhook balancer and the apiserver proxies meanwhile (blocked,
             // they would hold the apiserver's requests until the replica is gone).

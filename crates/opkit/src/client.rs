@@ -67,7 +67,11 @@ pub fn build(
         Some(_) => None,
         None => Some(write_pool(&config, gate)?),
     };
-    let host = config.cluster_url.authority().map(|a| a.to_string()).unwrap_or_default();
+    let host = config
+        .cluster_url
+        .authority()
+        .map(|a| a.to_string())
+        .unwrap_or_default();
     let builder = ClientBuilder::try_from(config)?;
     let attempts = AttemptLayer {
         gate: gate.clone(),
@@ -163,15 +167,18 @@ where
         let (metrics, host) = (self.metrics.clone(), self.host.clone());
         let (unanswered_method, unanswered_host) = (method.clone(), host.clone());
         // Every request sent is counted once its answer starts (or fails), by status code.
-        let fut = self.inner.call(req).map(move |r: Result<Response<Box<DynBody>>, BoxError>| {
-            let code = match &r {
-                Ok(resp) => resp.status().as_u16().to_string(),
-                Err(_) => "<error>".to_string(),
-            };
-            let seconds = now.elapsed().as_secs_f64();
-            metrics.request(method.as_str(), &host, &code, seconds);
-            r
-        });
+        let fut = self
+            .inner
+            .call(req)
+            .map(move |r: Result<Response<Box<DynBody>>, BoxError>| {
+                let code = match &r {
+                    Ok(resp) => resp.status().as_u16().to_string(),
+                    Err(_) => "<error>".to_string(),
+                };
+                let seconds = now.elapsed().as_secs_f64();
+                metrics.request(method.as_str(), &host, &code, seconds);
+                r
+            });
         let Some(deadline) = deadline else {
             return Box::pin(fut);
         };

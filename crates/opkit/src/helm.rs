@@ -155,6 +155,23 @@ pub fn chart<S>(op: &Operator<S>) -> anyhow::Result<Vec<(String, String)>> {
             template(&ns, &manifests::service_monitor(op))?
         ),
     ));
+    // Alert texts keep Prometheus's own `{{ $labels.x }}`: Helm must print them as they are.
+    let rules = template(&ns, &crate::monitoring::prometheus_rule(op))?;
+    let rules = helm_literal(&rules);
+    files.push((
+        "templates/prometheus/rules.yaml".into(),
+        format!(
+            "{{{{- if and .Values.prometheus.enable .Values.metrics.enable }}}}\n{rules}{{{{- end }}}}\n"
+        ),
+    ));
+    files.push((
+        "templates/grafana/dashboards.yaml".into(),
+        format!(
+            "{{{{- if .Values.grafana.enable }}}}\napiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: {}-dashboards\n  namespace: {{{{ $.Release.Namespace }}}}\n  labels:\n    app.kubernetes.io/name: {}\n    app.kubernetes.io/managed-by: {{{{ $.Release.Service }}}}\n    # Picked up by Grafana's dashboard sidecar (kube-prometheus-stack's default label).\n    grafana_dashboard: \"1\"\ndata:\n{{{{ (.Files.Glob \"dashboards/*.json\").AsConfig | indent 2 }}}}\n{{{{- end }}}}\n",
+            op.manager(),
+            op.name
+        ),
+    ));
 
     for (path, content) in &mut files {
         if path.ends_with(".yaml") && path != "Chart.yaml" && path != "values.yaml" {
@@ -169,7 +186,37 @@ pub fn chart<S>(op: &Operator<S>) -> anyhow::Result<Vec<(String, String)>> {
             "{path}: a placeholder is left:\n{content}"
         );
     }
+    // Read by the dashboards ConfigMap with .Files; Grafana's own `{{legend}}` and
+    // `$__rate_interval` stay as they are.
+    for (file, text) in crate::monitoring::dashboard_files(op)? {
+        files.push((format!("dashboards/{file}"), text));
+    }
     Ok(files)
+}
+
+/// Prometheus's `{{ $labels.x }}` and `{{ $value }}` in `text` printed literally by Helm
+/// (Helm's own `{{ $.Release… }}` stays).
+fn helm_literal(text: &str) -> String {
+    let mut out = String::new();
+    let mut rest = text;
+    while let Some(start) = ["{{ $labels.", "{{ $value"]
+        .iter()
+        .filter_map(|p| rest.find(p))
+        .min()
+    {
+        let Some(len) = rest[start..].find("}}") else {
+            break;
+        };
+        let action = &rest[start..start + len + 2];
+        out.push_str(&rest[..start]);
+        out.push_str(&format!(
+            "{{{{ {} }}}}",
+            serde_json::to_string(action).unwrap_or_default()
+        ));
+        rest = &rest[start + len + 2..];
+    }
+    out.push_str(rest);
+    out
 }
 
 fn chart_yaml<S>(op: &Operator<S>) -> String {
@@ -239,7 +286,13 @@ webhook:
   enable: true
 
 prometheus:
-  # A ServiceMonitor for the metrics Service (needs the Prometheus Operator's CRDs).
+  # A ServiceMonitor for the metrics Service and a PrometheusRule with the operator's alerts
+  # (needs the Prometheus Operator's CRDs).
+  enable: false
+
+grafana:
+  # A ConfigMap with the Grafana dashboards (controllers; webhooks and API), labelled for
+  # Grafana's dashboard sidecar.
   enable: false
 
 networkPolicy:

@@ -25,6 +25,7 @@ pub mod manager;
 pub mod manifests;
 pub mod metrics;
 pub mod migrate;
+pub mod monitoring;
 pub mod operator;
 pub mod rbac;
 pub mod reconciler;

@@ -680,7 +680,13 @@ pub fn all<S>(op: &Operator<S>, namespaces: &[String]) -> anyhow::Result<Vec<(St
                 "network_policy.yaml",
             ]
             .map(String::from),
-        )])?,
+        )])?
+        .replace("- ../webhook\n", PROMETHEUS_NOTE),
     ));
+    files.extend(crate::monitoring::files(op)?);
     Ok(files)
 }
+
+/// Kubebuilder's opt-in for the ServiceMonitor and alerts: they need the Prometheus
+/// Operator's CRDs, which a cluster may not have.
+const PROMETHEUS_NOTE: &str = "- ../webhook\n# With the Prometheus Operator installed: uncomment to scrape the metrics and load\n# the alerts (config/prometheus: a ServiceMonitor and a PrometheusRule).\n#- ../prometheus\n";

@@ -172,6 +172,21 @@ if [[ ! -x "$bin/helm" || "$(cat "$bin/.helm.version" 2>/dev/null)" != "$HELM_VE
   echo "$HELM_VERSION" > "$bin/.helm.version"
 fi
 
+# --- prometheus and promtool: a test scrapes the operator with the real Prometheus, runs every
+# dashboard and alert expression through its HTTP API, and checks the rules with promtool.
+# Built without the web UI's assets (the API is all the test uses).
+if [[ ! -x "$bin/prometheus" || ! -x "$bin/promtool" || "$(cat "$bin/.prometheus.version" 2>/dev/null)" != "$PROMETHEUS_VERSION" ]]; then
+  log "building prometheus ${PROMETHEUS_VERSION}"
+  d="$work/prometheus"; rm -rf "$d"; mkdir -p "$d"; cd "$d"
+  go mod init opkit.local/testenv/prometheus >/dev/null 2>&1
+  go get "github.com/prometheus/prometheus@${PROMETHEUS_VERSION}" >&2
+  mkdir -p out
+  go build -trimpath -ldflags "-s -w" -o out/ \
+    github.com/prometheus/prometheus/cmd/prometheus github.com/prometheus/prometheus/cmd/promtool \
+    && mv out/prometheus "$bin/prometheus" && mv out/promtool "$bin/promtool"
+  echo "$PROMETHEUS_VERSION" > "$bin/.prometheus.version"
+fi
+
 # --- memcached-peer (source in crates/bench/peer-memcached): the Memcached operator written on
 # controller-runtime, raced by `make bench BENCH=memcached`. Only built for the benchmark.
 if [[ "${1:-}" == "--with-bench" ]]; then

@@ -128,6 +128,12 @@ impl Default for Metrics {
             "Requests that got no answer in time, by reason (request timeout, write gate closing)",
             timeouts.clone(),
         );
+        // Both reasons exist from the start: a rate of 0 rather than no series.
+        for reason in ["request_timeout", "write_gate_closing"] {
+            let _ = timeouts.get_or_create(&ReasonLabel {
+                reason: reason.to_string(),
+            });
+        }
         let cache_objects = Family::<CacheLabels, Gauge>::default();
         let cache_bytes = Family::<CacheLabels, Gauge>::default();
         let calls = Family::<CallLabels, Counter>::default();
@@ -246,7 +252,9 @@ impl Metrics {
 
     /// Sets `leader_election_master_status` for the Lease `name`.
     pub(crate) fn leading(&self, name: &str, leading: bool) {
-        let l = standard::LeaseLabels { name: name.to_string() };
+        let l = standard::LeaseLabels {
+            name: name.to_string(),
+        };
         self.standard.leader.get_or_create(&l).set(i64::from(leading));
     }
 
@@ -300,11 +308,13 @@ impl Metrics {
             .entry(controller.to_string())
             .or_default()
             .clone();
-        ControllerMetrics {
+        let c = ControllerMetrics {
             metrics: self.clone(),
             controller: controller.to_string(),
             totals,
-        }
+        };
+        c.zero();
+        c
     }
 }
 
@@ -322,7 +332,11 @@ impl ControllerMetrics {
     /// work, not its start.
     pub(crate) fn reconcile_started(&self) -> ReconcileTimer {
         self.metrics.active.get_or_create(&self.label()).inc();
-        self.metrics.standard.workers.get_or_create(&self.cr_label()).inc();
+        self.metrics
+            .standard
+            .workers
+            .get_or_create(&self.cr_label())
+            .inc();
         ReconcileTimer {
             metrics: self.clone(),
             start: Instant::now(),
@@ -432,6 +446,17 @@ impl ControllerMetrics {
         ControllerLabel {
             controller: self.controller.clone(),
         }
+    }
+
+    /// Creates this controller's series at 0, as controller-runtime does: a rate or an
+    /// alert on a counter then has data before the first event it counts.
+    fn zero(&self) {
+        let m = &self.metrics;
+        let _ = m.refused.get_or_create(&self.label());
+        let _ = m.panics.get_or_create(&self.label());
+        let _ = m.active.get_or_create(&self.label());
+        let _ = m.duration.get_or_create(&self.label());
+        self.metrics.standard.zero(&self.controller);
     }
 
     fn cr_label(&self) -> standard::Controller {

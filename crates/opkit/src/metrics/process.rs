@@ -40,7 +40,11 @@ impl Process {
             "Virtual memory size in bytes",
             p.virtual_.clone(),
         );
-        registry.register("process_open_fds", "Number of open file descriptors", p.open_fds.clone());
+        registry.register(
+            "process_open_fds",
+            "Number of open file descriptors",
+            p.open_fds.clone(),
+        );
         registry.register(
             "process_max_fds",
             "Maximum number of open file descriptors",
@@ -56,7 +60,10 @@ impl Process {
 
     /// Reads `/proc/self`; a value that cannot be read keeps its last one (not on Linux: all 0).
     pub(crate) fn refresh(&self) {
-        let Some(stat) = std::fs::read_to_string("/proc/self/stat").ok().and_then(|s| Stat::parse(&s)) else {
+        let Some(stat) = std::fs::read_to_string("/proc/self/stat")
+            .ok()
+            .and_then(|s| Stat::parse(&s))
+        else {
             return;
         };
         let ticks = clock_ticks();
@@ -117,13 +124,18 @@ impl Stat {
 /// `Max open files` soft limit from `/proc/self/limits`.
 fn max_open_files(limits: &str) -> Option<f64> {
     let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
-    line["Max open files".len()..].split_whitespace().next()?.parse().ok()
+    line["Max open files".len()..]
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
 }
 
 /// Seconds since the epoch at boot (`btime` of `/proc/stat`).
 fn boot_time() -> Option<f64> {
     let s = std::fs::read_to_string("/proc/stat").ok()?;
-    s.lines().find_map(|l| l.strip_prefix("btime ")?.trim().parse().ok())
+    s.lines()
+        .find_map(|l| l.strip_prefix("btime ")?.trim().parse().ok())
 }
 
 /// Clock ticks per second of `/proc`'s CPU times (`USER_HZ`): 100, fixed by Linux's ABI.
@@ -182,12 +194,18 @@ mod tests {
             .unwrap()
             .as_secs_f64();
         let started = value("process_start_time_seconds");
-        assert!(started <= now + 1.0 && started > now - 86400.0, "{started} vs {now}");
+        assert!(
+            started <= now + 1.0 && started > now - 86400.0,
+            "{started} vs {now}"
+        );
     }
 
     #[test]
     fn resident_memory_is_read_in_kib() {
-        assert_eq!(resident_bytes("Name:\tx\nVmRSS:\t   2048 kB\n"), Some(2048.0 * 1024.0));
+        assert_eq!(
+            resident_bytes("Name:\tx\nVmRSS:\t   2048 kB\n"),
+            Some(2048.0 * 1024.0)
+        );
         assert_eq!(resident_bytes("Name:\tx\n"), None);
     }
 

@@ -164,7 +164,11 @@ impl Standard {
             "Current depth of the work queue: objects waiting for a reconcile",
             s.depth.clone(),
         );
-        r.register("workqueue_adds", "Total number of adds handled by the work queue", s.adds.clone());
+        r.register(
+            "workqueue_adds",
+            "Total number of adds handled by the work queue",
+            s.adds.clone(),
+        );
         r.register(
             "workqueue_queue_duration_seconds",
             "How long in seconds an object stays in the work queue before being reconciled",
@@ -221,6 +225,30 @@ impl Standard {
             s.leader.clone(),
         );
         s
+    }
+
+    /// Creates the series of `controller` at 0.
+    pub(crate) fn zero(&self, controller: &str) {
+        let c = Controller {
+            controller: controller.to_string(),
+        };
+        for result in ["success", "error"] {
+            let _ = self.reconciles.get_or_create(&ControllerResult {
+                controller: controller.to_string(),
+                result: result.to_string(),
+            });
+        }
+        let _ = self.errors.get_or_create(&c);
+        let _ = self.terminal.get_or_create(&c);
+        let _ = self.panics.get_or_create(&c);
+        let _ = self.time.get_or_create(&c);
+        let _ = self.workers.get_or_create(&c);
+        let _ = self.max_workers.get_or_create(&c);
+        let q = self.queue(controller).labels();
+        let _ = self.adds.get_or_create(&q);
+        let _ = self.retries.get_or_create(&q);
+        let _ = self.queue_duration.get_or_create(&q);
+        let _ = self.work_duration.get_or_create(&q);
     }
 
     /// The scrape-time gauges of every queue.
@@ -397,12 +425,24 @@ mod tests {
         q.add("ns/b".into(), Box::new(move || !g.load(Ordering::SeqCst)));
         assert_eq!(q.depth(), 2);
         let text = m.encode();
-        has(&text, r#"workqueue_adds_total{controller="memcached",name="memcached"} 2"#);
-        has(&text, r#"workqueue_depth{controller="memcached",name="memcached"} 2"#);
+        has(
+            &text,
+            r#"workqueue_adds_total{controller="memcached",name="memcached"} 2"#,
+        );
+        has(
+            &text,
+            r#"workqueue_depth{controller="memcached",name="memcached"} 2"#,
+        );
         let work = q.start("ns/a");
         let text = m.encode();
-        has(&text, r#"workqueue_depth{controller="memcached",name="memcached"} 1"#);
-        has(&text, r#"workqueue_queue_duration_seconds_count{controller="memcached",name="memcached"} 1"#);
+        has(
+            &text,
+            r#"workqueue_depth{controller="memcached",name="memcached"} 1"#,
+        );
+        has(
+            &text,
+            r#"workqueue_queue_duration_seconds_count{controller="memcached",name="memcached"} 1"#,
+        );
         let longest: f64 = text
             .lines()
             .find_map(|l| l.strip_prefix(r#"workqueue_longest_running_processor_seconds{controller="memcached",name="memcached"} "#))
@@ -413,12 +453,24 @@ mod tests {
         // b was deleted while it waited: kube-runtime will never reconcile it.
         gone.store(true, Ordering::SeqCst);
         let text = m.encode();
-        has(&text, r#"workqueue_depth{controller="memcached",name="memcached"} 0"#);
-        has(&text, r#"workqueue_work_duration_seconds_count{controller="memcached",name="memcached"} 1"#);
-        has(&text, r#"workqueue_longest_running_processor_seconds{controller="memcached",name="memcached"} 0.0"#);
+        has(
+            &text,
+            r#"workqueue_depth{controller="memcached",name="memcached"} 0"#,
+        );
+        has(
+            &text,
+            r#"workqueue_work_duration_seconds_count{controller="memcached",name="memcached"} 1"#,
+        );
+        has(
+            &text,
+            r#"workqueue_longest_running_processor_seconds{controller="memcached",name="memcached"} 0.0"#,
+        );
         // A requeue that fell due reaches a worker without a watch event: added then.
         drop(q.start("ns/c"));
-        has(&m.encode(), r#"workqueue_adds_total{controller="memcached",name="memcached"} 3"#);
+        has(
+            &m.encode(),
+            r#"workqueue_adds_total{controller="memcached",name="memcached"} 3"#,
+        );
     }
 
     #[test]
@@ -429,23 +481,53 @@ mod tests {
         c.reconcile_started().finish("success");
         c.reconcile_started().finish("invalid");
         let t = c.reconcile_started();
-        has(&m.encode(), r#"controller_runtime_active_workers{controller="at"} 1"#);
+        has(
+            &m.encode(),
+            r#"controller_runtime_active_workers{controller="at"} 1"#,
+        );
         t.finish("error");
         c.reconcile_failed("apply");
         let text = m.encode();
-        has(&text, r#"controller_runtime_reconcile_total{controller="at",result="success"} 1"#);
-        has(&text, r#"controller_runtime_reconcile_total{controller="at",result="error"} 2"#);
-        has(&text, r#"controller_runtime_reconcile_errors_total{controller="at"} 2"#);
-        has(&text, r#"controller_runtime_terminal_reconcile_errors_total{controller="at"} 1"#);
+        has(
+            &text,
+            r#"controller_runtime_reconcile_total{controller="at",result="success"} 1"#,
+        );
+        has(
+            &text,
+            r#"controller_runtime_reconcile_total{controller="at",result="error"} 2"#,
+        );
+        has(
+            &text,
+            r#"controller_runtime_reconcile_errors_total{controller="at"} 2"#,
+        );
+        has(
+            &text,
+            r#"controller_runtime_terminal_reconcile_errors_total{controller="at"} 1"#,
+        );
         has(&text, r#"controller_runtime_active_workers{controller="at"} 0"#);
-        has(&text, r#"controller_runtime_max_concurrent_reconciles{controller="at"} 4"#);
-        has(&text, r#"controller_runtime_reconcile_time_seconds_count{controller="at"} 3"#);
+        has(
+            &text,
+            r#"controller_runtime_max_concurrent_reconciles{controller="at"} 4"#,
+        );
+        has(
+            &text,
+            r#"controller_runtime_reconcile_time_seconds_count{controller="at"} 3"#,
+        );
         has(&text, r#"workqueue_retries_total{controller="at",name="at"} 1"#);
         // Buckets from 1 ms to past a minute.
-        has(&text, r#"controller_runtime_reconcile_time_seconds_bucket{le="0.001",controller="at"} 3"#);
-        has(&text, r#"controller_runtime_reconcile_time_seconds_bucket{le="65.536",controller="at"} 3"#);
+        has(
+            &text,
+            r#"controller_runtime_reconcile_time_seconds_bucket{le="0.001",controller="at"} 3"#,
+        );
+        has(
+            &text,
+            r#"controller_runtime_reconcile_time_seconds_bucket{le="65.536",controller="at"} 3"#,
+        );
         // opkit's own families keep their prefix beside them.
-        has(&text, r#"opkit_reconcile_total{controller="at",result="invalid"} 1"#);
+        has(
+            &text,
+            r#"opkit_reconcile_total{controller="at",result="invalid"} 1"#,
+        );
     }
 
     #[test]
@@ -454,16 +536,37 @@ mod tests {
         m.request("GET", "10.0.0.1:6443", "200", 0.004);
         m.request("PATCH", "10.0.0.1:6443", "<error>", 0.5);
         let w = m.webhook_started("/convert");
-        has(&m.encode(), r#"controller_runtime_webhook_requests_in_flight{webhook="/convert"} 1"#);
+        has(
+            &m.encode(),
+            r#"controller_runtime_webhook_requests_in_flight{webhook="/convert"} 1"#,
+        );
         w.finish(200);
         m.leading("opkit-leader", true);
         let text = m.encode();
-        has(&text, r#"rest_client_requests_total{code="200",host="10.0.0.1:6443",method="GET"} 1"#);
-        has(&text, r#"rest_client_requests_total{code="<error>",host="10.0.0.1:6443",method="PATCH"} 1"#);
-        has(&text, r#"rest_client_request_duration_seconds_count{host="10.0.0.1:6443",verb="GET"} 1"#);
-        has(&text, r#"controller_runtime_webhook_requests_total{webhook="/convert",code="200"} 1"#);
-        has(&text, r#"controller_runtime_webhook_requests_in_flight{webhook="/convert"} 0"#);
-        has(&text, r#"controller_runtime_webhook_latency_seconds_count{webhook="/convert"} 1"#);
+        has(
+            &text,
+            r#"rest_client_requests_total{code="200",host="10.0.0.1:6443",method="GET"} 1"#,
+        );
+        has(
+            &text,
+            r#"rest_client_requests_total{code="<error>",host="10.0.0.1:6443",method="PATCH"} 1"#,
+        );
+        has(
+            &text,
+            r#"rest_client_request_duration_seconds_count{host="10.0.0.1:6443",verb="GET"} 1"#,
+        );
+        has(
+            &text,
+            r#"controller_runtime_webhook_requests_total{webhook="/convert",code="200"} 1"#,
+        );
+        has(
+            &text,
+            r#"controller_runtime_webhook_requests_in_flight{webhook="/convert"} 0"#,
+        );
+        has(
+            &text,
+            r#"controller_runtime_webhook_latency_seconds_count{webhook="/convert"} 1"#,
+        );
         has(&text, r#"leader_election_master_status{name="opkit-leader"} 1"#);
     }
 }

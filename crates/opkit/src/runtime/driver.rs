@@ -127,9 +127,10 @@ impl<R: Reconciler> Runner<R> {
             Some(s) => s.clone().acquire_owned().await.ok(),
             None => None,
         };
-        let _work = self
-            .queue
-            .start(&super::watches::queue_key(obj.namespace().as_deref(), &obj.name_any()));
+        let _work = self.queue.start(&super::watches::queue_key(
+            obj.namespace().as_deref(),
+            &obj.name_any(),
+        ));
         let timer = self.ctx.metrics().reconcile_started();
         let timeout = self.ctx.tuning().timeout;
         // A panic (in a plan, an observe, a mapper) fails this object's reconcile only: it is

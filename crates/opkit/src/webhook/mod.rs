@@ -360,22 +360,28 @@ impl Webhooks {
                 }
             },
         ))
-        .layer(axum::middleware::from_fn(move |req: axum::extract::Request, next: axum::middleware::Next| {
-            let (metrics, paths) = (metrics.clone(), paths.clone());
-            async move {
-                let Some(metrics) = metrics else {
-                    return next.run(req).await;
-                };
-                // Known paths only: a label per arbitrary path would let any client grow
-                // the series without bound.
-                let path = req.uri().path();
-                let webhook = if paths.iter().any(|p| p == path) { path } else { "other" };
-                let timer = metrics.webhook_started(webhook);
-                let resp = next.run(req).await;
-                timer.finish(resp.status().as_u16());
-                resp
-            }
-        }))
+        .layer(axum::middleware::from_fn(
+            move |req: axum::extract::Request, next: axum::middleware::Next| {
+                let (metrics, paths) = (metrics.clone(), paths.clone());
+                async move {
+                    let Some(metrics) = metrics else {
+                        return next.run(req).await;
+                    };
+                    // Known paths only: a label per arbitrary path would let any client grow
+                    // the series without bound.
+                    let path = req.uri().path();
+                    let webhook = if paths.iter().any(|p| p == path) {
+                        path
+                    } else {
+                        "other"
+                    };
+                    let timer = metrics.webhook_started(webhook);
+                    let resp = next.run(req).await;
+                    timer.finish(resp.status().as_u16());
+                    resp
+                }
+            },
+        ))
     }
 }
 

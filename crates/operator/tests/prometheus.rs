@@ -1,0 +1,291 @@
+//! The operator as an SRE's Prometheus sees it: the real Prometheus (built with the control
+//! plane) scrapes `opkit run --metrics-secure` the way the generated ServiceMonitor does
+//! (HTTPS, a ServiceAccount token bound to the metrics-reader ClusterRole) while the operator
+//! reconciles the samples, admits and converts objects and fails on objects it cannot own.
+//! Checked: `promtool check rules` passes on the generated PrometheusRule; the scrape parses
+//! (Prometheus's own OpenMetrics parser); every expression of the generated dashboards and
+//! alerts returns data through the Prometheus HTTP API; and the reconcile-errors alert fires.
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{Context, anyhow, ensure};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::ServiceAccount;
+use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
+use kube::Api;
+use kube::api::{DeleteParams, PostParams};
+use opkit_testenv::{http_get, shared, wait_for};
+
+mod common;
+use common::{Running, install_crds, kubectl, kubectl_stdin};
+
+const JOB: &str = "opkit-controller-manager-metrics-service";
+/// Objects the Memcached controller cannot own (a Deployment of their name exists): each
+/// fails its reconciles, with a backoff of at most 2 s.
+const CLASHES: usize = 5;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// Percent-encodes a query parameter.
+fn encode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// `GET /api/v1/<path>` of Prometheus: its `data`.
+async fn api(prom: SocketAddr, path: &str) -> anyhow::Result<serde_json::Value> {
+    let (code, body) = http_get(prom, &format!("/api/v1/{path}")).await?;
+    let v: serde_json::Value =
+        serde_json::from_str(&body).with_context(|| format!("{path}: HTTP {code}: {body}"))?;
+    ensure!(v["status"] == "success", "{path}: {body}");
+    Ok(v["data"].clone())
+}
+
+/// The series an instant query returns.
+async fn query(prom: SocketAddr, expr: &str) -> anyhow::Result<Vec<serde_json::Value>> {
+    let data = api(prom, &format!("query?query={}", encode(expr))).await?;
+    Ok(data["result"].as_array().cloned().unwrap_or_default())
+}
+
+/// The generated PrometheusRule's groups as a Prometheus rule file, the `for` of `fast`
+/// shortened to 5 s (the test cannot wait fifteen minutes; the expression is the same).
+fn rule_file(fast: &str) -> anyhow::Result<String> {
+    let text = std::fs::read_to_string(repo().join("config/prometheus/rules.yaml"))?;
+    let doc = serde_yaml::Deserializer::from_str(&text)
+        .map(serde_yaml::Value::deserialize)
+        .find_map(Result::ok)
+        .context("no document in rules.yaml")?;
+    let mut spec = doc.get("spec").cloned().context("no spec")?;
+    for group in spec["groups"].as_sequence_mut().context("groups")? {
+        for rule in group["rules"].as_sequence_mut().context("rules")? {
+            if rule["alert"].as_str() == Some(fast) {
+                rule["for"] = "5s".into();
+            }
+        }
+    }
+    Ok(serde_yaml::to_string(&spec)?)
+}
+
+use serde::Deserialize;
+
+#[tokio::test]
+async fn prometheus_scrapes_the_operator_and_every_panel_and_alert_has_data() {
+    shared()
+        .in_namespace("prometheus", |client, ns| async move {
+            install_crds()?;
+            let dir = tempdir(&ns)?;
+
+            // promtool on the generated rules (the PrometheusRule's spec is a rule file).
+            let rules = dir.join("rules.yaml");
+            std::fs::write(&rules, rule_file("OpkitReconcileErrors")?)?;
+            let check = Command::new(shared().binary("promtool"))
+                .args(["check", "rules"])
+                .arg(&rules)
+                .output()?;
+            ensure!(
+                check.status.success(),
+                "promtool check rules: {}{}",
+                String::from_utf8_lossy(&check.stdout),
+                String::from_utf8_lossy(&check.stderr)
+            );
+
+            // Who scrapes: a ServiceAccount bound to the generated metrics-reader ClusterRole,
+            // as the Prometheus Operator's own would be.
+            let role = std::fs::read(repo().join("config/rbac/metrics_reader_role.yaml"))?;
+            let (ok, out) = kubectl_stdin(&["apply", "--server-side", "-f", "-"], &role)?;
+            ensure!(ok, "{out}");
+            let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), &ns);
+            sas.create(
+                &PostParams::default(),
+                &serde_json::from_value(serde_json::json!({"metadata": {"name": "prometheus"}}))?,
+            )
+            .await?;
+            let crbs: Api<ClusterRoleBinding> = Api::all(client.clone());
+            let binding = format!("{ns}-prometheus");
+            crbs.create(
+                &PostParams::default(),
+                &serde_json::from_value(serde_json::json!({
+                    "metadata": {"name": binding},
+                    "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "opkit-metrics-reader"},
+                    "subjects": [{"kind": "ServiceAccount", "name": "prometheus", "namespace": ns}],
+                }))?,
+            )
+            .await?;
+            let token = common::service_account_token(&client, &ns, "prometheus").await?;
+            std::fs::write(dir.join("token"), token)?;
+
+            let (metrics, webhook, prom_port) =
+                (common::free_port()?, common::free_port()?, common::free_port()?);
+            let log = dir.join("opkit.log");
+            let _op = Running(
+                Command::new(env!("CARGO_BIN_EXE_opkit"))
+                    .args(["run", "--controllers", "memcached,at,crontab", "--namespace", &ns])
+                    .args(["--leader-elect", "--leader-election-namespace", &ns])
+                    .args(["--metrics-bind-address", &format!("127.0.0.1:{metrics}"), "--metrics-secure"])
+                    .args(["--health-probe-bind-address", "0"])
+                    .args(["--webhook-bind-address", &format!("127.0.0.1:{webhook}")])
+                    .args(["--webhook-url", &format!("https://127.0.0.1:{webhook}")])
+                    .args(["--tune", "memcached.backoff-max=2s"])
+                    .env("KUBECONFIG", shared().kubeconfig())
+                    .env("POD_NAMESPACE", &ns)
+                    .stdout(Stdio::null())
+                    .stderr(std::fs::File::create(&log)?)
+                    .spawn()?,
+            );
+            let logs = || std::fs::read_to_string(&log).unwrap_or_default();
+
+            let config = format!(
+                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files:\n- {rules}\nscrape_configs:\n- job_name: {JOB}\n  scheme: https\n  tls_config:\n    insecure_skip_verify: true\n  authorization:\n    credentials_file: {token}\n  static_configs:\n  - targets: ['127.0.0.1:{metrics}']\n",
+                rules = rules.display(),
+                token = dir.join("token").display(),
+            );
+            std::fs::write(dir.join("prometheus.yml"), config)?;
+            let prom_log = dir.join("prometheus.log");
+            let _prom = Running(
+                Command::new(shared().binary("prometheus"))
+                    .arg(format!("--config.file={}", dir.join("prometheus.yml").display()))
+                    .arg(format!("--storage.tsdb.path={}", dir.join("data").display()))
+                    .arg(format!("--web.listen-address=127.0.0.1:{prom_port}"))
+                    .stdout(Stdio::null())
+                    .stderr(std::fs::File::create(&prom_log)?)
+                    .spawn()?,
+            );
+            let prom: SocketAddr = ([127, 0, 0, 1], prom_port).into();
+
+            // The workload: the samples, CronTabs written in v1 (stored as v2: each goes
+            // through the conversion webhook), and Memcacheds whose Deployment name is taken.
+            for sample in ["cache_v1_memcached.yaml", "cnat_v1alpha1_at.yaml", "stable_v1_crontab.yaml"] {
+                let y = std::fs::read(repo().join("config/samples").join(sample))?;
+                wait_for(&format!("{sample} to be admitted"), Duration::from_secs(60), || async {
+                    let (ok, out) = kubectl_stdin(&["apply", "-n", &ns, "-f", "-"], &y)?;
+                    if ok { Ok(()) } else { Err(anyhow!("{out}")) }
+                })
+                .await?;
+            }
+            let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+            for i in 0..CLASHES {
+                let name = format!("clash-{i}");
+                deployments
+                    .create(
+                        &PostParams::default(),
+                        &serde_json::from_value(serde_json::json!({
+                            "metadata": {"name": name},
+                            "spec": {
+                                "replicas": 0,
+                                "selector": {"matchLabels": {"app": name}},
+                                "template": {
+                                    "metadata": {"labels": {"app": name}},
+                                    "spec": {"containers": [{"name": "c", "image": "busybox"}]},
+                                },
+                            },
+                        }))?,
+                    )
+                    .await?;
+                let mc = format!(
+                    "{{\"apiVersion\":\"cache.example.com/v1\",\"kind\":\"Memcached\",\"metadata\":{{\"name\":\"{name}\"}},\"spec\":{{\"size\":1}}}}"
+                );
+                let (ok, out) = kubectl_stdin(&["apply", "-n", &ns, "-f", "-"], mc.as_bytes())?;
+                ensure!(ok, "{out}");
+            }
+            // Read back in the other version: converted by the webhook again.
+            kubectl(&["get", "crontabs.v2.stable.example.com", "-n", &ns, "-o", "name"])?;
+
+            // Scraped, and parsed: Prometheus reports the target up with no error.
+            wait_for("Prometheus to scrape the operator", Duration::from_secs(60), || async {
+                let targets = api(prom, "targets").await?;
+                let t = targets["activeTargets"]
+                    .as_array()
+                    .and_then(|a| a.first().cloned())
+                    .context("no target yet")?;
+                ensure!(
+                    t["health"] == "up" && t["lastError"] == "",
+                    "target {}: {}",
+                    t["health"],
+                    t["lastError"]
+                );
+                Ok(())
+            })
+            .await
+            .with_context(|| format!("--- prometheus log ---\n{}", std::fs::read_to_string(&prom_log).unwrap_or_default()))?;
+
+            // Every expression returns data (rates need two scrapes in their window).
+            let op = opkit_controllers::operator();
+            let exprs = opkit::monitoring::expressions(&op, "1m");
+            let mut empty = Vec::new();
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+            for (what, expr) in &exprs {
+                loop {
+                    let found = query(prom, expr).await?;
+                    if !found.is_empty() {
+                        break;
+                    }
+                    if tokio::time::Instant::now() > deadline {
+                        empty.push(format!("{what}: {expr}"));
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            }
+            ensure!(
+                empty.is_empty(),
+                "{} of {} expressions return no data:\n{}\n--- opkit log (tail) ---\n{}",
+                empty.len(),
+                exprs.len(),
+                empty.join("\n"),
+                tail(&logs(), 20)
+            );
+
+            // The alert on failing reconciles fires, labelled with its controller.
+            wait_for("OpkitReconcileErrors to fire", Duration::from_secs(120), || async {
+                let alerts = api(prom, "alerts").await?;
+                let firing: Vec<&serde_json::Value> = alerts["alerts"]
+                    .as_array()
+                    .map(|a| a.iter().filter(|a| a["state"] == "firing").collect())
+                    .unwrap_or_default();
+                ensure!(
+                    firing.iter().any(|a| a["labels"]["alertname"] == "OpkitReconcileErrors"
+                        && a["labels"]["controller"] == "memcached"),
+                    "firing: {firing:?}"
+                );
+                Ok(())
+            })
+            .await?;
+            // And only that one: a healthy operator raises none of the others.
+            let alerts = api(prom, "alerts").await?;
+            let others: Vec<String> = alerts["alerts"]
+                .as_array()
+                .map(|a| {
+                    a.iter()
+                        .filter(|a| a["labels"]["alertname"] != "OpkitReconcileErrors")
+                        .map(|a| format!("{} {}", a["labels"]["alertname"], a["state"]))
+                        .collect()
+                })
+                .unwrap_or_default();
+            ensure!(others.is_empty(), "unexpected alerts: {others:?}");
+
+            crbs.delete(&binding, &DeleteParams::default()).await?;
+            Ok(())
+        })
+        .await;
+}
+
+fn tail(s: &str, n: usize) -> String {
+    let lines: Vec<&str> = s.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// A directory of this test's files, kept after the run for a post-mortem.
+fn tempdir(ns: &str) -> anyhow::Result<PathBuf> {
+    let d = std::env::temp_dir().join(format!("opkit-{ns}"));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d)?;
+    Ok(d)
+}
