@@ -6,8 +6,9 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use crate::telemetry::LogFormat;
 use anyhow::{Context, bail};
-use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::wait::{Condition, conditions};
@@ -123,12 +124,6 @@ struct BundleArgs {
     /// file would change, instead of writing.
     #[arg(long)]
     check: bool,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum LogFormat {
-    Text,
-    Json,
 }
 
 #[derive(clap::Args)]
@@ -287,16 +282,6 @@ async fn client_config<A: Args>(args: &RunArgs<A>) -> anyhow::Result<Config> {
     })
 }
 
-fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,kube_runtime=warn,kube_client=warn"));
-    let b = tracing_subscriber::fmt().with_env_filter(filter);
-    match format {
-        LogFormat::Json => b.json().init(),
-        LogFormat::Text => b.init(),
-    }
-}
-
 /// Waits until the operator's CRDs are Established, so the controllers' first list does not
 /// fail. An apiserver that cannot be reached yet (restarting, or the Pod network not up) is
 /// retried within the same minute instead of ending the process. Polled rather than watched:
@@ -330,7 +315,17 @@ async fn run<S, A: Args>(
     args: RunArgs<A>,
     settings: impl FnOnce(&A) -> S,
 ) -> anyhow::Result<()> {
-    init_logging(args.log_format);
+    let telemetry = crate::telemetry::init(args.log_format, op.name);
+    let result = run_operator(op, args, settings).await;
+    telemetry.flush().await;
+    result
+}
+
+async fn run_operator<S, A: Args>(
+    op: &Operator<S>,
+    args: RunArgs<A>,
+    settings: impl FnOnce(&A) -> S,
+) -> anyhow::Result<()> {
     let registry = &op.registry;
     let wanted = if args.controllers.is_empty() {
         registry.names().iter().map(|s| s.to_string()).collect()

@@ -10,6 +10,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::runtime::controller::Action;
 use kube::{Resource, ResourceExt};
 use tokio::sync::{Semaphore, watch};
+use tracing::Instrument;
 
 use super::Error;
 use super::hold::Hold;
@@ -159,8 +160,9 @@ impl<R: Reconciler> Runner<R> {
         result.map(|(action, _)| action)
     }
 
-    #[tracing::instrument(skip_all, fields(controller = self.reconciler.name(), namespace = obj.namespace(), name = obj.name_any()))]
+    #[tracing::instrument(name = "reconcile", skip_all, fields(controller = self.reconciler.name(), namespace = obj.namespace(), object = obj.name_any(), trace_id = tracing::field::Empty))]
     async fn reconcile_synced(&self, obj: &R::Object) -> Result<(Action, &'static str), Error> {
+        crate::telemetry::record_trace_id(&tracing::Span::current());
         let deleting = obj.meta().deletion_timestamp.is_some();
         let ours = self
             .finalizer
@@ -183,16 +185,18 @@ impl<R: Reconciler> Runner<R> {
         let world = self
             .reconciler
             .observe(obj, &self.cache, self.ctx.client())
+            .instrument(tracing::debug_span!("observe"))
             .await
             .map_err(|source| Error::Observe { source })?;
         let now = Timestamp::now();
         if let (true, Some(f)) = (deleting, ours) {
             // cleanup (pure), then carried out
-            let cleanup = self.reconciler.cleanup(obj, &world, now);
+            let cleanup =
+                tracing::debug_span!("cleanup").in_scope(|| self.reconciler.cleanup(obj, &world, now));
             return self.clean_up(obj, f, cleanup, now).await;
         }
         // plan (pure)
-        match self.reconciler.plan(obj, &world, now) {
+        match tracing::debug_span!("plan").in_scope(|| self.reconciler.plan(obj, &world, now)) {
             Ok(plan) => {
                 tracing::debug!(?plan.requeue, children = plan.children.len(), "planned");
                 // carry out (client)

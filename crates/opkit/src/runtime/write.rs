@@ -51,6 +51,7 @@ impl Writer {
 
     /// Writes `child`; a namespaced child without a namespace goes into `default_ns` (the
     /// primary's).
+    #[tracing::instrument(level = "debug", name = "apply", skip_all, fields(kind = %child.resource.kind, child = %child.name))]
     pub(crate) async fn child(&self, default_ns: Option<&str>, child: &Child) -> Result<(), Error> {
         let ns = child.namespace(default_ns);
         let api = dynamic_api(&self.ctx, &child.resource, ns);
@@ -85,6 +86,7 @@ impl Writer {
     }
 
     /// Deletes a child the plan no longer produces.
+    #[tracing::instrument(level = "debug", name = "prune", skip_all, fields(kind = %child.resource.kind, child = %child.name))]
     pub(crate) async fn prune(&self, child: &Deletion) -> Result<(), Error> {
         tracing::info!(
             child = child.describe(),
@@ -95,6 +97,7 @@ impl Writer {
 
     /// Deletes an object (background propagation); one already gone, or replaced by another
     /// of the same name when a uid is given, counts as deleted.
+    #[tracing::instrument(level = "debug", name = "delete", skip_all, fields(kind = %d.resource.kind, child = %d.name))]
     pub(crate) async fn delete(&self, d: &Deletion) -> Result<(), Error> {
         let api = dynamic_api(&self.ctx, &d.resource, d.namespace.as_deref());
         self.ctx.may_write("delete")?;
@@ -116,12 +119,14 @@ impl Writer {
     }
 
     /// Deletes the primary object, only if it is still the one planned for (same uid).
+    #[tracing::instrument(level = "debug", name = "delete", skip_all)]
     pub(crate) async fn delete_object<K: Watchable>(&self, obj: &K) -> Result<(), Error> {
         self.delete(&Deletion::of(obj)).await
     }
 
     /// Applies `desired` through the status subresource unless the live status (read as `S`)
     /// has all of it. Returns whether it wrote. With `echo`, its watch event triggers nothing.
+    #[tracing::instrument(level = "debug", name = "status", skip_all)]
     pub(crate) async fn status<K, S>(
         &self,
         obj: &K,
@@ -185,6 +190,7 @@ impl Writer {
     /// Merges `desired` conditions into the live status (every other status field kept, so
     /// the apply removes nothing). Returns whether the first of them changed (a new reason,
     /// status or message), so the caller can warn once per change.
+    #[tracing::instrument(level = "debug", name = "status", skip_all)]
     pub(crate) async fn conditions<K, S>(
         &self,
         obj: &K,
@@ -216,6 +222,7 @@ impl Writer {
 
     /// Adds (`present`) or removes this controller's `finalizer` on `obj` with a server-side
     /// apply of that one entry: other finalizers and fields are untouched.
+    #[tracing::instrument(level = "debug", name = "finalizer", skip_all)]
     pub(crate) async fn finalizer<K: Watchable>(
         &self,
         obj: &K,

@@ -1,10 +1,17 @@
-//! The operator as an SRE's Prometheus sees it: the real Prometheus (built with the control
+//! The operator as an SRE sees it.
+//!
+//! Metrics: the real Prometheus (built with the control
 //! plane) scrapes `opkit run --metrics-secure` the way the generated ServiceMonitor does
 //! (HTTPS, a ServiceAccount token bound to the metrics-reader ClusterRole) while the operator
 //! reconciles the samples, admits and converts objects and fails on objects it cannot own.
 //! Checked: `promtool check rules` passes on the generated PrometheusRule; the scrape parses
 //! (Prometheus's own OpenMetrics parser); every expression of the generated dashboards and
 //! alerts returns data through the Prometheus HTTP API; and the reconcile-errors alert fires.
+//!
+//! Traces: with `OTEL_EXPORTER_OTLP_ENDPOINT` set, the operator sends its spans over OTLP/HTTP
+//! to a receiver here that decodes them with the OpenTelemetry protocol's own message types:
+//! each reconcile is a trace whose spans are its observe, plan and writes, under the
+//! operator's service name, and its JSON log lines carry that trace's id.
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -136,8 +143,8 @@ async fn prometheus_scrapes_the_operator_and_every_panel_and_alert_has_data() {
                     .args(["--tune", "memcached.backoff-max=2s"])
                     .env("KUBECONFIG", shared().kubeconfig())
                     .env("POD_NAMESPACE", &ns)
-                    .stdout(Stdio::null())
-                    .stderr(std::fs::File::create(&log)?)
+                    .stdout(std::fs::File::create(&log)?)
+                    .stderr(Stdio::null())
                     .spawn()?,
             );
             let logs = || std::fs::read_to_string(&log).unwrap_or_default();
@@ -288,4 +295,188 @@ fn tempdir(ns: &str) -> anyhow::Result<PathBuf> {
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d)?;
     Ok(d)
+}
+
+/// One span as received: (trace id, span id, parent span id, name), ids in hex.
+type Received = (String, String, String, String);
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// An OTLP/HTTP trace receiver (`POST /v1/traces`, protobuf): every span it was sent, and the
+/// service names of their resources.
+async fn receive_traces(
+    listener: tokio::net::TcpListener,
+    spans: std::sync::Arc<std::sync::Mutex<(Vec<Received>, Vec<String>)>>,
+) {
+    use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+    use prost::Message;
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            return;
+        };
+        let spans = spans.clone();
+        tokio::spawn(async move {
+            let mut conn = BufReader::new(stream);
+            loop {
+                // Headers, then a body of Content-Length bytes (the exporter sends whole bodies).
+                let mut len = 0usize;
+                let mut line = String::new();
+                loop {
+                    line.clear();
+                    if conn.read_line(&mut line).await.unwrap_or(0) == 0 {
+                        return;
+                    }
+                    if line == "\r\n" {
+                        break;
+                    }
+                    if let Some((k, v)) = line.split_once(':')
+                        && k.eq_ignore_ascii_case("content-length")
+                    {
+                        len = v.trim().parse().unwrap_or(0);
+                    }
+                }
+                let mut body = vec![0; len];
+                if conn.read_exact(&mut body).await.is_err() {
+                    return;
+                }
+                if let Ok(req) = ExportTraceServiceRequest::decode(body.as_slice()) {
+                    let mut got = spans.lock().unwrap_or_else(|p| p.into_inner());
+                    for rs in req.resource_spans {
+                        for kv in rs.resource.iter().flat_map(|r| r.attributes.iter()) {
+                            if kv.key == "service.name"
+                                && let Some(
+                                    opentelemetry_proto::tonic::common::v1::any_value::Value::StringValue(v),
+                                ) = kv.value.as_ref().and_then(|v| v.value.clone())
+                            {
+                                got.1.push(v);
+                            }
+                        }
+                        for ss in rs.scope_spans {
+                            for sp in ss.spans {
+                                got.0.push((
+                                    hex(&sp.trace_id),
+                                    hex(&sp.span_id),
+                                    hex(&sp.parent_span_id),
+                                    sp.name,
+                                ));
+                            }
+                        }
+                    }
+                }
+                let ok =
+                    "HTTP/1.1 200 OK\r\nContent-Type: application/x-protobuf\r\nContent-Length: 0\r\n\r\n";
+                if conn.get_mut().write_all(ok.as_bytes()).await.is_err() {
+                    return;
+                }
+            }
+        });
+    }
+}
+
+#[tokio::test]
+async fn reconciles_are_traced_over_otlp_and_their_logs_carry_the_trace_id() {
+    shared()
+        .in_namespace("tracing", |_client, ns| async move {
+            install_crds()?;
+            let dir = tempdir(&ns)?;
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+            let port = listener.local_addr()?.port();
+            let spans: std::sync::Arc<std::sync::Mutex<(Vec<Received>, Vec<String>)>> = Default::default();
+            let receiver = tokio::spawn(receive_traces(listener, spans.clone()));
+
+            let log = dir.join("opkit.log");
+            let _op = Running(
+                Command::new(env!("CARGO_BIN_EXE_opkit"))
+                    .args([
+                        "run",
+                        "--controllers",
+                        "memcached",
+                        "--namespace",
+                        &ns,
+                        "--log-format",
+                        "json",
+                    ])
+                    .args(["--metrics-bind-address", "0", "--health-probe-bind-address", "0"])
+                    .args(["--webhook-bind-address", "0"])
+                    .env("KUBECONFIG", shared().kubeconfig())
+                    .env("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://127.0.0.1:{port}"))
+                    .env("OTEL_BSP_SCHEDULE_DELAY", "500")
+                    .env("RUST_LOG", "info,opkit=debug")
+                    .stdout(std::fs::File::create(&log)?)
+                    .stderr(Stdio::null())
+                    .spawn()?,
+            );
+            let y = std::fs::read(repo().join("config/samples/cache_v1_memcached.yaml"))?;
+            let (ok, out) = kubectl_stdin(&["apply", "-n", &ns, "-f", "-"], &y)?;
+            ensure!(ok, "{out}");
+
+            // A reconcile that wrote: its trace holds observe, plan and the child's apply.
+            let trace = wait_for(
+                "a reconcile traced with its steps",
+                Duration::from_secs(60),
+                || async {
+                    let got = spans.lock().unwrap_or_else(|p| p.into_inner()).0.clone();
+                    let reconciles: Vec<&Received> = got.iter().filter(|s| s.3 == "reconcile").collect();
+                    for r in &reconciles {
+                        let children: Vec<&str> = got
+                            .iter()
+                            .filter(|s| s.0 == r.0 && s.2 == r.1)
+                            .map(|s| s.3.as_str())
+                            .collect();
+                        if ["observe", "plan", "apply"].iter().all(|n| children.contains(n)) {
+                            return Ok(r.0.clone());
+                        }
+                    }
+                    Err(anyhow!(
+                        "{} spans, {} reconciles: {:?}",
+                        got.len(),
+                        reconciles.len(),
+                        got.iter()
+                            .map(|s| s.3.as_str())
+                            .collect::<std::collections::BTreeSet<_>>()
+                    ))
+                },
+            )
+            .await
+            .with_context(|| {
+                format!(
+                    "--- opkit log (tail) ---\n{}",
+                    tail(&std::fs::read_to_string(&log).unwrap_or_default(), 20)
+                )
+            })?;
+            let services = spans.lock().unwrap_or_else(|p| p.into_inner()).1.clone();
+            ensure!(
+                services.iter().all(|s| s == "opkit") && !services.is_empty(),
+                "service names {services:?}"
+            );
+
+            // The reconcile's JSON log lines carry the same trace id.
+            wait_for(
+                "a log line with the trace id",
+                Duration::from_secs(10),
+                || async {
+                    let text = std::fs::read_to_string(&log)?;
+                    let found = text
+                        .lines()
+                        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+                        // The object's name under its own key: `name` is the span's.
+                        .any(|v| {
+                            v["span"]["trace_id"] == trace.as_str()
+                                && v["span"]["object"] == "example-memcached"
+                        });
+                    if found {
+                        Ok(())
+                    } else {
+                        Err(anyhow!("no log line in trace {trace}"))
+                    }
+                },
+            )
+            .await?;
+            receiver.abort();
+            Ok(())
+        })
+        .await;
 }
