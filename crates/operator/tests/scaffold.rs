@@ -253,6 +253,24 @@ async fn a_scaffolded_guestbook_builds_lints_and_passes_its_own_tests() -> anyho
             "{rule:?} not in config/rbac/role.yaml:\n{role}"
         );
     }
+    // Monitoring as Kubebuilder scaffolds it (ServiceMonitor, opt-in), with the alerts and
+    // dashboards: for this project's metrics Service.
+    let rules = std::fs::read_to_string(dir.join("config/prometheus/rules.yaml"))?;
+    let job = format!(
+        "job=\"{}-controller-manager-metrics-service\"",
+        project_name(&dir)?
+    );
+    ensure!(
+        rules.contains(&job),
+        "{job} not in config/prometheus/rules.yaml:\n{rules}"
+    );
+    let dashboard = std::fs::read_to_string(dir.join("config/grafana/controllers.json"))?;
+    ensure!(
+        dashboard.contains("controller_runtime_reconcile_total"),
+        "{dashboard}"
+    );
+    let default = std::fs::read_to_string(dir.join("config/default/kustomization.yaml"))?;
+    ensure!(default.contains("#- ../prometheus"), "{default}");
     project(&dir, "cargo", &["fmt", "--all", "--check"])?;
     project(
         &dir,
@@ -578,4 +596,18 @@ fn tempdir() -> anyhow::Result<PathBuf> {
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d)?;
     Ok(d)
+}
+
+/// The generated project's name: the prefix of its manager Deployment in config/manager.
+fn project_name(dir: &Path) -> anyhow::Result<String> {
+    let manager = std::fs::read_to_string(dir.join("config/manager/manager.yaml"))?;
+    manager
+        .lines()
+        .find_map(|l| {
+            l.trim()
+                .strip_prefix("name: ")?
+                .strip_suffix("-controller-manager")
+        })
+        .map(String::from)
+        .context("no <name>-controller-manager in config/manager/manager.yaml")
 }
