@@ -1,7 +1,7 @@
 //! Prometheus metrics shared by every controller of a manager: controller-runtime's families
-//! under their own names ([`standard`]), the `process_*` families ([`process`]), and opkit's
-//! own under the `opkit_` prefix (writes, refused writes, caches), which controller-runtime
-//! has no equivalent for.
+//! under their own names (`metrics/standard.rs`), the `process_*` families
+//! (`metrics/process.rs`), and opkit's own under the `opkit_` prefix (writes, refused writes,
+//! caches), which controller-runtime has no equivalent for.
 mod process;
 mod standard;
 
