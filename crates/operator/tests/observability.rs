@@ -33,6 +33,11 @@ const JOB: &str = "opkit-controller-manager-metrics-service";
 /// fails its reconciles, with a backoff of at most 2 s.
 const CLASHES: usize = 5;
 
+/// A tool built with the control plane.
+fn tool(name: &str) -> anyhow::Result<PathBuf> {
+    Ok(opkit_testenv::Binaries::ensure()?.path(name))
+}
+
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
@@ -93,7 +98,7 @@ async fn prometheus_scrapes_the_operator_and_every_panel_and_alert_has_data() {
             // promtool on the generated rules (the PrometheusRule's spec is a rule file).
             let rules = dir.join("rules.yaml");
             std::fs::write(&rules, rule_file("OpkitReconcileErrors")?)?;
-            let check = Command::new(shared().binary("promtool"))
+            let check = Command::new(tool("promtool")?)
                 .args(["check", "rules"])
                 .arg(&rules)
                 .output()?;
@@ -157,7 +162,7 @@ async fn prometheus_scrapes_the_operator_and_every_panel_and_alert_has_data() {
             std::fs::write(dir.join("prometheus.yml"), config)?;
             let prom_log = dir.join("prometheus.log");
             let _prom = Running(
-                Command::new(shared().binary("prometheus"))
+                Command::new(tool("prometheus")?)
                     .arg(format!("--config.file={}", dir.join("prometheus.yml").display()))
                     .arg(format!("--storage.tsdb.path={}", dir.join("data").display()))
                     .arg(format!("--web.listen-address=127.0.0.1:{prom_port}"))

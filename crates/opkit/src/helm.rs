@@ -166,10 +166,13 @@ pub fn chart<S>(op: &Operator<S>) -> anyhow::Result<Vec<(String, String)>> {
     ));
     files.push((
         "templates/grafana/dashboards.yaml".into(),
-        format!(
-            "{{{{- if .Values.grafana.enable }}}}\napiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: {}-dashboards\n  namespace: {{{{ $.Release.Namespace }}}}\n  labels:\n    app.kubernetes.io/name: {}\n    app.kubernetes.io/managed-by: {{{{ $.Release.Service }}}}\n    # Picked up by Grafana's dashboard sidecar (kube-prometheus-stack's default label).\n    grafana_dashboard: \"1\"\ndata:\n{{{{ (.Files.Glob \"dashboards/*.json\").AsConfig | indent 2 }}}}\n{{{{- end }}}}\n",
-            op.manager(),
-            op.name
+        enabled(
+            "grafana.enable",
+            &format!(
+                "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: {}-dashboards\n  namespace: {RELEASE_NAMESPACE}\n  labels:\n{}    # Picked up by Grafana's dashboard sidecar (kube-prometheus-stack's default label).\n    grafana_dashboard: \"1\"\ndata:\n{{{{ (.Files.Glob \"dashboards/*.json\").AsConfig | indent 2 }}}}\n",
+                op.manager(),
+                labels_yaml(op, "    ")?,
+            ),
         ),
     ));
 

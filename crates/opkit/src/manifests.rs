@@ -399,6 +399,11 @@ pub fn network_policy<S>(op: &Operator<S>) -> serde_json::Value {
     })
 }
 
+/// The metrics Service's name (also the `job` label a ServiceMonitor gives the metrics).
+pub fn metrics_service_name<S>(op: &Operator<S>) -> String {
+    format!("{}-metrics-service", op.manager())
+}
+
 /// The Service Prometheus scrapes.
 pub fn metrics_service<S>(op: &Operator<S>) -> Service {
     Service {
@@ -408,11 +413,7 @@ pub fn metrics_service<S>(op: &Operator<S>) -> Service {
                 l.extend(labels(op));
                 l
             }),
-            ..meta(
-                op,
-                &format!("{}-metrics-service", op.manager()),
-                Some(&op.namespace()),
-            )
+            ..meta(op, &metrics_service_name(op), Some(&op.namespace()))
         },
         spec: Some(ServiceSpec {
             selector: Some(selector()),

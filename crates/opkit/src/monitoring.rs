@@ -10,7 +10,7 @@ use crate::operator::Operator;
 /// The `job` label Prometheus gives the operator's metrics when a ServiceMonitor selects its
 /// metrics Service: the Service's name.
 pub fn job<S>(op: &Operator<S>) -> String {
-    format!("{}-metrics-service", op.manager())
+    crate::manifests::metrics_service_name(op)
 }
 
 /// One alerting rule. `expr` is what is measured and `threshold` the comparison that makes it
@@ -360,7 +360,7 @@ pub fn dashboards() -> Vec<Dashboard> {
                         ),
                         panel(
                             "CPU",
-                            "percentunit",
+                            "short",
                             "CPU used per replica, in cores.",
                             &[(
                                 r#"sum by (pod) (rate(process_cpu_seconds_total{job=~"$job"}[$__rate_interval]))"#,

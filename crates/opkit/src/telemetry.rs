@@ -1,7 +1,8 @@
 //! Logs, and traces over OTLP. Traces are off unless `OTEL_EXPORTER_OTLP_ENDPOINT` (or
 //! `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set, as the OpenTelemetry SDKs of every language
-//! do; the spans they carry (`reconcile`, `observe`, `plan`, and one per write: `apply`,
-//! `prune`, `status`, `finalizer`, `delete`) are at debug level under the `opkit` target, so
+//! do. A trace is a `reconcile` span (info level: its fields also label the log lines) with
+//! `observe`, `plan`/`cleanup` and one span per write (`apply`, `prune`, `status`,
+//! `finalizer`, `delete`) under it; those are at debug level under the `opkit` target, so
 //! without an exporter they are filtered out before they are built. With one, the reconcile's
 //! log lines carry its `trace_id`, and the JSON logs print it.
 //!
@@ -30,19 +31,17 @@ pub struct Telemetry {
 }
 
 impl Telemetry {
-    /// Whether traces are exported.
-    pub fn exporting(&self) -> bool {
-        self.provider.is_some()
-    }
-
-    /// Sends what is buffered and stops the exporter (off the async workers: the SDK's
-    /// shutdown blocks until its batching task, on this runtime, has answered).
+    /// Sends what is buffered and stops the exporter, for at most 5 s (a collector that does
+    /// not answer must not hold the process past its grace period). Off the async workers: the
+    /// SDK's shutdown blocks until its batching task, on this runtime, has answered.
     pub async fn flush(mut self) {
         let Some(p) = self.provider.take() else { return };
-        match tokio::task::spawn_blocking(move || p.shutdown()).await {
-            Ok(Ok(())) => {}
+        let shutdown = tokio::task::spawn_blocking(move || p.shutdown());
+        match tokio::time::timeout(std::time::Duration::from_secs(5), shutdown).await {
+            Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(e))) => tracing::warn!(error = %e, "flushing the last traces failed"),
             Ok(Err(e)) => tracing::warn!(error = %e, "flushing the last traces failed"),
-            Err(e) => tracing::warn!(error = %e, "flushing the last traces failed"),
+            Err(_) => tracing::warn!("the trace collector did not take the last traces within 5 s"),
         }
     }
 }
@@ -83,6 +82,8 @@ pub fn init(format: LogFormat, service: &str) -> Telemetry {
             .with_filter(
                 tracing_subscriber::filter::Targets::new().with_target("opkit", tracing::Level::DEBUG),
             )
+            // Spans only: log events stay in the logs.
+            .with_filter(tracing_subscriber::filter::filter_fn(|meta| meta.is_span()))
     });
     let _ = tracing_subscriber::registry().with(fmt).with(traces).try_init();
     if let Some(e) = error {

@@ -170,11 +170,6 @@ impl Shared {
         Ok(Config::from_custom_kubeconfig(kc, &Default::default()).await?)
     }
 
-    /// The path of a tool built with the control plane (`promtool`, `helm`, ...).
-    pub fn binary(&self, name: &str) -> PathBuf {
-        self.kubectl.with_file_name(name)
-    }
-
     /// `kubectl` of the pinned version, pointed at this cluster.
     pub fn kubectl(&self) -> Command {
         let mut c = Command::new(&self.kubectl);

@@ -310,13 +310,17 @@ struct QueueInner {
     /// Reconciles running, by a number of their own: since when.
     running: HashMap<u64, Instant>,
     next: u64,
+    /// Pending entries past which deleted objects are dropped on the next add, so the map
+    /// stays bounded when nothing scrapes.
+    purge_at: usize,
 }
 
 /// A controller's work queue as client-go's metrics see one. kube-runtime's scheduler holds
 /// the queue itself; opkit observes it at its edges: an object is added when a watch event
 /// (of the primary kind, or mapped from a child or related object) asks for its reconcile, and
 /// leaves when a worker starts reconciling it. As in client-go, an object already waiting is
-/// not added twice, and a reconcile requeued after a delay is added when it falls due.
+/// not added twice, and a reconcile requeued after a delay is added when kube-runtime hands it
+/// over (its timer has fired and one of kube-runtime's slots is free).
 #[derive(Clone)]
 pub(crate) struct Queue {
     controller: String,
@@ -338,13 +342,17 @@ impl Queue {
         if inner.pending.contains_key(&key) {
             return;
         }
+        if inner.pending.len() >= inner.purge_at {
+            inner.pending.retain(|_, (_, exists)| exists());
+            inner.purge_at = (inner.pending.len() * 2).max(1024);
+        }
         inner.pending.insert(key, (Instant::now(), exists));
         drop(inner);
         self.standard.adds.get_or_create(&self.labels()).inc();
     }
 
-    /// A worker starts reconciling `key`: it leaves the queue (added now if no watch event
-    /// announced it: a requeue that fell due).
+    /// A worker starts reconciling `key`: it leaves the queue (added now if nothing announced
+    /// it).
     pub(crate) fn start(&self, key: &str) -> Work {
         let now = Instant::now();
         let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
@@ -368,6 +376,15 @@ impl Queue {
             id,
             start: now,
         }
+    }
+
+    /// Whether `key` waits already (adding it again would change nothing).
+    pub(crate) fn is_pending(&self, key: &str) -> bool {
+        self.inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pending
+            .contains_key(key)
     }
 
     /// A failed reconcile, requeued with backoff.

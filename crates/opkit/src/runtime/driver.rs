@@ -124,14 +124,15 @@ impl<R: Reconciler> Runner<R> {
         let _ = synced.wait_for(|s| *s).await;
         // A warm standby holds its caches, not its reconciles, until it leads.
         self.ctx.leading().await;
+        // Waiting for a worker slot is waiting in the queue: a requeue that fell due (no watch
+        // event announced it) counts from here.
+        let key = super::watches::queue_key(obj.namespace().as_deref(), &obj.name_any());
+        self.queue.add(key.clone(), Box::new(|| true));
         let _permit = match &self.limit {
             Some(s) => s.clone().acquire_owned().await.ok(),
             None => None,
         };
-        let _work = self.queue.start(&super::watches::queue_key(
-            obj.namespace().as_deref(),
-            &obj.name_any(),
-        ));
+        let _work = self.queue.start(&key);
         let timer = self.ctx.metrics().reconcile_started();
         let timeout = self.ctx.tuning().timeout;
         // A panic (in a plan, an observe, a mapper) fails this object's reconcile only: it is

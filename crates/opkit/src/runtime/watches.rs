@@ -208,31 +208,23 @@ where
 
 /// Tells the controller's work-queue metrics that a reconcile of an object was asked for
 /// (only while this replica leads: a standby's reconciles wait for the Lease, not in a queue).
+#[derive(Clone)]
 struct Enqueue<K: Resource<DynamicType = ()> + Clone + 'static> {
     queue: crate::metrics::Queue,
     ctx: crate::context::ControllerContext,
     store: reflector::Store<K>,
 }
 
-impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Clone for Enqueue<K> {
-    fn clone(&self) -> Self {
-        Enqueue {
-            queue: self.queue.clone(),
-            ctx: self.ctx.clone(),
-            store: self.store.clone(),
-        }
-    }
-}
-
 impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Enqueue<K> {
     fn add(&self, r: &ObjectRef<K>) {
-        if !self.ctx.is_leading() {
+        let key = queue_key(r.namespace.as_deref(), &r.name);
+        if !self.ctx.is_leading() || self.queue.is_pending(&key) {
             return;
         }
         let (store, r2) = (self.store.clone(), r.clone());
         let exists: crate::metrics::Exists = Box::new(move || store.get(&r2).is_some());
         if exists() {
-            self.queue.add(queue_key(r.namespace.as_deref(), &r.name), exists);
+            self.queue.add(key, exists);
         }
     }
 }
