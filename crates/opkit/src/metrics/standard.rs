@@ -491,6 +491,18 @@ mod tests {
     }
 
     #[test]
+    fn objects_deleted_while_waiting_are_forgotten_without_scrapes_too() {
+        let m = Metrics::default();
+        let q = m.for_controller("memcached").queue();
+        for i in 0..1024 {
+            q.add(format!("ns/gone-{i}"), Box::new(|| false));
+        }
+        assert_eq!(q.depth(), 1024);
+        q.add("ns/here".into(), Box::new(|| true));
+        assert_eq!(q.depth(), 1, "the deleted ones are dropped once the map is this large");
+    }
+
+    #[test]
     fn reconciles_are_counted_as_controller_runtime_counts_them() {
         let m = Metrics::default();
         let c = m.for_controller("at");
