@@ -499,7 +499,11 @@ mod tests {
         }
         assert_eq!(q.depth(), 1024);
         q.add("ns/here".into(), Box::new(|| true));
-        assert_eq!(q.depth(), 1, "the deleted ones are dropped once the map is this large");
+        assert_eq!(
+            q.depth(),
+            1,
+            "the deleted ones are dropped once the map is this large"
+        );
     }
 
     #[test]
