@@ -431,11 +431,14 @@ impl Manager {
                 running.push(task.map(move |r| (name, r)));
             }
         };
-        let lease = opts.leader_election.as_ref().map(|c| c.name.clone());
-        if let Some(name) = &lease {
-            metrics.leading(name, false);
-        }
         if let Some(e) = &elector {
+            // The elector exists exactly when leader election is configured.
+            let lease = opts
+                .leader_election
+                .as_ref()
+                .map(|c| c.name.clone())
+                .unwrap_or_default();
+            metrics.leading(&lease, false);
             // A standby is healthy and ready (to take over); readiness then tracks the
             // controllers' caches once this replica leads.
             set_all(&readiness, true);
@@ -452,9 +455,7 @@ impl Manager {
                 return Ok(());
             };
             tracing::info!(identity = e.identity(), "became the leader");
-            if let Some(name) = &lease {
-                metrics.leading(name, true);
-            }
+            metrics.leading(&lease, true);
             for (ready, synced) in &readiness {
                 ready.store(synced.is_synced(), std::sync::atomic::Ordering::SeqCst);
             }
@@ -462,7 +463,7 @@ impl Manager {
             // the drain may write until then, and a write still unanswered when the Lease is
             // released (a standby then takes over at once) was cut off by the gate long before.
             let (shutdown, lost, metrics) = (shutdown.clone(), lost.clone(), metrics.clone());
-            let (e, lease) = (e.clone(), lease.clone().unwrap_or_default());
+            let e = e.clone();
             renewal = Some(tokio::spawn(async move {
                 let r = e.renew(&shutdown, deadline).await;
                 metrics.leading(&lease, false);

@@ -62,10 +62,6 @@ struct CallLabels {
     result: String,
 }
 
-fn duration_histogram() -> Histogram {
-    standard::seconds_histogram()
-}
-
 /// The metric families; one instance per manager, registered once.
 #[derive(Clone)]
 pub struct Metrics {
@@ -111,7 +107,7 @@ impl Default for Metrics {
         let active = Family::<ControllerLabel, Gauge>::default();
         let failures = Family::<ErrorLabels, Counter>::default();
         let duration = Family::<ControllerLabel, Histogram, fn() -> Histogram>::new_with_constructor(
-            duration_histogram as fn() -> Histogram,
+            standard::seconds_histogram as fn() -> Histogram,
         );
         let writes = Family::<WriteLabels, Counter>::default();
         let refused = Family::<ControllerLabel, Counter>::default();
