@@ -1,6 +1,7 @@
 //! Two replicas on one Lease, in one process: a warm standby fills its caches but neither
 //! reconciles nor writes until it leads, and then starts from them; a Lease deleted under a
-//! leader closes its gate, and a standby waits out the deleted Lease's duration.
+//! leader closes its gate, and a standby waits out the deleted Lease's duration; a leader that
+//! loses the Lease stands by in the same process and leads again once it can.
 
 use std::time::{Duration, Instant};
 
@@ -144,6 +145,136 @@ async fn a_deleted_lease_closes_the_leaders_gate_before_a_standby_takes_it() {
                 took_at.duration_since(deleted),
                 took_at.saturating_duration_since(gate_closed)
             );
+            Ok(())
+        })
+        .await;
+}
+
+#[tokio::test]
+async fn a_leader_that_loses_the_lease_stands_by_and_leads_again_without_exiting() {
+    use k8s_openapi::api::apps::v1::Deployment;
+    use k8s_openapi::api::coordination::v1::Lease;
+    shared()
+        .in_namespace("lease-lost", |client, ns| async move {
+            let mut opts = elected(&ns, "a", false);
+            if let Some(c) = opts.leader_election.as_mut() {
+                (c.lease_duration, c.renew_deadline, c.retry_period) = (
+                    Duration::from_secs(6),
+                    Duration::from_secs(4),
+                    Duration::from_secs(1),
+                );
+            }
+            let op = common::start(&client, &ns, memcached::NAME, opts).await?;
+            let mcs: Api<Memcached> = Api::namespaced(client.clone(), &ns);
+            let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+            let memcached = |name: &str| -> anyhow::Result<Memcached> {
+                Ok(serde_json::from_value(json!({
+                    "apiVersion": "cache.example.com/v1", "kind": "Memcached",
+                    "metadata": {"name": name}, "spec": {"size": 1}
+                }))?)
+            };
+            mcs.create(&PostParams::default(), &memcached("before")?).await?;
+            let exists = |name: &'static str| {
+                let deploys = deploys.clone();
+                move || {
+                    let deploys = deploys.clone();
+                    async move {
+                        match deploys.get_opt(name).await? {
+                            Some(_) => Ok(()),
+                            None => Err(anyhow!("no Deployment {name}")),
+                        }
+                    }
+                }
+            };
+            wait_for("the leader to create the first Deployment", T, exists("before")).await?;
+            let status = r#"leader_election_master_status{name="standby-test"}"#;
+            ensure!(op.sample(status) == 1.0, "the leader does not report leading");
+
+            // Another holder takes the Lease over and keeps renewing it.
+            let leases: Api<Lease> = Api::namespaced(client.clone(), &ns);
+            let intruder = tokio_util::sync::CancellationToken::new();
+            let renewing = {
+                let (leases, intruder) = (leases.clone(), intruder.clone());
+                tokio::spawn(async move {
+                    while !intruder.is_cancelled() {
+                        let mut l = leases.get("standby-test").await?;
+                        let spec = l.spec.get_or_insert_with(Default::default);
+                        spec.holder_identity = Some("intruder".into());
+                        spec.renew_time = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(
+                            k8s_openapi::jiff::Timestamp::now(),
+                        ));
+                        // A conflict with a renewal of the old leader: take it on the next turn.
+                        let _ = leases.replace("standby-test", &PostParams::default(), &l).await;
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                    }
+                    anyhow::Ok(())
+                })
+            };
+            let lost_at = Instant::now();
+            wait_for("the old leader to stop leading", T, || async {
+                if op.sample(status) == 0.0 {
+                    Ok(())
+                } else {
+                    Err(anyhow!("still leading"))
+                }
+            })
+            .await?;
+            println!(
+                "the old leader stood down {:?} after the takeover",
+                lost_at.elapsed()
+            );
+            ensure!(op.running(), "the manager returned when it lost the Lease");
+
+            // Standing by: an object created now is neither reconciled nor written for, over a
+            // window after the last reconcile has finished.
+            mcs.create(&PostParams::default(), &memcached("during")?).await?;
+            let m = op.metrics();
+            common::settled(&m).await?;
+            let (reconciles, writes) = (m.reconciles_total(), m.writes_total());
+            tokio::time::sleep(Duration::from_secs(4)).await;
+            ensure!(
+                (m.reconciles_total(), m.writes_total()) == (reconciles, writes),
+                "the replica reconciled or wrote while standing by: {}",
+                m.describe_writes()
+            );
+            ensure!(
+                deploys.get_opt("during").await?.is_none(),
+                "a Deployment was made by a standby"
+            );
+            ensure!(op.running(), "the manager returned while standing by");
+
+            // The other holder goes away without releasing: once its Lease has run out, the
+            // same process leads again and catches up.
+            intruder.cancel();
+            renewing.await??;
+            let gone = Instant::now();
+            wait_for("the replica to lead again", T, || async {
+                if op.sample(status) == 1.0 {
+                    Ok(())
+                } else {
+                    Err(anyhow!("standing by"))
+                }
+            })
+            .await?;
+            let again = gone.elapsed();
+            println!("led again {again:?} after the other holder stopped renewing (lease 6 s)");
+            ensure!(
+                again >= Duration::from_secs(5),
+                "took a Lease still held after {again:?}"
+            );
+            wait_for(
+                "the Deployment of the object created while standing by",
+                T,
+                exists("during"),
+            )
+            .await?;
+            let holder = leases
+                .get("standby-test")
+                .await?
+                .spec
+                .and_then(|s| s.holder_identity);
+            ensure!(holder.as_deref() == Some("a"), "the Lease is held by {holder:?}");
+            op.stop().await;
             Ok(())
         })
         .await;

@@ -184,7 +184,7 @@ struct RunArgs<A: Args> {
     /// Seconds a Lease stays valid without renewal (a standby takes over after a crash).
     #[arg(long, default_value_t = 15)]
     leader_elect_lease_duration: u64,
-    /// Seconds a leader keeps trying to renew before it gives up and exits.
+    /// Seconds a leader keeps trying to renew before it gives up (and stands by again).
     #[arg(long, default_value_t = 10)]
     leader_elect_renew_deadline: u64,
     /// Seconds between renewals.

@@ -121,6 +121,12 @@ impl ControllerContext {
         let _ = leading.wait_for(|l| *l).await;
     }
 
+    /// Resolves once this replica has stopped leading (never without leader election).
+    pub(crate) async fn not_leading(&self) {
+        let mut leading = self.leading.clone();
+        let _ = leading.wait_for(|l| !*l).await;
+    }
+
     /// Whether this replica leads now (always without leader election).
     pub(crate) fn is_leading(&self) -> bool {
         *self.leading.borrow()

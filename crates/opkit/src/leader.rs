@@ -38,7 +38,7 @@ pub struct LeaderElectionConfig {
     pub identity: String,
     /// How long a Lease is valid after its last renewal; a standby takes over after that.
     pub lease_duration: Duration,
-    /// A leader that could not renew for this long gives up (and the process exits). The
+    /// A leader that could not renew for this long gives up (and stands by again). The
     /// difference to the lease duration is the safety margin of the write gate.
     pub renew_deadline: Duration,
     /// How often the leader renews.

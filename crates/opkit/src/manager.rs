@@ -360,9 +360,9 @@ impl Manager {
     /// renewal) and aborts what is left before the Lease is released. With
     /// leader election, controllers start only once the Lease is held and every write passes
     /// the [`WriteGate`] (with `warm_standby`, their caches fill before, and only the
-    /// reconciles wait); if the Lease is lost the controllers are aborted at once (no drain:
-    /// another replica may already lead) and the manager returns the error; on a normal stop
-    /// the Lease is released.
+    /// reconciles wait); if the Lease is lost, the reconciles under way are dropped at once (no
+    /// drain: another replica may already lead) and the replica stands by for the Lease again,
+    /// still serving its webhooks; on a normal stop the Lease is released.
     pub async fn run(self, opts: ManagerOptions) -> Result<(), ManagerError> {
         let Manager {
             client,
@@ -403,8 +403,6 @@ impl Manager {
             .leader_election
             .clone()
             .map(|cfg| LeaderElector::new(election_client.unwrap_or(client.clone()), cfg, gate.clone()));
-        let mut renewal = None;
-        let lost = CancellationToken::new();
         let readiness: Vec<(Arc<AtomicBool>, Synced)> = controllers
             .iter()
             .map(|c| (c.ready.clone(), c.synced.clone()))
@@ -431,7 +429,8 @@ impl Manager {
                 running.push(task.map(move |r| (name, r)));
             }
         };
-        if let Some(e) = &elector {
+        let mut election = None;
+        if let Some(e) = elector.clone() {
             // The elector exists exactly when leader election is configured.
             let lease = opts
                 .leader_election
@@ -447,35 +446,30 @@ impl Manager {
                 // Caches fill now; every reconcile waits until this replica leads.
                 start(pending.take().unwrap_or_default());
             }
-            tracing::info!(identity = e.identity(), "waiting to become the leader");
-            let Some(deadline) = e.acquire(&shutdown).await? else {
+            let mut led = leading.subscribe();
+            let task = tokio::spawn(elect(
+                e,
+                lease,
+                shutdown.clone(),
+                leading.clone(),
+                metrics.clone(),
+                readiness.clone(),
+            ));
+            let led = tokio::select! {
+                r = led.wait_for(|l| *l) => r.is_ok(),
+                _ = shutdown.cancelled() => false,
+            };
+            if !led {
                 tracing::info!("manager stopped before becoming the leader");
                 shutdown.cancel();
+                let r = task.await;
                 stop(signals, http);
-                return Ok(());
-            };
-            tracing::info!(identity = e.identity(), "became the leader");
-            metrics.leading(&lease, true);
-            for (ready, synced) in &readiness {
-                ready.store(synced.is_synced(), std::sync::atomic::Ordering::SeqCst);
+                return election_result(r);
             }
-            // Renewals stop at shutdown, so the gate closes at most a renew deadline later:
-            // the drain may write until then, and a write still unanswered when the Lease is
-            // released (a standby then takes over at once) was cut off by the gate long before.
-            let (shutdown, lost, metrics) = (shutdown.clone(), lost.clone(), metrics.clone());
-            let e = e.clone();
-            renewal = Some(tokio::spawn(async move {
-                let r = e.renew(&shutdown, deadline).await;
-                metrics.leading(&lease, false);
-                if let Err(err) = &r {
-                    tracing::error!(error = %err, "leader election lost, stopping");
-                    lost.cancel();
-                    shutdown.cancel();
-                }
-                r
-            }));
+            election = Some(task);
+        } else {
+            leading.send_replace(true);
         }
-        leading.send_replace(true);
         if let Some(controllers) = pending.take() {
             start(controllers);
         }
@@ -494,14 +488,15 @@ impl Manager {
                 shutdown.cancelled().await;
             };
             tokio::pin!(drain);
+            // A standby (never led, or lost the Lease) has nothing to finish: its reconciles
+            // wait to lead, and may not write. A leader's drain is bounded by the timeout.
+            let leads = leading.subscribe();
             tokio::select! {
                 _ = &mut drain => {},
-                _ = lost.cancelled() => {
-                    aborts.iter().for_each(|a| a.abort());
-                    tracing::warn!("controllers aborted: leadership lost");
-                }
-                _ = async { shutdown.cancelled().await; tokio::time::sleep(opts.shutdown_timeout).await } => {
-                    tracing::warn!(timeout = ?opts.shutdown_timeout, "controllers did not stop in time");
+                _ = async { shutdown.cancelled().await; if *leads.borrow() { tokio::time::sleep(opts.shutdown_timeout).await } } => {
+                    if *leads.borrow() {
+                        tracing::warn!(timeout = ?opts.shutdown_timeout, "controllers did not stop in time");
+                    }
                 }
             }
         }
@@ -509,22 +504,76 @@ impl Manager {
         // over at once after a release, and nothing of ours may still be writing then.
         aborts.iter().for_each(|a| a.abort());
         while running.next().await.is_some() {}
+        if let Some(task) = election {
+            result = result.and(election_result(task.await));
+        }
         if let Some(e) = &elector {
-            if let Some(r) = renewal
-                && let Ok(Err(err)) = r.await
-            {
-                result = result.and(Err(err.into()));
-            }
-            if !lost.is_cancelled() {
-                match e.release().await {
-                    Ok(()) => tracing::info!("released the leader Lease"),
-                    Err(err) => tracing::warn!(error = %err, "releasing the leader Lease failed"),
-                }
+            match e.release().await {
+                Ok(()) => tracing::info!("released the leader Lease"),
+                Err(err) => tracing::warn!(error = %err, "releasing the leader Lease failed"),
             }
         }
         stop(signals, http);
         tracing::info!("manager stopped");
         result
+    }
+}
+
+/// Leads whenever the Lease can be had, until shutdown. A replica that loses the Lease (its
+/// renewals failed, or another replica holds it) stops reconciling at once and stands by for
+/// it again in the same process: its write gate is already closed, its caches stay warm, and
+/// what it serves without leading (webhooks, probes, metrics) never stops. Exiting instead, as
+/// controller-runtime does, would take those down too, and after a fault that costs every
+/// replica its Lease (an apiserver freeze), no replica would serve webhooks until one had
+/// restarted and read its certificate.
+async fn elect(
+    e: LeaderElector,
+    lease: String,
+    shutdown: CancellationToken,
+    leading: tokio::sync::watch::Sender<bool>,
+    metrics: Metrics,
+    readiness: Vec<(Arc<AtomicBool>, Synced)>,
+) -> Result<(), LeaderError> {
+    loop {
+        tracing::info!(identity = e.identity(), "waiting to become the leader");
+        let deadline = match e.acquire(&shutdown).await {
+            Ok(Some(deadline)) => deadline,
+            Ok(None) => return Ok(()),
+            Err(err) => {
+                shutdown.cancel();
+                return Err(err);
+            }
+        };
+        tracing::info!(identity = e.identity(), "became the leader");
+        metrics.leading(&lease, true);
+        for (ready, synced) in &readiness {
+            ready.store(synced.is_synced(), std::sync::atomic::Ordering::SeqCst);
+        }
+        leading.send_replace(true);
+        // Renewals stop at shutdown, so the gate closes at most a renew deadline later: the
+        // drain may write until then, and a write still unanswered when the Lease is released
+        // (a standby then takes over at once) was cut off by the gate long before.
+        let renewed = e.renew(&shutdown, deadline).await;
+        if let Err(err) = renewed {
+            // The gate closed when the renewals ended; in-flight reconciles stop now.
+            leading.send_replace(false);
+            metrics.leading(&lease, false);
+            set_all(&readiness, true);
+            tracing::error!(error = %err, "leader election lost: reconciles stopped, standing by");
+            continue;
+        }
+        metrics.leading(&lease, false);
+        return Ok(());
+    }
+}
+
+fn election_result(r: Result<Result<(), LeaderError>, tokio::task::JoinError>) -> Result<(), ManagerError> {
+    match r {
+        Ok(r) => r.map_err(ManagerError::from),
+        Err(e) => {
+            tracing::error!(error = %e, "leader election stopped");
+            Ok(())
+        }
     }
 }
 

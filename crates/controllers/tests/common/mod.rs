@@ -50,6 +50,11 @@ impl Operator {
         self.metrics.for_controller(name)
     }
 
+    /// Whether the manager still runs (it returns only when told to stop, or on an error).
+    pub fn running(&self) -> bool {
+        self.handle.as_ref().is_some_and(|h| !h.is_finished())
+    }
+
     /// Shuts down gracefully and waits until the manager has stopped.
     pub async fn stop(mut self) {
         self.stop.cancel();

@@ -246,12 +246,16 @@ impl Metrics {
         }
     }
 
-    /// Sets `leader_election_master_status` for the Lease `name`.
+    /// Sets `leader_election_master_status` for the Lease `name`. A replica that stops
+    /// leading empties its work queues: what waited there waits for the Lease now.
     pub(crate) fn leading(&self, name: &str, leading: bool) {
         let l = standard::LeaseLabels {
             name: name.to_string(),
         };
         self.standard.leader.get_or_create(&l).set(i64::from(leading));
+        if !leading {
+            self.standard.clear_queues();
+        }
     }
 
     /// The Prometheus text exposition of every metric.

@@ -291,6 +291,14 @@ impl Standard {
         q
     }
 
+    /// Empties every controller's queue (pending entries; running reconciles end by
+    /// themselves).
+    pub(crate) fn clear_queues(&self) {
+        for q in self.queues.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            q.inner.lock().unwrap_or_else(|p| p.into_inner()).pending.clear();
+        }
+    }
+
     /// The families without the queue list (a queue holds them; the list holds the queues).
     fn clone_families(&self) -> Standard {
         Standard {

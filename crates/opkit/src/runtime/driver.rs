@@ -122,8 +122,27 @@ impl<R: Reconciler> Runner<R> {
         // No decision on a half-filled cache: a missing child would look deleted.
         let mut synced = self.synced.clone();
         let _ = synced.wait_for(|s| *s).await;
-        // A warm standby holds its caches, not its reconciles, until it leads.
-        self.ctx.leading().await;
+        // A standby (warm, or one that lost the Lease) holds its caches, not its reconciles,
+        // until it leads; at shutdown it has nothing to finish.
+        tokio::select! {
+            biased;
+            _ = self.ctx.leading() => {},
+            _ = self.ctx.shutdown_signal() => return Ok(Action::await_change()),
+        }
+        // The Lease lost midway: the reconcile is dropped where it stands (its writes are
+        // refused from then on anyway) and the object waits to be reconciled when this replica
+        // leads again. Not a failure: it is neither counted nor backed off.
+        tokio::select! {
+            biased;
+            _ = self.ctx.not_leading() => {
+                tracing::debug!(object = %obj.name_any(), "leadership lost: reconcile dropped");
+                Ok(Action::requeue(std::time::Duration::ZERO))
+            }
+            r = self.reconcile_leading(&obj) => r,
+        }
+    }
+
+    async fn reconcile_leading(&self, obj: &Arc<R::Object>) -> Result<Action, Error> {
         // Waiting for a worker slot is waiting in the queue: a requeue that fell due (no watch
         // event announced it) counts from here.
         let key = super::watches::queue_key(obj.namespace().as_deref(), &obj.name_any());
@@ -137,7 +156,7 @@ impl<R: Reconciler> Runner<R> {
         let timeout = self.ctx.tuning().timeout;
         // A panic (in a plan, an observe, a mapper) fails this object's reconcile only: it is
         // counted, logged and retried with backoff while the other objects carry on.
-        let run = std::panic::AssertUnwindSafe(self.reconcile_synced(&obj)).catch_unwind();
+        let run = std::panic::AssertUnwindSafe(self.reconcile_synced(obj)).catch_unwind();
         let result = match tokio::time::timeout(timeout, run).await {
             Ok(Ok(r)) => r,
             Ok(Err(panic)) => {
