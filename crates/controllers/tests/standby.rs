@@ -193,23 +193,7 @@ async fn a_leader_that_loses_the_lease_stands_by_and_leads_again_without_exiting
             // Another holder takes the Lease over and keeps renewing it.
             let leases: Api<Lease> = Api::namespaced(client.clone(), &ns);
             let intruder = tokio_util::sync::CancellationToken::new();
-            let renewing = {
-                let (leases, intruder) = (leases.clone(), intruder.clone());
-                tokio::spawn(async move {
-                    while !intruder.is_cancelled() {
-                        let mut l = leases.get("standby-test").await?;
-                        let spec = l.spec.get_or_insert_with(Default::default);
-                        spec.holder_identity = Some("intruder".into());
-                        spec.renew_time = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(
-                            k8s_openapi::jiff::Timestamp::now(),
-                        ));
-                        // A conflict with a renewal of the old leader: take it on the next turn.
-                        let _ = leases.replace("standby-test", &PostParams::default(), &l).await;
-                        tokio::time::sleep(Duration::from_millis(500)).await;
-                    }
-                    anyhow::Ok(())
-                })
-            };
+            let renewing = tokio::spawn(intrude(leases.clone(), intruder.clone()));
             let lost_at = Instant::now();
             wait_for("the old leader to stop leading", T, || async {
                 if op.sample(status) == 0.0 {
@@ -246,7 +230,7 @@ async fn a_leader_that_loses_the_lease_stands_by_and_leads_again_without_exiting
             // The other holder goes away without releasing: once its Lease has run out, the
             // same process leads again and catches up.
             intruder.cancel();
-            renewing.await??;
+            renewing.await?;
             let gone = Instant::now();
             wait_for("the replica to lead again", T, || async {
                 if op.sample(status) == 1.0 {
@@ -274,6 +258,96 @@ async fn a_leader_that_loses_the_lease_stands_by_and_leads_again_without_exiting
                 .spec
                 .and_then(|s| s.holder_identity);
             ensure!(holder.as_deref() == Some("a"), "the Lease is held by {holder:?}");
+
+            // Taken over again, then stopped while standing by: nothing to drain, so the stop
+            // is prompt (well within the shutdown timeout).
+            let intruder = tokio_util::sync::CancellationToken::new();
+            let renewing = tokio::spawn(intrude(leases.clone(), intruder.clone()));
+            wait_for("the replica to stand by again", T, || async {
+                if op.sample(status) == 0.0 {
+                    Ok(())
+                } else {
+                    Err(anyhow!("still leading"))
+                }
+            })
+            .await?;
+            let stopping = Instant::now();
+            op.stop().await;
+            let took = stopping.elapsed();
+            ensure!(took < Duration::from_secs(5), "stopping a standby took {took:?}");
+            intruder.cancel();
+            renewing.await?;
+            Ok(())
+        })
+        .await;
+}
+
+/// Writes itself into the Lease `standby-test` every half second until `stop`, as another
+/// replica holding it would.
+async fn intrude(
+    leases: Api<k8s_openapi::api::coordination::v1::Lease>,
+    stop: tokio_util::sync::CancellationToken,
+) {
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+    while !stop.is_cancelled() {
+        match leases.get("standby-test").await {
+            Ok(mut l) => {
+                let spec = l.spec.get_or_insert_with(Default::default);
+                spec.holder_identity = Some("intruder".into());
+                spec.renew_time = Some(MicroTime(k8s_openapi::jiff::Timestamp::now()));
+                // A conflict with a renewal of the old leader: taken on the next turn.
+                let _ = leases.replace("standby-test", &PostParams::default(), &l).await;
+            }
+            Err(e) => eprintln!("intruder: reading the Lease: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_leader_whose_renewals_failed_waits_out_its_own_lease_like_any_standby() {
+    use opkit_testenv::proxy::{Fault, FaultProxy};
+    shared()
+        .in_namespace("lease-missed", |client, ns| async move {
+            let mut opts = elected(&ns, "a", false);
+            if let Some(c) = opts.leader_election.as_mut() {
+                (c.lease_duration, c.renew_deadline, c.retry_period) = (
+                    Duration::from_secs(6),
+                    Duration::from_secs(4),
+                    Duration::from_secs(1),
+                );
+            }
+            // Every request of the replica goes through the proxy.
+            let proxy = FaultProxy::start(client.clone()).await?;
+            let through = Client::try_from(proxy.config())?;
+            let op = common::start(&through, &ns, memcached::NAME, opts).await?;
+            let status = r#"leader_election_master_status{name="standby-test"}"#;
+            let leading = |want: f64| {
+                let op = &op;
+                move || async move {
+                    if op.sample(status) == want {
+                        Ok(())
+                    } else {
+                        Err(anyhow!("leader_election_master_status is not {want}"))
+                    }
+                }
+            };
+            wait_for("the replica to lead", T, leading(1.0)).await?;
+            // Its reads fail (each renewal reads the Lease first) until it has given up.
+            proxy.set(Fault::Pass, Fault::Status(500));
+            wait_for("the replica to stand down", T, leading(0.0)).await?;
+            let stood_down = Instant::now();
+            proxy.set(Fault::Pass, Fault::Pass);
+            ensure!(op.running(), "the manager returned when its renewals failed");
+            // The Lease still names it, and nobody else wants it: it leads again, but only
+            // once the record has stood unchanged for its duration, as for any standby.
+            wait_for("the replica to lead again", T, leading(1.0)).await?;
+            let again = stood_down.elapsed();
+            println!("led again {again:?} after standing down (lease 6 s)");
+            ensure!(
+                again >= Duration::from_secs(5),
+                "took its own Lease back {again:?} after losing it"
+            );
             op.stop().await;
             Ok(())
         })

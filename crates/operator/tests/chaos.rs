@@ -594,7 +594,8 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
         log(start, &format!("SIGCONT {leader}"));
         wait_stood_down(&replicas, &leader, before).await?;
 
-        // 2. The leader killed: the restarted one takes over within the lease.
+        // 2. The leader killed: the old leader, standing by since step 1, takes over within
+        //    the lease; the killed one is restarted by the supervisor.
         let s = replica_index(&replicas, standby);
         lock(&replicas)[s].signal(Signal::SIGKILL)?;
         log(start, &format!("SIGKILL {standby} (leader)"));
@@ -617,12 +618,14 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
         // The apiserver frozen for longer than the renew deadline: connections stay open,
         // nothing is answered; the leader must stop writing and give up.
         tokio::time::sleep(Duration::from_secs(3)).await;
+        let rv = leases.get(LEASE).await?.metadata.resource_version;
         cp.pause("kube-apiserver")?;
         log(start, "kube-apiserver paused");
         tokio::time::sleep(Duration::from_secs(LEASE_SECONDS + 4)).await;
         cp.resume("kube-apiserver")?;
         log(start, "kube-apiserver resumed");
-        wait_holder(&leases, "", Duration::from_secs(30)).await?;
+        let now = wait_renewed(&leases, rv, Duration::from_secs(30)).await?;
+        log(start, &format!("{now} leads"));
 
         // 6. A rolling restart: each replica stopped gracefully and started again, one by one,
         //    while v1 CronTabs are created: each goes through the conversion webhook (to the

@@ -121,10 +121,11 @@ impl ControllerContext {
         let _ = leading.wait_for(|l| *l).await;
     }
 
-    /// Resolves once this replica has stopped leading (never without leader election).
-    pub(crate) async fn not_leading(&self) {
-        let mut leading = self.leading.clone();
-        let _ = leading.wait_for(|l| !*l).await;
+    /// The current term of leadership, for [`term_ended`].
+    pub(crate) fn term(&self) -> tokio::sync::watch::Receiver<bool> {
+        let mut term = self.leading.clone();
+        term.borrow_and_update();
+        term
     }
 
     /// Whether this replica leads now (always without leader election).
@@ -202,5 +203,14 @@ impl ControllerContext {
         if let Err(err) = self.recorder.publish(&ev, &obj.object_ref(&())).await {
             tracing::warn!(controller = self.name, object = %key(obj), error = %err, reason = e.reason, "publishing an Event failed");
         }
+    }
+}
+
+/// Resolves once the term `term` was taken in has ended: the Lease lost, even if it was won
+/// back since (never without leader election, where leadership does not change).
+pub(crate) async fn term_ended(mut term: tokio::sync::watch::Receiver<bool>) {
+    if term.changed().await.is_err() {
+        // The manager is gone, and with it the term's end: nothing will announce it.
+        std::future::pending::<()>().await;
     }
 }

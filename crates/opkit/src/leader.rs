@@ -13,7 +13,9 @@
 //!   least `lease duration − renew deadline` before any standby may take over.
 //!
 //! Differences from client-go besides: a standby waits on a watch of the Lease instead of
-//! polling, and a leader that stops releases the Lease, so a standby takes over at once.
+//! polling, a leader that stops releases the Lease, so a standby takes over at once, and a
+//! leader that loses the Lease stands by again in the same process (client-go's callers exit),
+//! treating a record that still names it as another's.
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -211,6 +213,11 @@ pub struct LeaderElector {
     cfg: LeaderElectionConfig,
     gate: WriteGate,
     seen: Arc<std::sync::Mutex<Option<String>>>,
+    /// Set once this replica has lost the Lease: from then on a record that still names it is
+    /// treated as another's (waited out for its duration), as a restarted process would, so
+    /// a replica whose renewals keep failing cannot keep taking the Lease back from a
+    /// healthy standby.
+    lost_once: Arc<AtomicBool>,
 }
 
 fn now() -> MicroTime {
@@ -245,6 +252,7 @@ impl LeaderElector {
             cfg,
             gate,
             seen: Default::default(),
+            lost_once: Default::default(),
         }
     }
 
@@ -267,6 +275,7 @@ impl LeaderElector {
     }
 
     fn lost(&self) -> LeaderError {
+        self.lost_once.store(true, Ordering::SeqCst);
         LeaderError::Lost {
             name: self.cfg.name.clone(),
             deadline: self.cfg.renew_deadline,
@@ -365,9 +374,14 @@ impl LeaderElector {
         };
         loop {
             if synced {
+                let me = if self.lost_once.load(Ordering::SeqCst) {
+                    ""
+                } else {
+                    self.cfg.identity.as_str()
+                };
                 let claim = match &live {
                     None => deleted_until.is_none_or(|t| Instant::now() >= t),
-                    Some(l) => claimable(l, &self.cfg.identity, seen_change, Instant::now()),
+                    Some(l) => claimable(l, me, seen_change, Instant::now()),
                 };
                 if claim {
                     let sent = Instant::now();
@@ -470,6 +484,7 @@ impl LeaderElector {
                     }
                     Ok(Ok(Renewal::TakenBy(holder))) => {
                         self.gate.close();
+                        self.lost_once.store(true, Ordering::SeqCst);
                         return Err(LeaderError::TakenOver {
                             name: self.cfg.name.clone(),
                             holder,

@@ -430,7 +430,7 @@ impl Manager {
             }
         };
         let mut election = None;
-        if let Some(e) = elector.clone() {
+        if let Some(e) = &elector {
             // The elector exists exactly when leader election is configured.
             let lease = opts
                 .leader_election
@@ -448,7 +448,7 @@ impl Manager {
             }
             let mut led = leading.subscribe();
             let task = tokio::spawn(elect(
-                e,
+                e.clone(),
                 lease,
                 shutdown.clone(),
                 leading.clone(),
@@ -463,6 +463,10 @@ impl Manager {
                 tracing::info!("manager stopped before becoming the leader");
                 shutdown.cancel();
                 let r = task.await;
+                // The Lease may have been won as the stop came; it goes at once.
+                if let Err(err) = e.release().await {
+                    tracing::warn!(error = %err, "releasing the leader Lease failed");
+                }
                 stop(signals, http);
                 return election_result(r);
             }
@@ -534,16 +538,18 @@ async fn elect(
     metrics: Metrics,
     readiness: Vec<(Arc<AtomicBool>, Synced)>,
 ) -> Result<(), LeaderError> {
+    // However this ends (shutdown, an error, a panic), the manager stops with it: a replica
+    // that no longer seeks the Lease must not look like a healthy standby.
+    let _stop = shutdown.clone().drop_guard();
     loop {
         tracing::info!(identity = e.identity(), "waiting to become the leader");
-        let deadline = match e.acquire(&shutdown).await {
-            Ok(Some(deadline)) => deadline,
-            Ok(None) => return Ok(()),
-            Err(err) => {
-                shutdown.cancel();
-                return Err(err);
-            }
+        let Some(deadline) = e.acquire(&shutdown).await? else {
+            return Ok(());
         };
+        if shutdown.is_cancelled() {
+            // Won as the stop came: nothing starts; `run` releases the Lease.
+            return Ok(());
+        }
         tracing::info!(identity = e.identity(), "became the leader");
         metrics.leading(&lease, true);
         for (ready, synced) in &readiness {
@@ -571,8 +577,8 @@ fn election_result(r: Result<Result<(), LeaderError>, tokio::task::JoinError>) -
     match r {
         Ok(r) => r.map_err(ManagerError::from),
         Err(e) => {
-            tracing::error!(error = %e, "leader election stopped");
-            Ok(())
+            tracing::error!(error = %e, "leader election stopped unexpectedly");
+            Err(ManagerError::ControllerExited("leader-election"))
         }
     }
 }

@@ -3,6 +3,7 @@
 //! release its finalizer; bounded by the controller's timeout, with backoff on failure.
 use std::collections::HashSet;
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
@@ -25,6 +26,10 @@ use crate::reconciler::{Cleanup, Deletion, Event, Invalid, Plan, Reconciler, Req
 pub const DELETING: &str = "Deleting";
 /// Reason of the [`DELETING`] condition and of the Warning Event when a cleanup step fails.
 pub const CLEANUP_FAILED: &str = "CleanupFailed";
+
+/// How long a reconcile whose write the gate refused waits for the elector to announce the
+/// end of its term (both follow from one missed renewal) before it counts as failed.
+const NOT_LEADER_GRACE: Duration = Duration::from_secs(2);
 
 /// What the progress hold knows an object by: its uid, so a recreated object starts afresh.
 fn hold_key<K: Resource>(obj: &K) -> String {
@@ -123,20 +128,26 @@ impl<R: Reconciler> Runner<R> {
         let mut synced = self.synced.clone();
         let _ = synced.wait_for(|s| *s).await;
         // A standby (warm, or one that lost the Lease) holds its caches, not its reconciles,
-        // until it leads; at shutdown it has nothing to finish.
-        tokio::select! {
-            biased;
-            _ = self.ctx.leading() => {},
-            _ = self.ctx.shutdown_signal() => return Ok(Action::await_change()),
+        // until it leads; at shutdown it has nothing to finish. The object it was handed may
+        // be long out of date by then: it goes back to kube-runtime, which hands over the
+        // current one (or nothing, if it is gone).
+        if !self.ctx.is_leading() {
+            tokio::select! {
+                biased;
+                _ = self.ctx.leading() => return Ok(Action::requeue(Duration::ZERO)),
+                _ = self.ctx.shutdown_signal() => return Ok(Action::await_change()),
+            }
         }
-        // The Lease lost midway: the reconcile is dropped where it stands (its writes are
-        // refused from then on anyway) and the object waits to be reconciled when this replica
-        // leads again. Not a failure: it is neither counted nor backed off.
+        // The Lease lost midway (or lost and won back before this task ran again): the
+        // reconcile is dropped where it stands (its writes are refused from then on anyway)
+        // and the object waits to be reconciled when this replica leads again. Not a failure:
+        // it is neither counted nor backed off.
+        let term = self.ctx.term();
         tokio::select! {
             biased;
-            _ = self.ctx.not_leading() => {
+            _ = crate::context::term_ended(term) => {
                 tracing::debug!(object = %obj.name_any(), "leadership lost: reconcile dropped");
-                Ok(Action::requeue(std::time::Duration::ZERO))
+                Ok(Action::requeue(Duration::ZERO))
             }
             r = self.reconcile_leading(&obj) => r,
         }
@@ -168,6 +179,14 @@ impl<R: Reconciler> Runner<R> {
             Err(_) => Err(Error::Timeout { after: timeout }),
         }
         .map_err(Error::or_not_leader);
+        if matches!(result, Err(Error::NotLeader)) {
+            // Refused as the Lease ran out, just before the elector said so: the end of the
+            // term, once it is announced, drops this reconcile uncounted (see `reconcile`).
+            tokio::select! {
+                _ = tokio::time::sleep(NOT_LEADER_GRACE) => {},
+                _ = self.ctx.shutdown_signal() => {},
+            }
+        }
         match &result {
             Ok((_, outcome)) => {
                 timer.finish(outcome);
