@@ -346,7 +346,11 @@ fn writes_while_not_leader(audit: &[Audited], replicas: &[&str]) -> Vec<String> 
                 | "validatingwebhookconfigurations"
                 | "customresourcedefinitions"
         );
-        if !users.contains(&a.user) || !is_write(&a.verb) || shared {
+        // The replica had given up on the request (its gate closed, the connection with it)
+        // before the apiserver read it: a frozen apiserver reads what was sent before it froze
+        // only when it runs again, finds the request's context cancelled and stores nothing.
+        let abandoned = a.code == 504 && a.message.ends_with("context canceled");
+        if !users.contains(&a.user) || !is_write(&a.verb) || shared || abandoned {
             continue;
         }
         let leader = lease_writes
@@ -993,6 +997,22 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
         )
     }));
     let bad = writes_while_not_leader(&audit, &names);
+    let abandoned: Vec<String> = audit
+        .iter()
+        .filter(|a| a.code == 504 && a.message.ends_with("context canceled") && is_write(&a.verb))
+        .map(|a| {
+            format!(
+                "{} {} {} {} at {}",
+                a.user, a.verb, a.resource, a.name, a.received
+            )
+        })
+        .collect();
+    log(
+        start,
+        &format!(
+            "writes the apiserver read only after the replica had given up on them (cancelled, not stored): {abandoned:?}"
+        ),
+    );
     failures.extend(bad.iter().map(|b| format!("write while not the leader: {b}")));
     let writes: BTreeMap<&str, usize> = names
         .iter()
@@ -1080,6 +1100,7 @@ fn the_audit_check_finds_a_write_by_a_replica_that_lost_the_lease() {
             "x".into()
         },
         code: 200,
+        message: String::new(),
         decision: "allow".into(),
         received: received.into(),
         done: done.into(),
@@ -1126,6 +1147,26 @@ fn the_audit_check_finds_a_write_by_a_replica_that_lost_the_lease() {
     let bad = writes_while_not_leader(&audit, &["opkit-a", "opkit-b"]);
     assert_eq!(bad.len(), 1, "{bad:?}");
     assert!(bad[0].contains("opkit-a patch memcacheds"), "{bad:?}");
+    // A write sent before the Lease passed, read by the apiserver only after (it was frozen),
+    // and abandoned by the replica meanwhile: cancelled, not stored, not counted. A timeout
+    // of the apiserver's own may have been stored: counted.
+    let mut abandoned = e(
+        "opkit-a",
+        "patch",
+        "ats",
+        "2026-01-01T00:00:07.500000Z",
+        "2026-01-01T00:00:07.530000Z",
+    );
+    abandoned.code = 504;
+    abandoned.message =
+        "Timeout: request did not complete within requested timeout - context canceled".into();
+    audit.push(abandoned.clone());
+    assert_eq!(writes_while_not_leader(&audit, &["opkit-a", "opkit-b"]).len(), 1);
+    abandoned.message =
+        "Timeout: request did not complete within requested timeout - context deadline exceeded".into();
+    audit.push(abandoned);
+    assert_eq!(writes_while_not_leader(&audit, &["opkit-a", "opkit-b"]).len(), 2);
+    audit.pop();
     // Reads and failed Lease writes do not count as leadership or as writes.
     audit.push(e(
         "opkit-a",

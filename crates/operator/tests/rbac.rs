@@ -574,6 +574,7 @@ fn a_grant_no_allowed_request_used_is_reported() {
         subresource: subresource.into(),
         name: name.into(),
         code,
+        message: String::new(),
         decision: "allow".into(),
         received: String::new(),
         done: String::new(),

@@ -153,7 +153,7 @@ pub async fn service_account_kubeconfig(
 }
 
 /// One request in the apiserver's audit log (a control plane started with `audit_log`).
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct Audited {
     pub user: String,
     pub verb: String,
@@ -163,6 +163,8 @@ pub struct Audited {
     pub subresource: String,
     pub name: String,
     pub code: i64,
+    /// The answer's message (for a failure).
+    pub message: String,
     /// The authorizer's decision (`allow`, `forbid`).
     pub decision: String,
     pub received: String,
@@ -191,6 +193,7 @@ pub fn read_audit(path: &Path) -> anyhow::Result<Vec<Audited>> {
                 .pointer("/responseStatus/code")
                 .and_then(|c| c.as_i64())
                 .unwrap_or(0),
+            message: s("/responseStatus/message"),
             decision: s("/annotations/authorization.k8s.io~1decision"),
             received: s("/requestReceivedTimestamp"),
             done: s("/stageTimestamp"),
