@@ -194,6 +194,11 @@ struct RunArgs<A: Args> {
     /// relist; `false` keeps a standby's memory and watch traffic near zero.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     leader_elect_warm_standby: bool,
+    /// Spread the objects of every controller (but those that must see all at once) over the
+    /// replicas: each holds a member Lease and watches, caches and reconciles only the objects
+    /// the leader places on it. Needs --leader-elect.
+    #[arg(long)]
+    sharding: bool,
     /// Where to serve the admission webhooks (HTTPS); "0" disables them.
     #[arg(long, default_value = "0")]
     webhook_bind_address: String,
@@ -361,6 +366,15 @@ async fn run_operator<S, A: Args>(
     if let Some(le) = &opts.leader_election {
         let election = crate::leader::election_client_config(config, le);
         manager = manager.with_election_client(Client::try_from(election)?);
+    }
+    if args.sharding {
+        let le = opts
+            .leader_election
+            .as_ref()
+            .context("--sharding needs --leader-elect: the leader places the objects on the members")?;
+        let cfg = crate::sharding::ShardingConfig::new(le);
+        tracing::info!(member = cfg.member(), group = cfg.group, "sharding on");
+        manager = manager.with_sharding(cfg)?;
     }
     let settings = settings(&args.operator);
     for r in &selected {

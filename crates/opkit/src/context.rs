@@ -29,6 +29,20 @@ pub(crate) struct ControllerContext {
     echoes: Echoes,
     leading: tokio::sync::watch::Receiver<bool>,
     shared: SharedWatches,
+    shard: Option<Shard>,
+}
+
+/// A sharded controller's place in its group: which objects are this replica's.
+#[derive(Clone, Debug)]
+pub(crate) struct Shard {
+    /// The label naming an object's owner, and this replica's value of it.
+    pub label: String,
+    pub member: String,
+    /// The label by which the sharder asks for an object back.
+    pub drain: String,
+    /// Objects let go of, by UID, with the resourceVersion they were let go from: a copy of
+    /// that version still in the cache (its removal not yet seen) is not reconciled.
+    pub released: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, String>>>,
 }
 
 impl Debug for ControllerContext {
@@ -48,6 +62,9 @@ pub(crate) struct Common {
     /// True once this replica leads (at once without leader election).
     pub leading: tokio::sync::watch::Receiver<bool>,
     pub shared: SharedWatches,
+    /// Set for a sharded controller: `leading` and `gate` are then this replica's member
+    /// Lease's.
+    pub shard: Option<Shard>,
 }
 
 /// Backoff and log key: kind, namespace and name, so two controllers (or two kinds with
@@ -74,6 +91,7 @@ impl ControllerContext {
             gate,
             leading,
             shared,
+            shard,
         } = common;
         let reporter = Reporter {
             controller: format!("opkit-{name}"),
@@ -92,6 +110,7 @@ impl ControllerContext {
             echoes: Echoes::default(),
             leading,
             shared,
+            shard,
         }
     }
 
@@ -131,6 +150,11 @@ impl ControllerContext {
     /// Whether this replica leads now (always without leader election).
     pub(crate) fn is_leading(&self) -> bool {
         *self.leading.borrow()
+    }
+
+    /// This replica's place among the members, for a sharded controller.
+    pub(crate) fn shard(&self) -> Option<&Shard> {
+        self.shard.as_ref()
     }
 
     pub(crate) fn shared(&self) -> &SharedWatches {

@@ -45,6 +45,8 @@ pub struct LeaderElectionConfig {
     pub renew_deadline: Duration,
     /// How often the leader renews.
     pub retry_period: Duration,
+    /// Labels of the Lease when this replica creates it (member Leases are found by them).
+    pub labels: std::collections::BTreeMap<String, String>,
 }
 
 impl LeaderElectionConfig {
@@ -63,6 +65,7 @@ impl LeaderElectionConfig {
             lease_duration: Duration::from_secs(15),
             renew_deadline: Duration::from_secs(10),
             retry_period: Duration::from_secs(2),
+            labels: Default::default(),
         }
     }
 }
@@ -293,6 +296,7 @@ impl LeaderElector {
                     metadata: ObjectMeta {
                         name: Some(self.cfg.name.clone()),
                         namespace: Some(self.cfg.namespace.clone()),
+                        labels: (!self.cfg.labels.is_empty()).then(|| self.cfg.labels.clone()),
                         ..Default::default()
                     },
                     spec: Some(LeaseSpec {

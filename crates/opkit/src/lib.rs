@@ -34,6 +34,7 @@ pub mod runtime;
 mod scope;
 pub mod security;
 pub mod server;
+pub mod sharding;
 pub mod telemetry;
 mod tls;
 pub mod webhook;

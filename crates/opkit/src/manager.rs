@@ -191,7 +191,25 @@ pub struct Manager {
     election_client: Option<Client>,
     /// For reviews every replica answers (metrics tokens): not behind the write gate.
     ungated_client: Option<Client>,
+    /// What [`Manager::from_config`] built the clients from, for the member client.
+    config: Option<(kube::Config, Duration)>,
+    sharding: Option<Sharding>,
+    /// One per sharded controller, run by the leader while it leads.
+    sharders: Vec<Sharder>,
 }
+
+/// This replica as a member of its sharding group.
+struct Sharding {
+    cfg: crate::sharding::ShardingConfig,
+    member: String,
+    /// Open while the member Lease is certainly held; sharded controllers write through it.
+    gate: WriteGate,
+    leading: tokio::sync::watch::Sender<bool>,
+    client: Client,
+}
+
+/// Starts the sharder of one controller with the leader's client.
+type Sharder = Box<dyn Fn(Client) -> BoxFuture<'static, ()> + Send + Sync>;
 
 impl Manager {
     /// A manager whose controllers talk to the cluster through `client`, watching every
@@ -210,6 +228,9 @@ impl Manager {
             shared: SharedWatches::default(),
             election_client: None,
             ungated_client: None,
+            config: None,
+            sharding: None,
+            sharders: Vec::new(),
         }
     }
 
@@ -220,10 +241,32 @@ impl Manager {
         let (gate, metrics) = (WriteGate::new(), Metrics::default());
         // Never enforced: the same timeouts, no gate.
         let ungated = crate::client::build(config.clone(), &WriteGate::new(), request_timeout, &metrics)?;
+        let config_for_members = config.clone();
         let client = crate::client::build(config, &gate, request_timeout, &metrics)?;
         let mut m = Manager::new(client);
         (m.gate, m.metrics, m.ungated_client) = (gate, metrics, Some(ungated));
+        m.config = Some((config_for_members, request_timeout));
         Ok(m)
+    }
+
+    /// Shards the controllers added from now on (all but [`Reconciler::singleton`] ones)
+    /// over the replicas that run with the same group: each replica holds a member Lease
+    /// and reconciles only the objects the leader's sharder placed on it. Needs leader
+    /// election (the sharder runs on the leader).
+    pub fn with_sharding(mut self, cfg: crate::sharding::ShardingConfig) -> kube::Result<Self> {
+        let gate = WriteGate::new();
+        let client = match &self.config {
+            Some((config, timeout)) => crate::client::build(config.clone(), &gate, *timeout, &self.metrics)?,
+            None => self.client.clone(),
+        };
+        self.sharding = Some(Sharding {
+            member: cfg.member(),
+            cfg,
+            gate,
+            leading: tokio::sync::watch::channel(false).0,
+            client,
+        });
+        Ok(self)
     }
 
     /// The client for what every replica does whether it leads or not (waiting for CRDs, the
@@ -331,18 +374,51 @@ impl Manager {
             tracing::error!(controller = name, error = %e, "ignoring the controller's settings");
             self.tuning.clone()
         });
-        let common = Common {
-            client: self.client.clone(),
-            shutdown: self.shutdown.clone(),
-            gate: self.gate.clone(),
-            leading: self.leading.subscribe(),
-            shared: self.shared.clone(),
+        let sharded = self.sharding.as_ref().filter(|_| !reconciler.singleton());
+        let common = match sharded {
+            Some(s) => Common {
+                client: s.client.clone(),
+                shutdown: self.shutdown.clone(),
+                gate: s.gate.clone(),
+                leading: s.leading.subscribe(),
+                shared: self.shared.clone(),
+                shard: Some(crate::context::Shard {
+                    label: crate::sharding::shard_label(name),
+                    member: s.member.clone(),
+                    drain: crate::sharding::drain_label(name),
+                    released: Default::default(),
+                }),
+            },
+            None => Common {
+                client: self.client.clone(),
+                shutdown: self.shutdown.clone(),
+                gate: self.gate.clone(),
+                leading: self.leading.subscribe(),
+                shared: self.shared.clone(),
+                shard: None,
+            },
         };
         let ctx = ControllerContext::new(name, self.metrics.for_controller(name), tuning, common);
         let namespaces = match self.scope.list() {
             None => vec![None],
             Some(list) => list.iter().cloned().map(Some).collect(),
         };
+        if let Some(s) = sharded {
+            let (group, lease_ns) = (s.cfg.group.clone(), s.cfg.lease.namespace.clone());
+            let namespaces = namespaces.clone();
+            self.sharders.push(Box::new(move |client: Client| {
+                let leases = kube::Api::namespaced(client.clone(), &lease_ns);
+                crate::sharding::sharder::run::<R::Object>(
+                    client,
+                    leases,
+                    group.clone(),
+                    name,
+                    namespaces.clone(),
+                    |_| {},
+                )
+                .boxed()
+            }));
+        }
         let synced = Synced::new(ready.clone());
         let run = runtime::run(reconciler, ctx, namespaces, synced.clone());
         self.controllers.push(Registered {
@@ -374,6 +450,8 @@ impl Manager {
             ungated_client,
             leading,
             shared,
+            sharding,
+            sharders,
             ..
         } = self;
         let auth = opts
@@ -399,10 +477,39 @@ impl Manager {
             None
         };
 
-        let elector = opts
-            .leader_election
-            .clone()
-            .map(|cfg| LeaderElector::new(election_client.unwrap_or(client.clone()), cfg, gate.clone()));
+        let elector = opts.leader_election.clone().map(|cfg| {
+            LeaderElector::new(
+                election_client.clone().unwrap_or(client.clone()),
+                cfg,
+                gate.clone(),
+            )
+        });
+        // A member of a sharding group holds its member Lease whether it leads or not.
+        let member = sharding.map(|s| {
+            s.gate.enforce();
+            let e = LeaderElector::new(
+                election_client.clone().unwrap_or(client.clone()),
+                s.cfg.lease.clone(),
+                s.gate.clone(),
+            );
+            let task = tokio::spawn(elect(
+                e.clone(),
+                "shard member",
+                shutdown.clone(),
+                s.leading.clone(),
+                None,
+                Vec::new(),
+            ));
+            (e, task, s.leading)
+        });
+        if !sharders.is_empty() {
+            tokio::spawn(run_sharders(
+                sharders,
+                client.clone(),
+                leading.subscribe(),
+                shutdown.clone(),
+            ));
+        }
         let readiness: Vec<(Arc<AtomicBool>, Synced)> = controllers
             .iter()
             .map(|c| (c.ready.clone(), c.synced.clone()))
@@ -442,17 +549,18 @@ impl Manager {
             // controllers' caches once this replica leads.
             set_all(&readiness, true);
             gate.enforce();
-            if opts.warm_standby {
-                // Caches fill now; every reconcile waits until this replica leads.
+            if opts.warm_standby || member.is_some() {
+                // Caches fill now; every reconcile waits until this replica leads (or, for a
+                // sharded controller, holds its member Lease).
                 start(pending.take().unwrap_or_default());
             }
             let mut led = leading.subscribe();
             let task = tokio::spawn(elect(
                 e.clone(),
-                lease,
+                "leader",
                 shutdown.clone(),
                 leading.clone(),
-                metrics.clone(),
+                Some((metrics.clone(), lease)),
                 readiness.clone(),
             ));
             let led = tokio::select! {
@@ -467,8 +575,15 @@ impl Manager {
                 if let Err(err) = e.release().await {
                     tracing::warn!(error = %err, "releasing the leader Lease failed");
                 }
+                // Sharded controllers may have run: they stop before the member Lease goes.
+                aborts.iter().for_each(|a| a.abort());
+                while running.next().await.is_some() {}
+                let member_result = match member {
+                    Some((m, task, _)) => release_member(m, task).await,
+                    None => Ok(()),
+                };
                 stop(signals, http);
-                return election_result(r);
+                return election_result(r).and(member_result);
             }
             election = Some(task);
         } else {
@@ -494,11 +609,15 @@ impl Manager {
             tokio::pin!(drain);
             // A standby (never led, or lost the Lease) has nothing to finish: its reconciles
             // wait to lead, and may not write. A leader's drain is bounded by the timeout.
-            let leads = leading.subscribe();
+            let (leads, member_leads) = (
+                leading.subscribe(),
+                member.as_ref().map(|(_, _, l)| l.subscribe()),
+            );
+            let leads = || *leads.borrow() || member_leads.as_ref().is_some_and(|m| *m.borrow());
             tokio::select! {
                 _ = &mut drain => {},
-                _ = async { shutdown.cancelled().await; if *leads.borrow() { tokio::time::sleep(opts.shutdown_timeout).await } } => {
-                    if *leads.borrow() {
+                _ = async { shutdown.cancelled().await; if leads() { tokio::time::sleep(opts.shutdown_timeout).await } } => {
+                    if leads() {
                         tracing::warn!(timeout = ?opts.shutdown_timeout, "controllers did not stop in time");
                     }
                 }
@@ -517,6 +636,9 @@ impl Manager {
                 Err(err) => tracing::warn!(error = %err, "releasing the leader Lease failed"),
             }
         }
+        if let Some((m, task, _)) = member {
+            result = result.and(release_member(m, task).await);
+        }
         stop(signals, http);
         tracing::info!("manager stopped");
         result
@@ -532,17 +654,22 @@ impl Manager {
 /// restarted and read its certificate.
 async fn elect(
     e: LeaderElector,
-    lease: String,
+    role: &'static str,
     shutdown: CancellationToken,
     leading: tokio::sync::watch::Sender<bool>,
-    metrics: Metrics,
+    metrics: Option<(Metrics, String)>,
     readiness: Vec<(Arc<AtomicBool>, Synced)>,
 ) -> Result<(), LeaderError> {
+    let report = |leads: bool| {
+        if let Some((m, lease)) = &metrics {
+            m.leading(lease, leads);
+        }
+    };
     // However this ends (shutdown, an error, a panic), the manager stops with it: a replica
     // that no longer seeks the Lease must not look like a healthy standby.
     let _stop = shutdown.clone().drop_guard();
     loop {
-        tracing::info!(identity = e.identity(), "waiting to become the leader");
+        tracing::info!(identity = e.identity(), "waiting to become the {role}");
         let Some(deadline) = e.acquire(&shutdown).await? else {
             return Ok(());
         };
@@ -550,8 +677,8 @@ async fn elect(
             // Won as the stop came: nothing starts; `run` releases the Lease.
             return Ok(());
         }
-        tracing::info!(identity = e.identity(), "became the leader");
-        metrics.leading(&lease, true);
+        tracing::info!(identity = e.identity(), "became the {role}");
+        report(true);
         for (ready, synced) in &readiness {
             ready.store(synced.is_synced(), std::sync::atomic::Ordering::SeqCst);
         }
@@ -563,14 +690,51 @@ async fn elect(
         if let Err(err) = renewed {
             // The gate closed when the renewals ended; in-flight reconciles stop now.
             leading.send_replace(false);
-            metrics.leading(&lease, false);
+            report(false);
             set_all(&readiness, true);
-            tracing::error!(error = %err, "leader election lost: reconciles stopped, standing by");
+            tracing::error!(error = %err, "{role} election lost: reconciles stopped, standing by");
             continue;
         }
-        metrics.leading(&lease, false);
+        report(false);
         return Ok(());
     }
+}
+
+/// Runs the sharders while this replica leads: started in each term, stopped at its end.
+async fn run_sharders(
+    sharders: Vec<Sharder>,
+    client: Client,
+    mut leading: tokio::sync::watch::Receiver<bool>,
+    shutdown: CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            r = leading.wait_for(|l| *l) => if r.is_err() { return },
+            _ = shutdown.cancelled() => return,
+        }
+        let mut term = leading.clone();
+        term.borrow_and_update();
+        let all = futures::future::join_all(sharders.iter().map(|f| f(client.clone())));
+        tokio::select! {
+            _ = all => return,
+            _ = crate::context::term_ended(term) => {},
+            _ = shutdown.cancelled() => return,
+        }
+    }
+}
+
+/// Waits for the member election to end (at shutdown) and gives the member Lease up, so the
+/// sharder moves this replica's objects at once instead of after the Lease runs out.
+async fn release_member(
+    e: LeaderElector,
+    task: tokio::task::JoinHandle<Result<(), LeaderError>>,
+) -> Result<(), ManagerError> {
+    let r = election_result(task.await);
+    match e.release().await {
+        Ok(()) => tracing::info!("released the shard member Lease"),
+        Err(err) => tracing::warn!(error = %err, "releasing the shard member Lease failed"),
+    }
+    r
 }
 
 fn election_result(r: Result<Result<(), LeaderError>, tokio::task::JoinError>) -> Result<(), ManagerError> {

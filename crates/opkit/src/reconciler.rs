@@ -96,6 +96,14 @@ pub trait Reconciler: Send + Sync + 'static {
         false
     }
 
+    /// Whether this controller must see every object at once in one replica (a plan that
+    /// compares objects with each other, a quota over all of them). With `opkit run
+    /// --sharding` it then runs on the leader only, as without sharding; every other
+    /// controller is sharded: each replica reconciles only the objects placed on it.
+    fn singleton(&self) -> bool {
+        false
+    }
+
     /// Decides, without side effects, what deleting `obj` still requires, from the same
     /// observed world as [`Reconciler::plan`] (the object and the caches are still readable).
     /// Called on every reconcile while the object is being deleted and carries the finalizer,

@@ -97,6 +97,23 @@ pub async fn start_tuned(
     opts: ManagerOptions,
     tune: &[&str],
 ) -> anyhow::Result<Operator> {
+    start_with(client, ns, name, opts, |mut m| {
+        for t in tune {
+            m.tune(t).map_err(anyhow::Error::msg)?;
+        }
+        Ok(m)
+    })
+    .await
+}
+
+/// [`start`] with the manager set up by `configure` before the controller is added.
+pub async fn start_with(
+    client: &Client,
+    ns: &str,
+    name: &'static str,
+    opts: ManagerOptions,
+    configure: impl FnOnce(Manager) -> anyhow::Result<Manager>,
+) -> anyhow::Result<Operator> {
     let registry = registry();
     let entry = registry
         .select(&[name.to_string()])
@@ -105,11 +122,9 @@ pub async fn start_tuned(
     for crd in (entry.crds)() {
         install_crd(client, crd).await?;
     }
-    let mut manager = Manager::new(client.clone()).with_scope(Scope::namespaces(vec![ns.to_string()]));
+    let mut manager =
+        configure(Manager::new(client.clone()).with_scope(Scope::namespaces(vec![ns.to_string()])))?;
     (entry.add)(&mut manager, &Settings::default());
-    for t in tune {
-        manager.tune(t).map_err(anyhow::Error::msg)?;
-    }
     let metrics = manager.metrics().clone();
     let stop = manager.shutdown_token();
     let opts = ManagerOptions {

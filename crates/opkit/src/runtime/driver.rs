@@ -202,6 +202,11 @@ impl<R: Reconciler> Runner<R> {
     #[tracing::instrument(name = "reconcile", skip_all, fields(controller = self.reconciler.name(), namespace = obj.namespace(), object = obj.name_any(), trace_id = tracing::field::Empty))]
     async fn reconcile_synced(&self, obj: &R::Object) -> Result<(Action, &'static str), Error> {
         crate::telemetry::record_trace_id(&tracing::Span::current());
+        if let Some(shard) = self.ctx.shard()
+            && let Some(outcome) = self.shard_check(obj, shard).await?
+        {
+            return Ok((Action::await_change(), outcome));
+        }
         let deleting = obj.meta().deletion_timestamp.is_some();
         let ours = self
             .finalizer
@@ -248,6 +253,39 @@ impl<R: Reconciler> Runner<R> {
                 Ok((Action::await_change(), "invalid"))
             }
         }
+    }
+
+    /// For a sharded controller: whether `obj` is not this replica's to reconcile (placed
+    /// elsewhere, let go of, or asked back by the sharder, which is done here), and why.
+    async fn shard_check(
+        &self,
+        obj: &R::Object,
+        shard: &crate::context::Shard,
+    ) -> Result<Option<&'static str>, Error> {
+        if obj.labels().get(&shard.label) != Some(&shard.member) {
+            return Ok(Some("not_placed_here"));
+        }
+        let uid = obj.uid().unwrap_or_default();
+        {
+            let mut released = shard.released.lock().unwrap_or_else(|p| p.into_inner());
+            if released.get(&uid).is_some() && released.get(&uid) == obj.resource_version().as_ref() {
+                return Ok(Some("released"));
+            }
+            // Any other version is newer: placed here again.
+            released.remove(&uid);
+        }
+        if !obj.labels().contains_key(&shard.drain) {
+            return Ok(None);
+        }
+        if let Some(rv) = self.writer.release(obj, shard).await? {
+            tracing::info!(object = %obj.name_any(), "let go of, as the sharder asked");
+            shard
+                .released
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(uid, rv);
+        }
+        Ok(Some("released"))
     }
 
     async fn execute(&self, obj: &R::Object, plan: Plan<R::Status>) -> Result<Action, Error> {

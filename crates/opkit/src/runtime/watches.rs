@@ -302,7 +302,15 @@ where
                 store: reflector::store().0,
             },
         };
-        let watch = reconciler.primary();
+        let mut watch = reconciler.primary();
+        if let Some(shard) = ctx.shard() {
+            // A member watches, caches and reconciles only the objects placed on it.
+            let mine = format!("{}={}", shard.label, shard.member);
+            watch.labels = Some(match watch.labels.take() {
+                Some(l) => format!("{l},{mine}"),
+                None => mine,
+            });
+        }
         let (primary, events) = w.subscribe(&watch);
         primary.add_index(UID_INDEX, Arc::new(|o: &K| o.uid().into_iter().collect()));
         w.enqueue.store = primary.store();

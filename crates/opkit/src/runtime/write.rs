@@ -253,6 +253,38 @@ impl Writer {
     }
 }
 
+impl Writer {
+    /// Lets a sharded object go, as the sharder asked: its shard and drain labels come off,
+    /// on the version that was read (a newer one is decided again). Returns the version let
+    /// go of.
+    pub(crate) async fn release<K: Watchable>(
+        &self,
+        obj: &K,
+        shard: &crate::context::Shard,
+    ) -> Result<Option<String>, Error> {
+        let mut labels = serde_json::Map::new();
+        labels.insert(shard.label.clone(), serde_json::Value::Null);
+        labels.insert(shard.drain.clone(), serde_json::Value::Null);
+        let body = serde_json::json!({
+            "metadata": {"resourceVersion": obj.resource_version(), "labels": labels}
+        });
+        let api: Api<K> = api(self.ctx.client(), obj.namespace().as_deref());
+        self.ctx.may_write("release")?;
+        match api
+            .patch_metadata(&obj.name_any(), &PatchParams::default(), &Patch::Merge(&body))
+            .await
+        {
+            Ok(_) => Ok(obj.resource_version()),
+            Err(kube::Error::Api(s)) if s.code == 409 => Err(Error::Stale),
+            Err(kube::Error::Api(s)) if s.code == 404 => Ok(None),
+            Err(source) => Err(Error::Write {
+                child: "shard labels".into(),
+                source,
+            }),
+        }
+    }
+}
+
 fn live_status<K: Serialize>(obj: &K) -> Result<serde_json::Value, Error> {
     let mut v = serde_json::to_value(obj)?;
     Ok(v.get_mut("status")

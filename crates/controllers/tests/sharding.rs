@@ -1,0 +1,151 @@
+//! Sharded controllers: three replicas with `with_sharding`, in one process. Every object is
+//! placed on one member, each member caches only its own, and objects move when a member
+//! leaves or joins, each handled by one member at a time.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use anyhow::ensure;
+use k8s_openapi::api::apps::v1::Deployment;
+use kube::api::{Api, PostParams};
+use kube::{Client, ResourceExt};
+use opkit::ManagerOptions;
+use opkit::leader::LeaderElectionConfig;
+use opkit::sharding::{ShardingConfig, drain_label, member_name, shard_label};
+use opkit_api::memcached::Memcached;
+use opkit_controllers::memcached;
+use opkit_testenv::{shared, wait_for};
+use serde_json::json;
+
+mod common;
+use common::{Operator, T};
+
+const CACHED: &str = r#"opkit_cache_objects{controller="memcached",kind="Memcached"}"#;
+
+fn election(ns: &str, identity: &str) -> LeaderElectionConfig {
+    let mut cfg = LeaderElectionConfig::new(ns, "shard-test");
+    cfg.identity = identity.into();
+    (cfg.lease_duration, cfg.renew_deadline, cfg.retry_period) = (
+        Duration::from_secs(6),
+        Duration::from_secs(4),
+        Duration::from_secs(1),
+    );
+    cfg
+}
+
+async fn member(client: &Client, ns: &str, identity: &str) -> anyhow::Result<Operator> {
+    let cfg = election(ns, identity);
+    let sharding = ShardingConfig::new(&cfg);
+    let opts = ManagerOptions {
+        leader_election: Some(cfg),
+        ..Default::default()
+    };
+    common::start_with(client, ns, memcached::NAME, opts, |m| {
+        Ok(m.with_sharding(sharding)?)
+    })
+    .await
+}
+
+/// Memcacheds by the member they are placed on (`""`: none yet), and how many are draining.
+async fn placement(mcs: &Api<Memcached>) -> anyhow::Result<(BTreeMap<String, usize>, usize)> {
+    let (shard, drain) = (shard_label(memcached::NAME), drain_label(memcached::NAME));
+    let mut by = BTreeMap::new();
+    let mut draining = 0;
+    for m in mcs.list(&Default::default()).await?.items {
+        *by.entry(m.labels().get(&shard).cloned().unwrap_or_default())
+            .or_default() += 1;
+        draining += usize::from(m.labels().contains_key(&drain));
+    }
+    Ok((by, draining))
+}
+
+/// Waits until every Memcached is placed on one of `members`, none is draining, each member
+/// caches exactly the ones placed on it, and each has its Deployment.
+async fn settled_on(
+    mcs: &Api<Memcached>,
+    deploys: &Api<Deployment>,
+    members: &[(&str, &Operator)],
+    total: usize,
+) -> anyhow::Result<BTreeMap<String, usize>> {
+    wait_for(
+        "every Memcached placed, cached by its member and converged",
+        T,
+        || async {
+            let (by, draining) = placement(mcs).await?;
+            let names: Vec<String> = members.iter().map(|(id, _)| member_name(id)).collect();
+            let placed: usize = names.iter().map(|n| by.get(n).copied().unwrap_or(0)).sum();
+            ensure!(
+                placed == total && draining == 0,
+                "placed {by:?}, {draining} draining"
+            );
+            for ((id, op), name) in members.iter().zip(&names) {
+                let (cached, want) = (op.sample(CACHED), by.get(name).copied().unwrap_or(0));
+                ensure!(cached == want as f64, "{id} caches {cached}, placed on it {want}");
+            }
+            let made = deploys.list(&Default::default()).await?.items.len();
+            ensure!(made == total, "{made} of {total} Deployments");
+            Ok(by)
+        },
+    )
+    .await
+}
+
+#[tokio::test]
+async fn objects_are_spread_over_the_members_and_move_when_members_leave_and_join() {
+    shared()
+        .in_namespace("sharding", |client, ns| async move {
+            let mcs: Api<Memcached> = Api::namespaced(client.clone(), &ns);
+            let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+            let a = member(&client, &ns, "a_1").await?;
+            let b = member(&client, &ns, "b_1").await?;
+            let c = member(&client, &ns, "c_1").await?;
+            let mut n = 30;
+            for i in 0..n {
+                let m: Memcached = serde_json::from_value(json!({
+                    "apiVersion": "cache.example.com/v1", "kind": "Memcached",
+                    "metadata": {"name": format!("mc-{i}")}, "spec": {"size": 0}
+                }))?;
+                mcs.create(&PostParams::default(), &m).await?;
+            }
+            let by = settled_on(&mcs, &deploys, &[("a_1", &a), ("b_1", &b), ("c_1", &c)], n).await?;
+            println!("placed on three members: {by:?}");
+            for (m, count) in &by {
+                ensure!((4..=16).contains(count), "{m} has {count} of {n}");
+            }
+
+            // A member leaves (a graceful stop releases its member Lease): its objects move
+            // to the others at once.
+            b.stop().await;
+            let by = settled_on(&mcs, &deploys, &[("a_1", &a), ("c_1", &c)], n).await?;
+            println!("after b left: {by:?}");
+            let m: Memcached = serde_json::from_value(json!({
+                "apiVersion": "cache.example.com/v1", "kind": "Memcached",
+                "metadata": {"name": "mc-late"}, "spec": {"size": 0}
+            }))?;
+            mcs.create(&PostParams::default(), &m).await?;
+            n += 1;
+            settled_on(&mcs, &deploys, &[("a_1", &a), ("c_1", &c)], n).await?;
+
+            // A member joins: about a third moves to it, each drained from its old owner
+            // first; nothing moves between the two others.
+            let before = placement(&mcs).await?.0;
+            let d = member(&client, &ns, "d_1").await?;
+            wait_for("objects to move to the new member", T, || async {
+                let (by, _) = placement(&mcs).await?;
+                let on_d = by.get(&member_name("d_1")).copied().unwrap_or(0);
+                ensure!(on_d > 0, "none on d yet: {by:?}");
+                Ok(())
+            })
+            .await?;
+            let by = settled_on(&mcs, &deploys, &[("a_1", &a), ("c_1", &c), ("d_1", &d)], n).await?;
+            println!("after d joined: {by:?} (before {before:?})");
+            let to_d = by.get(&member_name("d_1")).copied().unwrap_or(0);
+            ensure!((4..=18).contains(&to_d), "{to_d} of {n} moved to d");
+            for id in ["a_1", "c_1"] {
+                let (was, is) = (before[&member_name(id)], by[&member_name(id)]);
+                ensure!(is <= was, "{id} gained objects when d joined: {was} -> {is}");
+            }
+            Ok(())
+        })
+        .await;
+}

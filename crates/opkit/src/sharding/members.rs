@@ -1,0 +1,122 @@
+//! Who is a live member, as the sharder judges it: by the member Leases it watches, timed on
+//! its own monotonic clock from when it saw each one change, never by comparing a member's
+//! `renewTime` with its own wall clock (the same rule as a standby's in [`crate::leader`]).
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::coordination::v1::LeaseSpec;
+
+/// The member Leases seen so far.
+#[derive(Debug, Default)]
+pub struct Members {
+    seen: BTreeMap<String, Seen>,
+}
+
+#[derive(Debug)]
+struct Seen {
+    spec: LeaseSpec,
+    changed: Instant,
+}
+
+impl Members {
+    /// Records the Lease of `member` as seen at `now` (a watch event or a list).
+    pub fn observe(&mut self, member: &str, spec: LeaseSpec, now: Instant) {
+        match self.seen.get_mut(member) {
+            Some(s) if s.spec == spec => {}
+            Some(s) => {
+                s.spec = spec;
+                s.changed = now;
+            }
+            None => {
+                self.seen.insert(member.to_string(), Seen { spec, changed: now });
+            }
+        }
+    }
+
+    /// Forgets `member` (its Lease was deleted: it stopped and let go of everything).
+    pub fn remove(&mut self, member: &str) {
+        self.seen.remove(member);
+    }
+
+    /// Whether `member` is live at `now`: its Lease has a holder and changed less than its
+    /// duration ago. A member is dead only once its Lease has stood unchanged for that long,
+    /// by which time its write gate has closed.
+    pub fn is_live(&self, member: &str, now: Instant) -> bool {
+        self.seen.get(member).is_some_and(|s| {
+            let held = s.spec.holder_identity.as_deref().is_some_and(|h| !h.is_empty());
+            let secs = u64::try_from(s.spec.lease_duration_seconds.unwrap_or(0)).unwrap_or(0);
+            held && now.saturating_duration_since(s.changed) < Duration::from_secs(secs)
+        })
+    }
+
+    /// The live members at `now`, sorted.
+    pub fn live(&self, now: Instant) -> Vec<String> {
+        self.seen
+            .keys()
+            .filter(|m| self.is_live(m, now))
+            .cloned()
+            .collect()
+    }
+
+    /// When the next live member would be judged dead if its Lease does not change, so the
+    /// sharder looks again then.
+    pub fn next_expiry(&self, now: Instant) -> Option<Instant> {
+        self.seen
+            .iter()
+            .filter(|(m, _)| self.is_live(m, now))
+            .map(|(_, s)| {
+                let secs = u64::try_from(s.spec.lease_duration_seconds.unwrap_or(0)).unwrap_or(0);
+                s.changed + Duration::from_secs(secs)
+            })
+            .min()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+    use k8s_openapi::jiff::Timestamp;
+
+    fn spec(holder: &str, renewed: i64) -> LeaseSpec {
+        LeaseSpec {
+            holder_identity: Some(holder.into()),
+            lease_duration_seconds: Some(10),
+            renew_time: Some(MicroTime(Timestamp::from_second(renewed).unwrap())),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_member_is_live_while_its_lease_changes_within_its_duration() {
+        let t0 = Instant::now();
+        let at = |s| t0 + Duration::from_secs(s);
+        let mut m = Members::default();
+        m.observe("a", spec("a_1", 100), at(0));
+        m.observe("b", spec("b_1", 100), at(0));
+        assert_eq!(m.live(at(5)), ["a", "b"]);
+        // "a" renews; "b" does not.
+        m.observe("a", spec("a_1", 108), at(8));
+        // The same record seen again is no renewal.
+        m.observe("b", spec("b_1", 100), at(8));
+        assert_eq!(m.next_expiry(at(9)), Some(at(10)));
+        assert_eq!(m.live(at(10)), ["a"]);
+        assert!(!m.is_live("b", at(10)));
+        assert_eq!(m.next_expiry(at(10)), Some(at(18)));
+        // A renewTime far behind any wall clock does not matter, only seen changes.
+        m.observe("c", spec("c_1", 0), at(10));
+        assert!(m.is_live("c", at(19)));
+        m.remove("a");
+        assert_eq!(m.live(at(12)), ["c"]);
+    }
+
+    #[test]
+    fn a_released_or_unknown_lease_is_no_member() {
+        let now = Instant::now();
+        let mut m = Members::default();
+        m.observe("a", spec("", 100), now);
+        assert!(!m.is_live("a", now));
+        assert!(!m.is_live("nobody", now));
+        assert_eq!(m.next_expiry(now), None);
+    }
+}

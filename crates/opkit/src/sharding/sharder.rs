@@ -1,0 +1,233 @@
+//! The sharder: run by the leader while it leads, it keeps every object of one sharded
+//! controller labelled with its owner (see the module documentation of [`super`]).
+//!
+//! It watches the objects' metadata only (name, labels, resourceVersion: a fraction of the
+//! objects themselves) and the member Leases, and writes nothing but the two labels, each
+//! write conditional on the resourceVersion it decided from.
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use k8s_openapi::api::coordination::v1::Lease;
+use kube::api::{Api, Patch, PatchParams};
+use kube::core::PartialObjectMeta;
+use kube::runtime::watcher;
+use kube::{Client, Resource, ResourceExt};
+
+use crate::runtime::Watchable;
+use crate::runtime::cache::api;
+
+use super::{GROUP_LABEL, MEMBER_LABEL, Members, Move, Placed, Ring, decide, drain_label, ring, shard_label};
+
+/// Patches in flight at once.
+const CONCURRENCY: usize = 16;
+
+struct Object {
+    namespace: Option<String>,
+    name: String,
+    resource_version: Option<String>,
+    owner: Option<String>,
+    draining: bool,
+}
+
+/// What one pass decided, for logs and metrics.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Moves {
+    /// Objects labelled with an owner.
+    pub assigned: usize,
+    /// Objects whose owner was asked to let them go.
+    pub drained: usize,
+}
+
+/// Keeps the objects of `controller` (kind `K`, in `namespaces`; `None`: all) placed on the
+/// live members of `group`, whose Leases are in `leases`, until the future is dropped.
+/// `moved` hears of every pass that moved something.
+pub async fn run<K>(
+    client: Client,
+    leases: Api<Lease>,
+    group: String,
+    controller: &'static str,
+    namespaces: Vec<Option<String>>,
+    moved: impl Fn(Moves) + Send,
+) where
+    K: Watchable,
+    PartialObjectMeta<K>: Watchable,
+{
+    let apis: Vec<Api<PartialObjectMeta<K>>> = namespaces
+        .iter()
+        .map(|ns| api::<PartialObjectMeta<K>>(&client, ns.as_deref()))
+        .collect();
+    let streams = apis.len();
+    let mut objects_events = futures::stream::select_all(
+        apis.into_iter()
+            .map(|api| watcher(api, watcher::Config::default()).boxed()),
+    );
+    let selector = format!("{GROUP_LABEL}={group}");
+    let mut lease_events = watcher(leases, watcher::Config::default().labels(&selector)).boxed();
+    let (shard, drain) = (shard_label(controller), drain_label(controller));
+    let mut objects: HashMap<String, Object> = HashMap::new();
+    let mut members = Members::default();
+    let mut ring = Ring::default();
+    let mut synced = (0usize, false);
+    let mut dirty: HashSet<String> = HashSet::new();
+    let mut everything = false;
+    loop {
+        let now = Instant::now();
+        let wake = members
+            .next_expiry(now)
+            .map_or(Duration::from_secs(60), |t| t.saturating_duration_since(now))
+            .max(Duration::from_millis(100));
+        tokio::select! {
+            ev = objects_events.next() => match ev {
+                Some(Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o))) => {
+                    let key = ring::key(o.namespace().as_deref(), &o.name_any());
+                    objects.insert(key.clone(), object(&o, &shard, &drain));
+                    dirty.insert(key);
+                }
+                Some(Ok(watcher::Event::Delete(o))) => {
+                    objects.remove(&ring::key(o.namespace().as_deref(), &o.name_any()));
+                }
+                Some(Ok(watcher::Event::Init)) => {}
+                Some(Ok(watcher::Event::InitDone)) => synced.0 += 1,
+                Some(Err(e)) => {
+                    tracing::warn!(controller, error = %e, "sharder: watching the objects failed; retrying");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                None => return,
+            },
+            ev = lease_events.next() => match ev {
+                Some(Ok(watcher::Event::Apply(l) | watcher::Event::InitApply(l))) => {
+                    if let (Some(m), Some(spec)) = (member_of(&l), l.spec.clone()) {
+                        members.observe(&m, spec, Instant::now());
+                    }
+                }
+                Some(Ok(watcher::Event::Delete(l))) => {
+                    if let Some(m) = member_of(&l) {
+                        members.remove(&m);
+                    }
+                }
+                Some(Ok(watcher::Event::Init)) => {}
+                Some(Ok(watcher::Event::InitDone)) => synced.1 = true,
+                Some(Err(e)) => {
+                    tracing::warn!(controller, error = %e, "sharder: watching the member Leases failed; retrying");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                None => return,
+            },
+            _ = tokio::time::sleep(wake) => {}
+        }
+        if synced.0 < streams || !synced.1 {
+            continue;
+        }
+        let now = Instant::now();
+        let live = members.live(now);
+        if live.as_slice() != ring.members() {
+            tracing::info!(controller, members = ?live, "sharder: members changed");
+            ring = Ring::new(&live);
+            everything = true;
+        }
+        let keys: Vec<String> = if std::mem::take(&mut everything) {
+            dirty.clear();
+            objects.keys().cloned().collect()
+        } else {
+            dirty.drain().collect()
+        };
+        let mut todo = Vec::new();
+        for key in keys {
+            let Some(o) = objects.get(&key) else { continue };
+            let placed = Placed {
+                key: &key,
+                owner: o.owner.as_deref(),
+                draining: o.draining,
+            };
+            if let Some(m) = decide(&placed, &ring, |m| members.is_live(m, now)) {
+                todo.push((key, m));
+            }
+        }
+        if todo.is_empty() {
+            continue;
+        }
+        let mut done = Moves::default();
+        let results: Vec<(String, Move, bool)> = futures::stream::iter(todo)
+            .map(|(key, m)| {
+                let o = &objects[&key];
+                let api = api::<PartialObjectMeta<K>>(&client, o.namespace.as_deref());
+                let mut labels = serde_json::Map::new();
+                match &m {
+                    Move::Assign { to } => {
+                        labels.insert(shard.clone(), to.clone().into());
+                        labels.insert(drain.clone(), serde_json::Value::Null);
+                    }
+                    Move::Drain => {
+                        labels.insert(drain.clone(), "true".into());
+                    }
+                    Move::Undrain => {
+                        labels.insert(drain.clone(), serde_json::Value::Null);
+                    }
+                }
+                let body = serde_json::json!({
+                    "metadata": {"resourceVersion": o.resource_version, "labels": labels}
+                });
+                let name = o.name.clone();
+                async move {
+                    let r = api.patch(&name, &PatchParams::default(), &Patch::Merge(&body)).await;
+                    match r {
+                        Ok(_) => (key, m, true),
+                        // Changed since (409) or gone (404): its watch event decides again.
+                        Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => (key, m, false),
+                        Err(e) => {
+                            tracing::warn!(controller, object = %key, error = %e, "sharder: labelling failed");
+                            (key, m, false)
+                        }
+                    }
+                }
+            })
+            .buffer_unordered(CONCURRENCY)
+            .collect()
+            .await;
+        for (key, m, ok) in results {
+            if !ok {
+                continue;
+            }
+            // Until its watch event arrives, the object is as the write left it.
+            if let Some(o) = objects.get_mut(&key) {
+                match m {
+                    Move::Assign { to } => {
+                        o.owner = Some(to);
+                        o.draining = false;
+                        done.assigned += 1;
+                    }
+                    Move::Drain => {
+                        o.draining = true;
+                        done.drained += 1;
+                    }
+                    Move::Undrain => o.draining = false,
+                }
+            }
+        }
+        if done != Moves::default() {
+            tracing::info!(
+                controller,
+                assigned = done.assigned,
+                drained = done.drained,
+                "sharder: objects moved"
+            );
+            moved(done);
+        }
+    }
+}
+
+fn object<K: Resource<DynamicType = ()>>(o: &PartialObjectMeta<K>, shard: &str, drain: &str) -> Object {
+    let labels: &BTreeMap<String, String> = o.labels();
+    Object {
+        namespace: o.namespace(),
+        name: o.name_any(),
+        resource_version: o.resource_version(),
+        owner: labels.get(shard).filter(|v| !v.is_empty()).cloned(),
+        draining: labels.contains_key(drain),
+    }
+}
+
+fn member_of(l: &Lease) -> Option<String> {
+    l.labels().get(MEMBER_LABEL).cloned()
+}
