@@ -354,6 +354,62 @@ async fn a_leader_whose_renewals_failed_waits_out_its_own_lease_like_any_standby
         .await;
 }
 
+#[tokio::test]
+async fn a_standby_whose_first_list_of_the_lease_hung_still_takes_over() {
+    use opkit_testenv::proxy::{Fault, FaultProxy};
+    shared()
+        .in_namespace("lease-hung", |client, ns| async move {
+            let short = |mut opts: ManagerOptions| {
+                if let Some(c) = opts.leader_election.as_mut() {
+                    (c.lease_duration, c.renew_deadline, c.retry_period) = (
+                        Duration::from_secs(6),
+                        Duration::from_secs(4),
+                        Duration::from_secs(1),
+                    );
+                }
+                opts
+            };
+            let leader =
+                common::start(&client, &ns, memcached::NAME, short(elected(&ns, "a", false))).await?;
+            wait_for("a to lead", T, || async {
+                match leader.sample(r#"leader_election_master_status{name="standby-test"}"#) {
+                    1.0 => Ok(()),
+                    _ => Err(anyhow!("not yet")),
+                }
+            })
+            .await?;
+            // The standby's requests hang (a dead connection) from the start; then the
+            // connection works again, but what was sent on it never gets an answer.
+            let proxy = FaultProxy::start(client.clone()).await?;
+            // (The CRDs, installed on start, are spared.)
+            proxy.set_sparing(Fault::Hang, Fault::Hang, Some("customresourcedefinitions"));
+            let through = Client::try_from(proxy.config())?;
+            let standby =
+                common::start(&through, &ns, memcached::NAME, short(elected(&ns, "b", false))).await?;
+            wait_for("the standby's first requests to hang", T, || async {
+                if proxy.faulted() > 0 {
+                    Ok(())
+                } else {
+                    Err(anyhow!("no request yet"))
+                }
+            })
+            .await?;
+            proxy.set(Fault::Pass, Fault::Pass);
+            let stopped = Instant::now();
+            leader.stop().await;
+            wait_for("the standby to take over", T, || async {
+                match standby.sample(r#"leader_election_master_status{name="standby-test"}"#) {
+                    1.0 => Ok(()),
+                    _ => Err(anyhow!("not leading")),
+                }
+            })
+            .await?;
+            println!("took over {:?} after the leader stopped", stopped.elapsed());
+            Ok(())
+        })
+        .await;
+}
+
 /// Creates `n` small ConfigMaps in `ns`, 50 requests in flight.
 async fn configmaps(client: &Client, ns: &str, n: usize) -> anyhow::Result<()> {
     use futures::StreamExt;

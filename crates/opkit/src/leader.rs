@@ -337,8 +337,15 @@ impl LeaderElector {
     /// deadline to give [`LeaderElector::renew`], or `None` if `cancel` fired first. API errors
     /// are logged and retried.
     pub async fn acquire(&self, cancel: &CancellationToken) -> Result<Option<Instant>, LeaderError> {
-        let cfg = watcher::Config::default().fields(&format!("metadata.name={}", self.cfg.name));
-        let mut events = watcher(self.api.clone(), cfg).boxed();
+        let watch = || {
+            let cfg = watcher::Config::default().fields(&format!("metadata.name={}", self.cfg.name));
+            watcher(self.api.clone(), cfg).boxed()
+        };
+        let mut events = watch();
+        // The watch's first list has no time limit of its own: one sent on a connection that
+        // died (half-open) would wait forever, and this replica with it. It starts again
+        // when it has not finished within a Lease duration.
+        let mut listing_since = Instant::now();
         // The record as last seen, and when (monotonic) it was seen to change.
         let mut live: Option<Lease> = None;
         let mut seen_change = Instant::now();
@@ -421,6 +428,11 @@ impl LeaderElector {
             };
             tokio::select! {
                 _ = cancel.cancelled() => return Ok(None),
+                _ = tokio::time::sleep_until((listing_since + self.cfg.lease_duration).into()), if !synced => {
+                    tracing::warn!(lease = %self.cfg.name, "listing the Lease did not finish in time; starting again");
+                    events = watch();
+                    listing_since = Instant::now();
+                }
                 _ = tokio::time::sleep(wait), if synced => {
                     match tokio::time::timeout(self.cfg.retry_period, self.api.get_opt(&self.cfg.name)).await {
                         Ok(Ok(l)) => { observe(l, &mut live, &mut seen_change, &mut deleted_until); }
@@ -438,7 +450,8 @@ impl LeaderElector {
                         tokio::time::sleep(self.cfg.retry_period).await;
                     }
                     None => {
-                        events = watcher(self.api.clone(), watcher::Config::default().fields(&format!("metadata.name={}", self.cfg.name))).boxed();
+                        events = watch();
+                        listing_since = Instant::now();
                     }
                 },
             }
