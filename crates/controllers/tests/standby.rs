@@ -25,6 +25,7 @@ fn elected(ns: &str, identity: &str, warm: bool) -> ManagerOptions {
     ManagerOptions {
         leader_election: Some(cfg),
         warm_standby: warm,
+        stand_by_on_loss: true,
         ..Default::default()
     }
 }

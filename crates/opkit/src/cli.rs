@@ -184,7 +184,7 @@ struct RunArgs<A: Args> {
     /// Seconds a Lease stays valid without renewal (a standby takes over after a crash).
     #[arg(long, default_value_t = 15)]
     leader_elect_lease_duration: u64,
-    /// Seconds a leader keeps trying to renew before it gives up (and stands by again).
+    /// Seconds a leader keeps trying to renew before it gives up (and exits, or stands by).
     #[arg(long, default_value_t = 10)]
     leader_elect_renew_deadline: u64,
     /// Seconds between renewals.
@@ -194,6 +194,10 @@ struct RunArgs<A: Args> {
     /// relist; `false` keeps a standby's memory and watch traffic near zero.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     leader_elect_warm_standby: bool,
+    /// A replica that loses the Lease stands by for it again, its webhooks still served,
+    /// instead of exiting (see docs/reliability.md for what each choice guarantees).
+    #[arg(long)]
+    leader_elect_stand_by: bool,
     /// Spread the objects of every controller (but those that must see all at once) over the
     /// replicas: each holds a member Lease and watches, caches and reconciles only the objects
     /// the leader places on it. Needs --leader-elect.
@@ -345,6 +349,7 @@ async fn run_operator<S, A: Args>(
         handle_signals: true,
         leader_election: leader_election(&args, op.lease())?,
         warm_standby: args.leader_elect_warm_standby,
+        stand_by_on_loss: args.leader_elect_stand_by,
         metrics_secure: args.metrics_secure,
         metrics_cert_dir: args.metrics_cert_dir.clone(),
     };

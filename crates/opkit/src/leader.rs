@@ -14,8 +14,8 @@
 //!
 //! Differences from client-go besides: a standby waits on a watch of the Lease instead of
 //! polling, a leader that stops releases the Lease, so a standby takes over at once, and a
-//! leader that loses the Lease stands by again in the same process (client-go's callers exit),
-//! treating a record that still names it as another's.
+//! leader that loses the Lease may stand by again in the same process (client-go's callers
+//! exit), treating a record that still names it as another's.
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -40,7 +40,7 @@ pub struct LeaderElectionConfig {
     pub identity: String,
     /// How long a Lease is valid after its last renewal; a standby takes over after that.
     pub lease_duration: Duration,
-    /// A leader that could not renew for this long gives up (and stands by again). The
+    /// A leader that could not renew for this long gives up (and exits, or stands by). The
     /// difference to the lease duration is the safety margin of the write gate.
     pub renew_deadline: Duration,
     /// How often the leader renews.

@@ -125,6 +125,14 @@ pub struct ManagerOptions {
     /// replicas). Costs a standby the memory and watch traffic of the leader; off, a standby
     /// holds nothing until it leads.
     pub warm_standby: bool,
+    /// With leader election: a replica that loses the Lease stands by for it again in the
+    /// same process, its webhooks, probes and metrics still served, instead of stopping the
+    /// manager with the error (controller-runtime's behaviour, and the default). Standing by
+    /// keeps the webhooks up after a fault that costs every replica the Lease. Stopping
+    /// closes the process's connections, which fences writes sent before the gate closed and
+    /// still unread by an apiserver that was frozen; standing by does not (yet), so such a
+    /// write can land after another replica took the Lease.
+    pub stand_by_on_loss: bool,
     /// Serve `/metrics` over HTTPS, only to bearer tokens whose user may `get /metrics`
     /// (TokenReview and SubjectAccessReview; see [`crate::server::MetricsAuth`]).
     pub metrics_secure: bool,
@@ -143,6 +151,7 @@ impl Default for ManagerOptions {
             handle_signals: true,
             leader_election: None,
             warm_standby: true,
+            stand_by_on_loss: false,
             metrics_secure: false,
             metrics_cert_dir: None,
         }
@@ -437,8 +446,9 @@ impl Manager {
     /// leader election, controllers start only once the Lease is held and every write passes
     /// the [`WriteGate`] (with `warm_standby`, their caches fill before, and only the
     /// reconciles wait); if the Lease is lost, the reconciles under way are dropped at once (no
-    /// drain: another replica may already lead) and the replica stands by for the Lease again,
-    /// still serving its webhooks; on a normal stop the Lease is released.
+    /// drain: another replica may already lead) and the manager returns the error, or, with
+    /// `stand_by_on_loss`, stands by for the Lease again, still serving its webhooks; on a
+    /// normal stop the Lease is released.
     pub async fn run(self, opts: ManagerOptions) -> Result<(), ManagerError> {
         let Manager {
             client,
@@ -495,6 +505,7 @@ impl Manager {
             let task = tokio::spawn(elect(
                 e.clone(),
                 "shard member",
+                opts.stand_by_on_loss,
                 shutdown.clone(),
                 s.leading.clone(),
                 None,
@@ -558,6 +569,7 @@ impl Manager {
             let task = tokio::spawn(elect(
                 e.clone(),
                 "leader",
+                opts.stand_by_on_loss,
                 shutdown.clone(),
                 leading.clone(),
                 Some((metrics.clone(), lease)),
@@ -627,10 +639,14 @@ impl Manager {
         // over at once after a release, and nothing of ours may still be writing then.
         aborts.iter().for_each(|a| a.abort());
         while running.next().await.is_some() {}
+        // A Lease lost is not released: it may be another replica's already.
+        let mut lost = false;
         if let Some(task) = election {
-            result = result.and(election_result(task.await));
+            let r = election_result(task.await);
+            lost = r.is_err();
+            result = result.and(r);
         }
-        if let Some(e) = &elector {
+        if let Some(e) = elector.as_ref().filter(|_| !lost) {
             match e.release().await {
                 Ok(()) => tracing::info!("released the leader Lease"),
                 Err(err) => tracing::warn!(error = %err, "releasing the leader Lease failed"),
@@ -646,15 +662,15 @@ impl Manager {
 }
 
 /// Leads whenever the Lease can be had, until shutdown. A replica that loses the Lease (its
-/// renewals failed, or another replica holds it) stops reconciling at once and stands by for
-/// it again in the same process: its write gate is already closed, its caches stay warm, and
-/// what it serves without leading (webhooks, probes, metrics) never stops. Exiting instead, as
-/// controller-runtime does, would take those down too, and after a fault that costs every
-/// replica its Lease (an apiserver freeze), no replica would serve webhooks until one had
-/// restarted and read its certificate.
+/// renewals failed, or another replica holds it) stops reconciling at once. With `stand_by`
+/// it then stands by for the Lease again in the same process: its write gate is already
+/// closed, its caches stay warm, and what it serves without leading (webhooks, probes,
+/// metrics) never stops. Without, the error stops the manager (see
+/// [`ManagerOptions::stand_by_on_loss`] for the trade-off).
 async fn elect(
     e: LeaderElector,
     role: &'static str,
+    stand_by: bool,
     shutdown: CancellationToken,
     leading: tokio::sync::watch::Sender<bool>,
     metrics: Option<(Metrics, String)>,
@@ -691,6 +707,10 @@ async fn elect(
             // The gate closed when the renewals ended; in-flight reconciles stop now.
             leading.send_replace(false);
             report(false);
+            if !stand_by {
+                tracing::error!(error = %err, "{role} election lost, stopping");
+                return Err(err);
+            }
             set_all(&readiness, true);
             tracing::error!(error = %err, "{role} election lost: reconciles stopped, standing by");
             continue;
@@ -730,9 +750,11 @@ async fn release_member(
     task: tokio::task::JoinHandle<Result<(), LeaderError>>,
 ) -> Result<(), ManagerError> {
     let r = election_result(task.await);
-    match e.release().await {
-        Ok(()) => tracing::info!("released the shard member Lease"),
-        Err(err) => tracing::warn!(error = %err, "releasing the shard member Lease failed"),
+    if r.is_ok() {
+        match e.release().await {
+            Ok(()) => tracing::info!("released the shard member Lease"),
+            Err(err) => tracing::warn!(error = %err, "releasing the shard member Lease failed"),
+        }
     }
     r
 }
