@@ -30,6 +30,18 @@ fn elected(ns: &str, identity: &str, warm: bool) -> ManagerOptions {
     }
 }
 
+/// `opts` with a 6 s Lease, 4 s renew deadline and 1 s retry period: fast takeovers.
+fn short(mut opts: ManagerOptions) -> ManagerOptions {
+    if let Some(c) = opts.leader_election.as_mut() {
+        (c.lease_duration, c.renew_deadline, c.retry_period) = (
+            Duration::from_secs(6),
+            Duration::from_secs(4),
+            Duration::from_secs(1),
+        );
+    }
+    opts
+}
+
 async fn wait_leading(op: &Operator, what: &str) -> anyhow::Result<()> {
     let m = op.metrics();
     wait_for(what, T, || async {
@@ -157,14 +169,7 @@ async fn a_leader_that_loses_the_lease_stands_by_and_leads_again_without_exiting
     use k8s_openapi::api::coordination::v1::Lease;
     shared()
         .in_namespace("lease-lost", |client, ns| async move {
-            let mut opts = elected(&ns, "a", false);
-            if let Some(c) = opts.leader_election.as_mut() {
-                (c.lease_duration, c.renew_deadline, c.retry_period) = (
-                    Duration::from_secs(6),
-                    Duration::from_secs(4),
-                    Duration::from_secs(1),
-                );
-            }
+            let opts = short(elected(&ns, "a", false));
             let op = common::start(&client, &ns, memcached::NAME, opts).await?;
             let mcs: Api<Memcached> = Api::namespaced(client.clone(), &ns);
             let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
@@ -310,14 +315,7 @@ async fn a_leader_whose_renewals_failed_waits_out_its_own_lease_like_any_standby
     use opkit_testenv::proxy::{Fault, FaultProxy};
     shared()
         .in_namespace("lease-missed", |client, ns| async move {
-            let mut opts = elected(&ns, "a", false);
-            if let Some(c) = opts.leader_election.as_mut() {
-                (c.lease_duration, c.renew_deadline, c.retry_period) = (
-                    Duration::from_secs(6),
-                    Duration::from_secs(4),
-                    Duration::from_secs(1),
-                );
-            }
+            let opts = short(elected(&ns, "a", false));
             // Every request of the replica goes through the proxy.
             let proxy = FaultProxy::start(client.clone()).await?;
             let through = Client::try_from(proxy.config())?;
@@ -360,16 +358,6 @@ async fn a_standby_whose_first_list_of_the_lease_hung_still_takes_over() {
     use opkit_testenv::proxy::{Fault, FaultProxy};
     shared()
         .in_namespace("lease-hung", |client, ns| async move {
-            let short = |mut opts: ManagerOptions| {
-                if let Some(c) = opts.leader_election.as_mut() {
-                    (c.lease_duration, c.renew_deadline, c.retry_period) = (
-                        Duration::from_secs(6),
-                        Duration::from_secs(4),
-                        Duration::from_secs(1),
-                    );
-                }
-                opts
-            };
             let leader =
                 common::start(&client, &ns, memcached::NAME, short(elected(&ns, "a", false))).await?;
             wait_for("a to lead", T, || async {
