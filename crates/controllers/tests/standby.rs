@@ -42,6 +42,20 @@ fn short(mut opts: ManagerOptions) -> ManagerOptions {
     opts
 }
 
+/// The replica's `leader_election_master_status` for the test's Lease.
+const LEADS: &str = r#"leader_election_master_status{name="standby-test"}"#;
+
+/// Waits until `op` reports [`LEADS`] as `want` (1: leading, 0: standing by).
+async fn wait_status(op: &Operator, want: f64, what: &str) -> anyhow::Result<()> {
+    wait_for(what, T, || async {
+        match op.sample(LEADS) {
+            s if s == want => Ok(()),
+            s => Err(anyhow!("leader_election_master_status is {s}")),
+        }
+    })
+    .await
+}
+
 async fn wait_leading(op: &Operator, what: &str) -> anyhow::Result<()> {
     let m = op.metrics();
     wait_for(what, T, || async {
@@ -193,22 +207,14 @@ async fn a_leader_that_loses_the_lease_stands_by_and_leads_again_without_exiting
                 }
             };
             wait_for("the leader to create the first Deployment", T, exists("before")).await?;
-            let status = r#"leader_election_master_status{name="standby-test"}"#;
-            ensure!(op.sample(status) == 1.0, "the leader does not report leading");
+            ensure!(op.sample(LEADS) == 1.0, "the leader does not report leading");
 
             // Another holder takes the Lease over and keeps renewing it.
             let leases: Api<Lease> = Api::namespaced(client.clone(), &ns);
             let intruder = tokio_util::sync::CancellationToken::new();
             let renewing = tokio::spawn(intrude(leases.clone(), intruder.clone()));
             let lost_at = Instant::now();
-            wait_for("the old leader to stop leading", T, || async {
-                if op.sample(status) == 0.0 {
-                    Ok(())
-                } else {
-                    Err(anyhow!("still leading"))
-                }
-            })
-            .await?;
+            wait_status(&op, 0.0, "the old leader to stop leading").await?;
             println!(
                 "the old leader stood down {:?} after the takeover",
                 lost_at.elapsed()
@@ -238,14 +244,7 @@ async fn a_leader_that_loses_the_lease_stands_by_and_leads_again_without_exiting
             intruder.cancel();
             renewing.await?;
             let gone = Instant::now();
-            wait_for("the replica to lead again", T, || async {
-                if op.sample(status) == 1.0 {
-                    Ok(())
-                } else {
-                    Err(anyhow!("standing by"))
-                }
-            })
-            .await?;
+            wait_status(&op, 1.0, "the replica to lead again").await?;
             let again = gone.elapsed();
             println!("led again {again:?} after the other holder stopped renewing (lease 6 s)");
             ensure!(
@@ -269,14 +268,7 @@ async fn a_leader_that_loses_the_lease_stands_by_and_leads_again_without_exiting
             // is prompt (well within the shutdown timeout).
             let intruder = tokio_util::sync::CancellationToken::new();
             let renewing = tokio::spawn(intrude(leases.clone(), intruder.clone()));
-            wait_for("the replica to stand by again", T, || async {
-                if op.sample(status) == 0.0 {
-                    Ok(())
-                } else {
-                    Err(anyhow!("still leading"))
-                }
-            })
-            .await?;
+            wait_status(&op, 0.0, "the replica to stand by again").await?;
             let stopping = Instant::now();
             op.stop().await;
             let took = stopping.elapsed();
@@ -320,27 +312,16 @@ async fn a_leader_whose_renewals_failed_waits_out_its_own_lease_like_any_standby
             let proxy = FaultProxy::start(client.clone()).await?;
             let through = Client::try_from(proxy.config())?;
             let op = common::start(&through, &ns, memcached::NAME, opts).await?;
-            let status = r#"leader_election_master_status{name="standby-test"}"#;
-            let leading = |want: f64| {
-                let op = &op;
-                move || async move {
-                    if op.sample(status) == want {
-                        Ok(())
-                    } else {
-                        Err(anyhow!("leader_election_master_status is not {want}"))
-                    }
-                }
-            };
-            wait_for("the replica to lead", T, leading(1.0)).await?;
+            wait_status(&op, 1.0, "the replica to lead").await?;
             // Its reads fail (each renewal reads the Lease first) until it has given up.
             proxy.set(Fault::Pass, Fault::Status(500));
-            wait_for("the replica to stand down", T, leading(0.0)).await?;
+            wait_status(&op, 0.0, "the replica to stand down").await?;
             let stood_down = Instant::now();
             proxy.set(Fault::Pass, Fault::Pass);
             ensure!(op.running(), "the manager returned when its renewals failed");
             // The Lease still names it, and nobody else wants it: it leads again, but only
             // once the record has stood unchanged for its duration, as for any standby.
-            wait_for("the replica to lead again", T, leading(1.0)).await?;
+            wait_status(&op, 1.0, "the replica to lead again").await?;
             let again = stood_down.elapsed();
             println!("led again {again:?} after standing down (lease 6 s)");
             ensure!(
@@ -360,13 +341,7 @@ async fn a_standby_whose_first_list_of_the_lease_hung_still_takes_over() {
         .in_namespace("lease-hung", |client, ns| async move {
             let leader =
                 common::start(&client, &ns, memcached::NAME, short(elected(&ns, "a", false))).await?;
-            wait_for("a to lead", T, || async {
-                match leader.sample(r#"leader_election_master_status{name="standby-test"}"#) {
-                    1.0 => Ok(()),
-                    _ => Err(anyhow!("not yet")),
-                }
-            })
-            .await?;
+            wait_status(&leader, 1.0, "a to lead").await?;
             // The standby's requests hang (a dead connection) from the start; then the
             // connection works again, but what was sent on it never gets an answer.
             let proxy = FaultProxy::start(client.clone()).await?;
@@ -386,13 +361,7 @@ async fn a_standby_whose_first_list_of_the_lease_hung_still_takes_over() {
             proxy.set(Fault::Pass, Fault::Pass);
             let stopped = Instant::now();
             leader.stop().await;
-            wait_for("the standby to take over", T, || async {
-                match standby.sample(r#"leader_election_master_status{name="standby-test"}"#) {
-                    1.0 => Ok(()),
-                    _ => Err(anyhow!("not leading")),
-                }
-            })
-            .await?;
+            wait_status(&standby, 1.0, "the standby to take over").await?;
             println!("took over {:?} after the leader stopped", stopped.elapsed());
             Ok(())
         })
