@@ -53,6 +53,12 @@ pub async fn run<K>(
     K: Watchable,
     PartialObjectMeta<K>: Watchable,
 {
+    // A cluster-scoped kind is watched once, whatever the namespaces (as `runtime::run` does).
+    let namespaces = if crate::runtime::cache::namespaced::<K>() {
+        namespaces
+    } else {
+        vec![None]
+    };
     let apis: Vec<Api<PartialObjectMeta<K>>> = namespaces
         .iter()
         .map(|ns| api::<PartialObjectMeta<K>>(&client, ns.as_deref()))
