@@ -1,6 +1,7 @@
 //! Sharded controllers: three replicas with `with_sharding`, in one process. Every object is
-//! placed on one member, each member caches only its own, and objects move when a member
-//! leaves or joins, each handled by one member at a time.
+//! placed on one member, each member caches only its own objects and their children, and
+//! objects move when a member leaves or joins, each handled by one member at a time, their
+//! children taken over by the new owner rather than written again.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -21,6 +22,9 @@ mod common;
 use common::{Operator, T};
 
 const CACHED: &str = r#"opkit_cache_objects{controller="memcached",kind="Memcached"}"#;
+const ADOPT: &str = r#"opkit_api_writes_total{controller="memcached",verb="adopt"}"#;
+const APPLY: &str = r#"opkit_api_writes_total{controller="memcached",verb="apply"}"#;
+const CACHED_CHILDREN: &str = r#"opkit_cache_objects{controller="memcached",kind="Deployment"}"#;
 
 fn election(ns: &str, identity: &str) -> LeaderElectionConfig {
     let mut cfg = LeaderElectionConfig::new(ns, "shard-test");
@@ -60,7 +64,8 @@ async fn placement(mcs: &Api<Memcached>) -> anyhow::Result<(BTreeMap<String, usi
 }
 
 /// Waits until every Memcached is placed on one of `members`, none is draining, each member
-/// caches exactly the ones placed on it, and each has its Deployment.
+/// caches exactly the ones placed on it, and each has its Deployment, labelled for the same
+/// member (who caches it) and for its owner's uid.
 async fn settled_on(
     mcs: &Api<Memcached>,
     deploys: &Api<Deployment>,
@@ -79,11 +84,32 @@ async fn settled_on(
                 "placed {by:?}, {draining} draining"
             );
             for ((id, op), name) in members.iter().zip(&names) {
-                let (cached, want) = (op.sample(CACHED), by.get(name).copied().unwrap_or(0));
-                ensure!(cached == want as f64, "{id} caches {cached}, placed on it {want}");
+                let want = by.get(name).copied().unwrap_or(0) as f64;
+                let (cached, children) = (op.sample(CACHED), op.sample(CACHED_CHILDREN));
+                ensure!(
+                    cached == want && children == want,
+                    "{id} caches {cached} Memcacheds and {children} Deployments, placed on it {want}"
+                );
             }
-            let made = deploys.list(&Default::default()).await?.items.len();
-            ensure!(made == total, "{made} of {total} Deployments");
+            let shard = shard_label(memcached::NAME);
+            let owners: BTreeMap<String, (Option<String>, Option<String>)> = mcs
+                .list(&Default::default())
+                .await?
+                .items
+                .into_iter()
+                .map(|m| (m.name_any(), (m.labels().get(&shard).cloned(), m.uid())))
+                .collect();
+            let made = deploys.list(&Default::default()).await?.items;
+            ensure!(made.len() == total, "{} of {total} Deployments", made.len());
+            for d in &made {
+                let (owner, uid) = owners.get(&d.name_any()).cloned().unwrap_or_default();
+                let (label, owned_by) = (d.labels().get(&shard), d.labels().get(opkit::OWNER_LABEL));
+                ensure!(
+                    label == owner.as_ref() && owned_by == uid.as_ref(),
+                    "Deployment {} is labelled {label:?} (owner uid {owned_by:?}); its Memcached is on {owner:?} ({uid:?})",
+                    d.name_any()
+                );
+            }
             Ok(by)
         },
     )
@@ -114,10 +140,25 @@ async fn objects_are_spread_over_the_members_and_move_when_members_leave_and_joi
             }
 
             // A member leaves (a graceful stop releases its member Lease): its objects move
-            // to the others at once.
+            // to the others at once. Their Deployments are taken over (relabelled), not
+            // written again: two adopting writes per object (the child, and the sharder's
+            // note on the object), no apply.
+            let on_b = by[&member_name("b_1")];
+            let count = |series: &str| a.sample(series) + c.sample(series);
+            let (adopted, applied) = (count(ADOPT), count(APPLY));
             b.stop().await;
             let by = settled_on(&mcs, &deploys, &[("a_1", &a), ("c_1", &c)], n).await?;
             println!("after b left: {by:?}");
+            common::settled(&a.metrics_of(memcached::NAME)).await?;
+            common::settled(&c.metrics_of(memcached::NAME)).await?;
+            let (adopted, reapplied) = (count(ADOPT) - adopted, count(APPLY) - applied);
+            ensure!(
+                adopted == 2.0 * on_b as f64 && reapplied == 0.0,
+                "{on_b} objects moved: {adopted} adopting writes (want {}), {reapplied} applies (want 0); errors: {} / {}",
+                2 * on_b,
+                a.metrics_of(memcached::NAME).describe_errors(),
+                c.metrics_of(memcached::NAME).describe_errors(),
+            );
             let m: Memcached = serde_json::from_value(json!({
                 "apiVersion": "cache.example.com/v1", "kind": "Memcached",
                 "metadata": {"name": "mc-late"}, "spec": {"size": 0}
@@ -141,6 +182,14 @@ async fn objects_are_spread_over_the_members_and_move_when_members_leave_and_joi
             println!("after d joined: {by:?} (before {before:?})");
             let to_d = by.get(&member_name("d_1")).copied().unwrap_or(0);
             ensure!((4..=18).contains(&to_d), "{to_d} of {n} moved to d");
+            common::settled(&d.metrics_of(memcached::NAME)).await?;
+            let (adopted, applied) = (d.sample(ADOPT), d.sample(APPLY));
+            ensure!(
+                adopted == 2.0 * to_d as f64 && applied == 0.0,
+                "{to_d} objects drained to d: {adopted} adopting writes (want {}), {applied} applies (want 0); errors: {}",
+                2 * to_d,
+                d.metrics_of(memcached::NAME).describe_errors(),
+            );
             for id in ["a_1", "c_1"] {
                 let (was, is) = (before[&member_name(id)], by[&member_name(id)]);
                 ensure!(is <= was, "{id} gained objects when d joined: {was} -> {is}");

@@ -40,9 +40,50 @@ pub(crate) struct Shard {
     pub member: String,
     /// The label by which the sharder asks for an object back.
     pub drain: String,
+    /// The annotation by which the sharder says an object's children may be another's.
+    pub adopt: String,
     /// Objects let go of, by UID, with the resourceVersion they were let go from: a copy of
     /// that version still in the cache (its removal not yet seen) is not reconciled.
-    pub released: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, String>>>,
+    pub released: Versions,
+    /// Objects adopted, by UID, with the resourceVersion they were adopted from: a copy of
+    /// that version still in the cache (the adoption's own write not yet seen) is not planned
+    /// from.
+    pub adopted: Versions,
+}
+
+/// Versions of objects a member has replaced by a write of its own, until its cache has seen
+/// the write (seconds); entries are dropped after [`Versions::KEEP`] so that the map stays
+/// small whatever the churn.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Versions {
+    inner: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, (String, std::time::Instant)>>>,
+}
+
+impl Versions {
+    /// Long past the time a watch event takes to arrive.
+    const KEEP: std::time::Duration = std::time::Duration::from_secs(600);
+
+    /// Whether the version `rv` of `uid` is the one recorded; any other version is newer, and
+    /// the entry is forgotten.
+    pub fn is_replaced(&self, uid: &str, rv: Option<&str>) -> bool {
+        let mut m = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        match m.get(uid) {
+            Some((v, _)) if Some(v.as_str()) == rv => true,
+            Some(_) => {
+                m.remove(uid);
+                false
+            }
+            None => false,
+        }
+    }
+
+    pub fn insert(&self, uid: String, rv: String) {
+        let mut m = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        if m.len() >= 1024 {
+            m.retain(|_, (_, at)| at.elapsed() < Self::KEEP);
+        }
+        m.insert(uid, (rv, std::time::Instant::now()));
+    }
 }
 
 impl Debug for ControllerContext {
@@ -236,5 +277,22 @@ pub(crate) async fn term_ended(mut term: tokio::sync::watch::Receiver<bool>) {
     if term.changed().await.is_err() {
         // The manager is gone, and with it the term's end: nothing will announce it.
         std::future::pending::<()>().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Versions;
+
+    #[test]
+    fn a_released_version_is_skipped_until_a_newer_one_is_seen() {
+        let r = Versions::default();
+        r.insert("u1".into(), "10".into());
+        assert!(r.is_replaced("u1", Some("10")));
+        assert!(r.is_replaced("u1", Some("10")));
+        assert!(!r.is_replaced("u2", Some("10")));
+        // Placed here again: a newer version is reconciled, and the entry is gone.
+        assert!(!r.is_replaced("u1", Some("12")));
+        assert!(!r.is_replaced("u1", Some("10")));
     }
 }

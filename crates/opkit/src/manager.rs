@@ -395,7 +395,9 @@ impl Manager {
                     label: crate::sharding::shard_label(name),
                     member: s.member.clone(),
                     drain: crate::sharding::drain_label(name),
+                    adopt: crate::sharding::adopt_annotation(name),
                     released: Default::default(),
+                    adopted: Default::default(),
                 }),
             },
             None => Common {

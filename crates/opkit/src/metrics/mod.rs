@@ -415,11 +415,20 @@ impl ControllerMetrics {
 
     /// This controller's writes so far by verb (`apply 3, event 1`), for test failures.
     pub fn describe_writes(&self) -> String {
+        self.describe("opkit_api_writes_total{")
+    }
+
+    /// This controller's failed reconciles so far by category, for test failures.
+    pub fn describe_errors(&self) -> String {
+        self.describe("opkit_reconcile_errors_total{")
+    }
+
+    fn describe(&self, family: &str) -> String {
         let mut out: Vec<String> = self
             .metrics
             .encode()
             .lines()
-            .filter(|l| l.starts_with("opkit_api_writes_total{"))
+            .filter(|l| l.starts_with(family))
             .filter(|l| l.contains(&format!("controller=\"{}\"", self.controller)))
             .map(|l| l.to_string())
             .collect();

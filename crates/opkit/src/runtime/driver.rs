@@ -15,7 +15,7 @@ use tracing::Instrument;
 
 use super::Error;
 use super::hold::Hold;
-use super::watches::{Pruner, Synced, Watches};
+use super::watches::{Adopter, Pruner, Synced, Watches};
 use super::write::Writer;
 use crate::conditions::Desired;
 use crate::context::ControllerContext;
@@ -50,6 +50,7 @@ struct Runner<R: Reconciler> {
     reconciler: Arc<R>,
     cache: R::Cache,
     pruners: Vec<Pruner>,
+    adopters: Vec<Adopter>,
     synced: watch::Receiver<bool>,
     ctx: ControllerContext,
     limit: Option<Arc<Semaphore>>,
@@ -86,6 +87,7 @@ pub(crate) fn run<R: Reconciler>(
         let Watches {
             controller,
             pruners,
+            adopters,
             background,
             ..
         } = w;
@@ -94,6 +96,7 @@ pub(crate) fn run<R: Reconciler>(
             reconciler: reconciler.clone(),
             cache,
             pruners,
+            adopters,
             synced: synced.subscribe(),
             ctx: ctx.clone(),
             limit: limit.clone(),
@@ -202,11 +205,30 @@ impl<R: Reconciler> Runner<R> {
     #[tracing::instrument(name = "reconcile", skip_all, fields(controller = self.reconciler.name(), namespace = obj.namespace(), object = obj.name_any(), trace_id = tracing::field::Empty))]
     async fn reconcile_synced(&self, obj: &R::Object) -> Result<(Action, &'static str), Error> {
         crate::telemetry::record_trace_id(&tracing::Span::current());
-        if let Some(shard) = self.ctx.shard()
-            && let Some(outcome) = self.shard_check(obj, shard).await?
-        {
-            return Ok((Action::await_change(), outcome));
-        }
+        let adopted;
+        let obj = match self.ctx.shard() {
+            Some(shard) => {
+                if let Some(outcome) = self.shard_check(obj, shard).await? {
+                    return Ok((Action::await_change(), outcome));
+                }
+                if obj.annotations().contains_key(&shard.adopt) {
+                    let uid = obj.uid().unwrap_or_default();
+                    if shard.adopted.is_replaced(&uid, obj.resource_version().as_deref()) {
+                        // Adopted already, and planned from the object written then; this
+                        // copy is older. Looked at again once the cache has the newer one.
+                        return Ok((Action::requeue(Duration::from_secs(1)), "stale_copy"));
+                    }
+                    adopted = self.adopt(obj, shard).await?;
+                    if let Some(rv) = obj.resource_version() {
+                        shard.adopted.insert(uid, rv);
+                    }
+                    &adopted
+                } else {
+                    obj
+                }
+            }
+            None => obj,
+        };
         let deleting = obj.meta().deletion_timestamp.is_some();
         let ours = self
             .finalizer
@@ -266,26 +288,31 @@ impl<R: Reconciler> Runner<R> {
             return Ok(Some("not_placed_here"));
         }
         let uid = obj.uid().unwrap_or_default();
+        if shard
+            .released
+            .is_replaced(&uid, obj.resource_version().as_deref())
         {
-            let mut released = shard.released.lock().unwrap_or_else(|p| p.into_inner());
-            if released.get(&uid).is_some() && released.get(&uid) == obj.resource_version().as_ref() {
-                return Ok(Some("released"));
-            }
-            // Any other version is newer: placed here again.
-            released.remove(&uid);
+            return Ok(Some("released"));
         }
         if !obj.labels().contains_key(&shard.drain) {
             return Ok(None);
         }
         if let Some(rv) = self.writer.release(obj, shard).await? {
             tracing::info!(object = %obj.name_any(), "let go of, as the sharder asked");
-            shard
-                .released
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert(uid, rv);
+            shard.released.insert(uid, rv);
         }
         Ok(Some("released"))
+    }
+
+    /// Takes the children of an object moved here over from its previous owner, before
+    /// anything is planned from this member's caches; then takes the sharder's note off.
+    /// Returns the object as that last write left it.
+    async fn adopt(&self, obj: &R::Object, shard: &crate::context::Shard) -> Result<R::Object, Error> {
+        let uid = obj.uid().unwrap_or_default();
+        for adopter in &self.adopters {
+            adopter(uid.clone()).await?;
+        }
+        self.writer.adopted(obj, shard).await
     }
 
     async fn execute(&self, obj: &R::Object, plan: Plan<R::Status>) -> Result<Action, Error> {
@@ -295,7 +322,9 @@ impl<R: Reconciler> Runner<R> {
             let at = child.namespace(ns.as_deref()).map(String::from);
             produced.insert((child.resource.kind.clone(), at, child.name.clone()));
             if child.needed {
-                self.writer.child(ns.as_deref(), child).await?;
+                self.writer
+                    .child(ns.as_deref(), child, obj.uid().as_deref())
+                    .await?;
             }
         }
         if let Some(uid) = obj.uid() {

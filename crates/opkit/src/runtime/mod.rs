@@ -51,6 +51,8 @@ pub enum Error {
     Timeout { after: std::time::Duration },
     #[error("the reconcile panicked: {message}")]
     Panic { message: String },
+    #[error("{missing} {kind} taken over from the object's previous owner not yet in the cache")]
+    Adopt { kind: String, missing: usize },
 }
 
 impl Error {
@@ -87,6 +89,7 @@ impl Error {
             Error::Cleanup { .. } => "cleanup",
             Error::Timeout { .. } => "timeout",
             Error::Panic { .. } => "panic",
+            Error::Adopt { .. } => "adopt",
         }
     }
 }

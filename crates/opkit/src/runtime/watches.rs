@@ -23,6 +23,7 @@ use tokio::sync::watch;
 use super::cache::{Indexes, KeyFn, OWNER_INDEX, api, namespaced, observe_all};
 use super::{Cache, Watch, Watchable};
 use crate::OWNER_LABEL;
+use crate::context::Shard;
 use crate::reconciler::{Deletion, Reconciler};
 
 /// The index of the primary cache by uid, so that [`OWNER_LABEL`] leads back to its owner.
@@ -182,7 +183,11 @@ fn owner_uids<C: Resource>(obj: &C) -> Vec<String> {
         .filter(|o| o.controller == Some(true))
         .map(|o| o.uid.clone())
         .collect();
-    uids.extend(obj.labels().get(OWNER_LABEL).cloned());
+    if let Some(uid) = obj.labels().get(OWNER_LABEL)
+        && !uids.contains(uid)
+    {
+        uids.push(uid.clone());
+    }
     uids
 }
 
@@ -198,6 +203,7 @@ where
     primary: Cache<K>,
     synced: Synced,
     pub(crate) pruners: Vec<Pruner>,
+    pub(crate) adopters: Vec<Adopter>,
     pub(crate) background: Vec<BoxFuture<'static, ()>>,
     metrics: crate::metrics::ControllerMetrics,
     field_manager: String,
@@ -291,6 +297,7 @@ where
             primary: Cache::new(reflector::store().0, Indexes::default()),
             synced,
             pruners: Vec::new(),
+            adopters: Vec::new(),
             background: Vec::new(),
             metrics: ctx.metrics().clone(),
             field_manager: ctx.field_manager().to_string(),
@@ -305,11 +312,7 @@ where
         let mut watch = reconciler.primary();
         if let Some(shard) = ctx.shard() {
             // A member watches, caches and reconciles only the objects placed on it.
-            let mine = format!("{}={}", shard.label, shard.member);
-            watch.labels = Some(match watch.labels.take() {
-                Some(l) => format!("{l},{mine}"),
-                None => mine,
-            });
+            watch.labels = Some(mine(watch.labels.take(), shard));
         }
         let (primary, events) = w.subscribe(&watch);
         primary.add_index(UID_INDEX, Arc::new(|o: &K| o.uid().into_iter().collect()));
@@ -486,12 +489,26 @@ where
     }
 
     /// Watches a kind the primary objects control (controller owner reference, or
-    /// [`OWNER_LABEL`]): a change to one reconciles its owner.
-    pub fn owns<C>(&mut self, w: Watch<C>) -> Cache<C>
+    /// [`OWNER_LABEL`]): a change to one reconciles its owner. A sharded controller caches
+    /// only the children of its own objects (they carry their owner's shard label).
+    pub fn owns<C>(&mut self, mut w: Watch<C>) -> Cache<C>
     where
         C: Watchable,
     {
+        let shard = self.enqueue.ctx.shard().cloned();
+        if let Some(shard) = &shard {
+            w.labels = Some(mine(w.labels.take(), shard));
+        }
         let (cache, stream) = self.reflect(w);
+        if let Some(shard) = shard {
+            let (cache, ctx) = (cache.clone(), self.enqueue.ctx.clone());
+            let namespace = self.namespace.clone().filter(|_| namespaced::<C>());
+            self.adopters.push(Box::new(move |uid: String| {
+                let (cache, ctx, shard, namespace) =
+                    (cache.clone(), ctx.clone(), shard.clone(), namespace.clone());
+                async move { adopt(&cache, &ctx, &shard, namespace.as_deref(), &uid).await }.boxed()
+            }));
+        }
         let primary = self.primary.clone();
         let enqueue = self.enqueue.clone();
         let owners = move |c: C| {
@@ -513,7 +530,11 @@ where
                 })
                 .collect();
             if let Some(uid) = c.labels().get(OWNER_LABEL) {
-                refs.extend(primary.indexed_refs(UID_INDEX, uid));
+                for r in primary.indexed_refs(UID_INDEX, uid) {
+                    if !refs.contains(&r) {
+                        refs.push(r);
+                    }
+                }
             }
             refs.iter().for_each(|r| enqueue.add(r));
             refs
@@ -552,6 +573,98 @@ where
     }
 }
 
+/// `labels` (a selector) narrowed to the objects placed on this member.
+fn mine(labels: Option<String>, shard: &Shard) -> String {
+    let mine = format!("{}={}", shard.label, shard.member);
+    match labels {
+        Some(l) => format!("{l},{mine}"),
+        None => mine,
+    }
+}
+
+/// Takes over, for this member, the children of one kind of the object `uid`, which the
+/// sharder moved here: a child still labelled for its previous owner is relabelled (on the
+/// version listed), then every child is waited for in this member's cache. Without it, a child
+/// missing from the cache would look absent, and one made with `create` would be made twice.
+pub(crate) type Adopter = Box<dyn Fn(String) -> BoxFuture<'static, Result<(), super::Error>> + Send + Sync>;
+
+/// How long adopted children may take to reach the cache before the reconcile fails (and is
+/// retried with backoff).
+const ADOPT_WAIT: Duration = Duration::from_secs(30);
+
+async fn adopt<C: Watchable>(
+    cache: &Cache<C>,
+    ctx: &crate::context::ControllerContext,
+    shard: &Shard,
+    namespace: Option<&str>,
+    uid: &str,
+) -> Result<(), super::Error> {
+    use super::Error;
+    use kube::api::{ListParams, Patch, PatchParams};
+    let kind = C::kind(&()).to_string();
+    let listed = api::<C>(ctx.client(), namespace)
+        .list_metadata(&ListParams::default().labels(&format!("{OWNER_LABEL}={uid}")))
+        .await
+        .map_err(|source| Error::Observe { source })?;
+    let mut wanted = Vec::new();
+    for child in listed.items {
+        let (ns, name) = (child.namespace(), child.name_any());
+        let mut rv = child.resource_version().unwrap_or_default();
+        if child.labels().get(&shard.label) != Some(&shard.member) {
+            let mut labels = serde_json::Map::new();
+            labels.insert(shard.label.clone(), shard.member.clone().into());
+            let body = serde_json::json!({"metadata": {"resourceVersion": rv, "labels": labels}});
+            ctx.may_write("adopt")?;
+            match api::<C>(ctx.client(), ns.as_deref())
+                .patch_metadata(&name, &PatchParams::default(), &Patch::Merge(&body))
+                .await
+            {
+                Ok(written) => {
+                    rv = written.resource_version().unwrap_or_default();
+                    ctx.echoes().record(&kind, ns.as_deref(), &name, rv.clone());
+                    tracing::info!(child = %format!("{kind} {name}"), "adopted from the previous owner");
+                }
+                Err(kube::Error::Api(s)) if s.code == 404 => continue,
+                Err(kube::Error::Api(s)) if s.code == 409 => return Err(Error::Stale),
+                Err(source) => {
+                    return Err(Error::Write {
+                        child: format!("{kind} {name} (adopting)"),
+                        source,
+                    });
+                }
+            }
+        }
+        wanted.push((ns.unwrap_or_default(), name, rv));
+    }
+    let deadline = Instant::now() + ADOPT_WAIT;
+    loop {
+        let missing = wanted
+            .iter()
+            .filter(|(ns, name, rv)| {
+                !cache
+                    .get(ns, name)
+                    .is_some_and(|c| not_older(c.resource_version().as_deref(), rv))
+            })
+            .count();
+        if missing == 0 {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(Error::Adopt { kind, missing });
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Whether the cached version `cached` is `wanted` or a later one. resourceVersions are
+/// opaque, but etcd's are integers that only grow; anything else must match exactly.
+fn not_older(cached: Option<&str>, wanted: &str) -> bool {
+    match (cached.and_then(|c| c.parse::<u64>().ok()), wanted.parse::<u64>()) {
+        (Some(c), Ok(w)) => c >= w,
+        _ => cached == Some(wanted),
+    }
+}
+
 /// Replaces `obj` by what `manager` applied to it ([`crate::diff::applied_by`]); leaves it
 /// whole when the manager applied nothing or the projection does not make a valid object.
 pub(crate) fn keep_applied<C: Serialize + DeserializeOwned>(obj: &mut C, manager: &str) {
@@ -567,6 +680,17 @@ pub(crate) fn keep_applied<C: Serialize + DeserializeOwned>(obj: &mut C, manager
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn resource_versions_compare_as_integers_when_they_are() {
+        assert!(not_older(Some("10"), "9"));
+        assert!(not_older(Some("10"), "10"));
+        assert!(!not_older(Some("9"), "10"));
+        assert!(!not_older(None, "10"));
+        // Not integers: only the same version will do.
+        assert!(not_older(Some("a"), "a"));
+        assert!(!not_older(Some("b"), "a"));
+    }
+
     use super::*;
     use k8s_openapi::api::core::v1::ConfigMap;
 

@@ -50,10 +50,24 @@ impl Writer {
     }
 
     /// Writes `child`; a namespaced child without a namespace goes into `default_ns` (the
-    /// primary's).
+    /// primary's). A sharded controller's child carries its owner's shard label (so that only
+    /// the owner caches it) and the owner's uid (so that a new owner finds it).
     #[tracing::instrument(level = "debug", name = "apply", skip_all, fields(kind = %child.resource.kind, child = %child.name))]
-    pub(crate) async fn child(&self, default_ns: Option<&str>, child: &Child) -> Result<(), Error> {
+    pub(crate) async fn child(
+        &self,
+        default_ns: Option<&str>,
+        child: &Child,
+        owner_uid: Option<&str>,
+    ) -> Result<(), Error> {
         let ns = child.namespace(default_ns);
+        let labelled;
+        let body = match (self.ctx.shard(), owner_uid) {
+            (Some(shard), Some(uid)) => {
+                labelled = shard_labelled(&child.body, shard, uid);
+                &labelled
+            }
+            _ => &child.body,
+        };
         let api = dynamic_api(&self.ctx, &child.resource, ns);
         let err = |source| Error::Write {
             child: child.describe(),
@@ -63,12 +77,12 @@ impl Writer {
             Mode::Apply | Mode::Fields => {
                 let pp = PatchParams::apply(self.ctx.field_manager()).force();
                 self.ctx.may_write("apply")?;
-                api.patch(&child.name, &pp, &Patch::Apply(&child.body))
+                api.patch(&child.name, &pp, &Patch::Apply(body))
                     .await
                     .map_err(err)?
             }
             Mode::Create => {
-                let obj: DynamicObject = serde_json::from_value(child.body.clone())?;
+                let obj: DynamicObject = serde_json::from_value(body.clone())?;
                 self.ctx.may_write("create")?;
                 match api.create(&PostParams::default(), &obj).await {
                     Ok(o) => o,
@@ -254,9 +268,10 @@ impl Writer {
 }
 
 impl Writer {
-    /// Lets a sharded object go, as the sharder asked: its shard and drain labels come off,
-    /// on the version that was read (a newer one is decided again). Returns the version let
-    /// go of.
+    /// Lets a sharded object go, as the sharder asked: its shard label comes off, on the
+    /// version that was read (a newer one is decided again). The drain label stays, so that
+    /// the sharder (even a new one) knows its children are still labelled for this member.
+    /// Returns the version let go of.
     pub(crate) async fn release<K: Watchable>(
         &self,
         obj: &K,
@@ -264,7 +279,6 @@ impl Writer {
     ) -> Result<Option<String>, Error> {
         let mut labels = serde_json::Map::new();
         labels.insert(shard.label.clone(), serde_json::Value::Null);
-        labels.insert(shard.drain.clone(), serde_json::Value::Null);
         let body = serde_json::json!({
             "metadata": {"resourceVersion": obj.resource_version(), "labels": labels}
         });
@@ -283,6 +297,60 @@ impl Writer {
             }),
         }
     }
+}
+
+impl Writer {
+    /// Takes the sharder's adopt note off `obj` (its children are now this member's), on the
+    /// version that was read. Returns the object written.
+    pub(crate) async fn adopted<K: Watchable>(
+        &self,
+        obj: &K,
+        shard: &crate::context::Shard,
+    ) -> Result<K, Error> {
+        let mut annotations = serde_json::Map::new();
+        annotations.insert(shard.adopt.clone(), serde_json::Value::Null);
+        let body = serde_json::json!({
+            "metadata": {"resourceVersion": obj.resource_version(), "annotations": annotations}
+        });
+        let api: Api<K> = api(self.ctx.client(), obj.namespace().as_deref());
+        self.ctx.may_write("adopt")?;
+        match api
+            .patch(&obj.name_any(), &PatchParams::default(), &Patch::Merge(&body))
+            .await
+        {
+            Ok(written) => {
+                if let Some(rv) = written.resource_version() {
+                    self.ctx
+                        .echoes()
+                        .record(&K::kind(&()), obj.namespace().as_deref(), &obj.name_any(), rv);
+                }
+                Ok(written)
+            }
+            Err(kube::Error::Api(s)) if s.code == 409 => Err(Error::Stale),
+            Err(source) => Err(Error::Write {
+                child: "the adopt annotation".into(),
+                source,
+            }),
+        }
+    }
+}
+
+/// `body` with the labels that tie a child to its sharded owner.
+fn shard_labelled(body: &serde_json::Value, shard: &crate::context::Shard, uid: &str) -> serde_json::Value {
+    let mut body = body.clone();
+    if let Some(meta) = body
+        .as_object_mut()
+        .map(|o| o.entry("metadata").or_insert_with(|| serde_json::json!({})))
+        && let Some(meta) = meta.as_object_mut()
+    {
+        let labels = meta.entry("labels").or_insert_with(|| serde_json::json!({}));
+        if !labels.is_object() {
+            *labels = serde_json::json!({});
+        }
+        labels[&shard.label] = shard.member.clone().into();
+        labels[crate::OWNER_LABEL] = uid.into();
+    }
+    body
 }
 
 fn live_status<K: Serialize>(obj: &K) -> Result<serde_json::Value, Error> {
@@ -367,5 +435,30 @@ impl StatusWrites {
         chain.versions.push(to);
         chain.status = status;
         chain.at = std::time::Instant::now();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_sharded_child_is_labelled_for_its_owner_and_its_own_labels_stay() {
+        let shard = crate::context::Shard {
+            label: "shard.opkit.dev/memcached".into(),
+            member: "m-1".into(),
+            drain: String::new(),
+            adopt: String::new(),
+            released: Default::default(),
+            adopted: Default::default(),
+        };
+        let body = serde_json::json!({"metadata": {"name": "x", "labels": {"app": "memcached"}}});
+        let l = shard_labelled(&body, &shard, "u-1");
+        assert_eq!(
+            l["metadata"]["labels"],
+            serde_json::json!({"app": "memcached", "shard.opkit.dev/memcached": "m-1", "opkit.dev/owner-uid": "u-1"})
+        );
+        let bare = shard_labelled(&serde_json::json!({"kind": "Pod"}), &shard, "u-2");
+        assert_eq!(bare["metadata"]["labels"]["opkit.dev/owner-uid"], "u-2");
     }
 }

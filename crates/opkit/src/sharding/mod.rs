@@ -67,6 +67,13 @@ pub fn drain_label(controller: &str) -> String {
     format!("drain.shard.opkit.dev/{controller}")
 }
 
+/// The annotation by which the sharder tells an object's new owner that the object had another
+/// owner before (or predates the sharder), so its children may still be labelled for that one:
+/// the new owner takes them over before it plans.
+pub fn adopt_annotation(controller: &str) -> String {
+    format!("adopt.shard.opkit.dev/{controller}")
+}
+
 /// The name a member goes by in labels and in its Lease's name: the start of the host part of
 /// its `identity` (a valid label value, at most 40 characters), then a hash of the whole
 /// identity, so that a restarted process (same host, new identity) is a new member.
@@ -211,5 +218,6 @@ mod tests {
         let (prefix, name) = l.split_once('/').unwrap();
         assert!(prefix.len() <= 253 && name.len() <= 63);
         assert_eq!(drain_label("memcached"), "drain.shard.opkit.dev/memcached");
+        assert_eq!(adopt_annotation("memcached"), "adopt.shard.opkit.dev/memcached");
     }
 }

@@ -17,7 +17,10 @@ use kube::{Client, Resource, ResourceExt};
 use crate::runtime::Watchable;
 use crate::runtime::cache::api;
 
-use super::{GROUP_LABEL, MEMBER_LABEL, Members, Move, Placed, Ring, decide, drain_label, ring, shard_label};
+use super::{
+    GROUP_LABEL, MEMBER_LABEL, Members, Move, Placed, Ring, adopt_annotation, decide, drain_label, ring,
+    shard_label,
+};
 
 /// Patches in flight at once.
 const CONCURRENCY: usize = 16;
@@ -28,6 +31,17 @@ struct Object {
     resource_version: Option<String>,
     owner: Option<String>,
     draining: bool,
+    /// Listed when the sharder started, without an owner: its children (if any) were made
+    /// by an operator that did not shard, or by an owner this sharder never saw.
+    initial: bool,
+}
+
+impl Object {
+    /// Whether children of another owner may exist: the object had an owner, was let go of
+    /// (its drain label stays until it is assigned), or predates this sharder.
+    fn had_owner(&self) -> bool {
+        self.owner.is_some() || self.draining || self.initial
+    }
 }
 
 /// What one pass decided, for logs and metrics.
@@ -70,7 +84,11 @@ pub async fn run<K>(
     );
     let selector = format!("{GROUP_LABEL}={group}");
     let mut lease_events = watcher(leases, watcher::Config::default().labels(&selector)).boxed();
-    let (shard, drain) = (shard_label(controller), drain_label(controller));
+    let (shard, drain, adopt) = (
+        shard_label(controller),
+        drain_label(controller),
+        adopt_annotation(controller),
+    );
     let mut objects: HashMap<String, Object> = HashMap::new();
     let mut members = Members::default();
     let mut ring = Ring::default();
@@ -85,9 +103,21 @@ pub async fn run<K>(
             .max(Duration::from_millis(100));
         tokio::select! {
             ev = objects_events.next() => match ev {
-                Some(Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o))) => {
+                Some(Ok(watcher::Event::InitApply(o))) => {
                     let key = ring::key(o.namespace().as_deref(), &o.name_any());
-                    objects.insert(key.clone(), object(&o, &shard, &drain));
+                    let mut placed = object(&o, &shard, &drain);
+                    // Only the first list: a relist after a lost watch sees objects this
+                    // sharder assigned itself.
+                    placed.initial = (synced.0 < streams || objects.get(&key).is_some_and(|p| p.initial))
+                        && placed.owner.is_none();
+                    objects.insert(key.clone(), placed);
+                    dirty.insert(key);
+                }
+                Some(Ok(watcher::Event::Apply(o))) => {
+                    let key = ring::key(o.namespace().as_deref(), &o.name_any());
+                    let mut placed = object(&o, &shard, &drain);
+                    placed.initial = objects.get(&key).is_some_and(|p| p.initial) && placed.owner.is_none();
+                    objects.insert(key.clone(), placed);
                     dirty.insert(key);
                 }
                 Some(Ok(watcher::Event::Delete(o))) => {
@@ -159,10 +189,14 @@ pub async fn run<K>(
                 let o = &objects[&key];
                 let api = api::<PartialObjectMeta<K>>(&client, o.namespace.as_deref());
                 let mut labels = serde_json::Map::new();
+                let mut annotations = serde_json::Map::new();
                 match &m {
                     Move::Assign { to } => {
                         labels.insert(shard.clone(), to.clone().into());
                         labels.insert(drain.clone(), serde_json::Value::Null);
+                        if o.had_owner() {
+                            annotations.insert(adopt.clone(), "true".into());
+                        }
                     }
                     Move::Drain => {
                         labels.insert(drain.clone(), "true".into());
@@ -171,9 +205,11 @@ pub async fn run<K>(
                         labels.insert(drain.clone(), serde_json::Value::Null);
                     }
                 }
-                let body = serde_json::json!({
-                    "metadata": {"resourceVersion": o.resource_version, "labels": labels}
-                });
+                let mut metadata = serde_json::json!({"resourceVersion": o.resource_version, "labels": labels});
+                if !annotations.is_empty() {
+                    metadata["annotations"] = annotations.into();
+                }
+                let body = serde_json::json!({ "metadata": metadata });
                 let name = o.name.clone();
                 async move {
                     let r = api.patch(&name, &PatchParams::default(), &Patch::Merge(&body)).await;
@@ -201,6 +237,7 @@ pub async fn run<K>(
                     Move::Assign { to } => {
                         o.owner = Some(to);
                         o.draining = false;
+                        o.initial = false;
                         done.assigned += 1;
                     }
                     Move::Drain => {
@@ -231,6 +268,7 @@ fn object<K: Resource<DynamicType = ()>>(o: &PartialObjectMeta<K>, shard: &str, 
         resource_version: o.resource_version(),
         owner: labels.get(shard).filter(|v| !v.is_empty()).cloned(),
         draining: labels.contains_key(drain),
+        initial: false,
     }
 }
 
