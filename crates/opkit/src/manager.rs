@@ -417,6 +417,7 @@ impl Manager {
         if let Some(s) = sharded {
             let (group, lease_ns) = (s.cfg.group.clone(), s.cfg.lease.namespace.clone());
             let namespaces = namespaces.clone();
+            let metrics = self.metrics.for_controller(name);
             self.sharders.push(Box::new(move |client: Client| {
                 let leases = kube::Api::namespaced(client.clone(), &lease_ns);
                 crate::sharding::sharder::run::<R::Object>(
@@ -425,7 +426,7 @@ impl Manager {
                     group.clone(),
                     name,
                     namespaces.clone(),
-                    |_| {},
+                    metrics.clone(),
                 )
                 .boxed()
             }));

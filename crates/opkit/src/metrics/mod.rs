@@ -56,6 +56,13 @@ struct WriteLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct MoveLabels {
+    controller: String,
+    /// `assigned` (labelled for a member) or `drained` (its owner asked to let it go).
+    r#move: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CallLabels {
     controller: String,
     step: String,
@@ -78,6 +85,9 @@ pub struct Metrics {
     cache_objects: Family<CacheLabels, Gauge>,
     cache_bytes: Family<CacheLabels, Gauge>,
     calls: Family<CallLabels, Counter>,
+    shard_moves: Family<MoveLabels, Counter>,
+    shard_handover: Family<ControllerLabel, Histogram, fn() -> Histogram>,
+    shard_members: Family<ControllerLabel, Gauge>,
     caches: Arc<Mutex<Vec<(CacheLabels, CacheProbe)>>>,
     totals: Arc<Mutex<HashMap<String, Arc<Totals>>>>,
     standard: standard::Standard,
@@ -179,6 +189,26 @@ impl Default for Metrics {
             "Estimated size of the cached objects, by kind: their JSON size, from a sample",
             cache_bytes.clone(),
         );
+        let shard_moves = Family::<MoveLabels, Counter>::default();
+        let shard_handover = Family::<ControllerLabel, Histogram, fn() -> Histogram>::new_with_constructor(
+            standard::seconds_histogram as fn() -> Histogram,
+        );
+        let shard_members = Family::<ControllerLabel, Gauge>::default();
+        registry.register(
+            "shard_moves",
+            "Objects the sharder (on the leader) labelled for a member (assigned) or asked their owner to let go of (drained)",
+            shard_moves.clone(),
+        );
+        registry.register(
+            "shard_handover_seconds",
+            "From the moment an object had to move (its owner asked to let go, or the owner's Lease last seen renewed) to its assignment to the new owner",
+            shard_handover.clone(),
+        );
+        registry.register(
+            "shard_members",
+            "Live members the sharder (on the leader) places objects on",
+            shard_members.clone(),
+        );
         Metrics {
             registry: Arc::new(root),
             reconciles,
@@ -193,6 +223,9 @@ impl Default for Metrics {
             cache_objects,
             cache_bytes,
             calls,
+            shard_moves,
+            shard_handover,
+            shard_members,
             caches: Arc::default(),
             totals: Arc::default(),
             standard,
@@ -341,6 +374,31 @@ impl ControllerMetrics {
             metrics: self.clone(),
             start: Instant::now(),
         }
+    }
+
+    /// Counts objects the sharder moved (`move_`: `assigned` or `drained`).
+    pub(crate) fn shard_moved(&self, move_: &str, n: usize) {
+        let l = MoveLabels {
+            controller: self.controller.clone(),
+            r#move: move_.to_string(),
+        };
+        self.metrics.shard_moves.get_or_create(&l).inc_by(n as u64);
+    }
+
+    /// Records how long an object took to reach its new owner.
+    pub(crate) fn shard_handover(&self, seconds: f64) {
+        let l = ControllerLabel {
+            controller: self.controller.clone(),
+        };
+        self.metrics.shard_handover.get_or_create(&l).observe(seconds);
+    }
+
+    /// Sets the number of live members the sharder places objects on.
+    pub(crate) fn shard_members(&self, n: usize) {
+        let l = ControllerLabel {
+            controller: self.controller.clone(),
+        };
+        self.metrics.shard_members.get_or_create(&l).set(n as i64);
     }
 
     /// Counts a failed reconcile under its error category.

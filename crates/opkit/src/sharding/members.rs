@@ -49,6 +49,25 @@ impl Members {
         })
     }
 
+    /// When `member`'s Lease was last seen to change (a renewal), if it is known.
+    pub fn last_renewed(&self, member: &str) -> Option<Instant> {
+        self.seen.get(member).map(|s| s.changed)
+    }
+
+    /// The members judged dead for at least `after` at `now` (their Lease unchanged for its
+    /// duration plus `after`, or released that long ago): their Leases can go.
+    pub fn gone_for(&self, after: Duration, now: Instant) -> Vec<String> {
+        self.seen
+            .iter()
+            .filter(|(m, s)| {
+                let secs = u64::try_from(s.spec.lease_duration_seconds.unwrap_or(0)).unwrap_or(0);
+                !self.is_live(m, now)
+                    && now.saturating_duration_since(s.changed) >= Duration::from_secs(secs) + after
+            })
+            .map(|(m, _)| m.clone())
+            .collect()
+    }
+
     /// The live members at `now`, sorted.
     pub fn live(&self, now: Instant) -> Vec<String> {
         self.seen
@@ -118,5 +137,21 @@ mod tests {
         assert!(!m.is_live("a", now));
         assert!(!m.is_live("nobody", now));
         assert_eq!(m.next_expiry(now), None);
+    }
+
+    #[test]
+    fn a_member_is_forgotten_only_long_after_it_died() {
+        let t0 = Instant::now();
+        let at = |s| t0 + Duration::from_secs(s);
+        let mut m = Members::default();
+        m.observe("a", spec("a_1", 100), at(0));
+        m.observe("b", spec("b_1", 100), at(0));
+        let after = Duration::from_secs(60);
+        // Dead from 10 s on (its duration), forgettable from 70 s on.
+        assert!(m.gone_for(after, at(69)).is_empty());
+        m.observe("a", spec("a_1", 150), at(50));
+        assert_eq!(m.gone_for(after, at(70)), ["b"]);
+        assert_eq!(m.last_renewed("a"), Some(at(50)));
+        assert!(m.gone_for(after, at(119)).iter().all(|x| x != "a"));
     }
 }

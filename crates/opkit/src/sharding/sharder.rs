@@ -25,6 +25,10 @@ use super::{
 /// Patches in flight at once.
 const CONCURRENCY: usize = 16;
 
+/// How long a member stays dead before its Lease is deleted: a restarted process is a new
+/// member, so without this every restart would leave a Lease behind.
+const FORGET_AFTER: Duration = Duration::from_secs(60);
+
 struct Object {
     namespace: Option<String>,
     name: String,
@@ -55,14 +59,14 @@ pub struct Moves {
 
 /// Keeps the objects of `controller` (kind `K`, in `namespaces`; `None`: all) placed on the
 /// live members of `group`, whose Leases are in `leases`, until the future is dropped.
-/// `moved` hears of every pass that moved something.
-pub async fn run<K>(
+/// Moves, handover times and members are counted in `metrics`.
+pub(crate) async fn run<K>(
     client: Client,
     leases: Api<Lease>,
     group: String,
     controller: &'static str,
     namespaces: Vec<Option<String>>,
-    moved: impl Fn(Moves) + Send,
+    metrics: crate::metrics::ControllerMetrics,
 ) where
     K: Watchable,
     PartialObjectMeta<K>: Watchable,
@@ -83,7 +87,11 @@ pub async fn run<K>(
             .map(|api| watcher(api, watcher::Config::default()).boxed()),
     );
     let selector = format!("{GROUP_LABEL}={group}");
-    let mut lease_events = watcher(leases, watcher::Config::default().labels(&selector)).boxed();
+    let mut lease_events = watcher(leases.clone(), watcher::Config::default().labels(&selector)).boxed();
+    // Member Leases by member: name and resourceVersion, to delete one long dead.
+    let mut lease_names: HashMap<String, (String, Option<String>)> = HashMap::new();
+    // Since when an object has had to move away from a live owner (drain asked).
+    let mut moving_since: HashMap<String, Instant> = HashMap::new();
     let (shard, drain, adopt) = (
         shard_label(controller),
         drain_label(controller),
@@ -121,7 +129,9 @@ pub async fn run<K>(
                     dirty.insert(key);
                 }
                 Some(Ok(watcher::Event::Delete(o))) => {
-                    objects.remove(&ring::key(o.namespace().as_deref(), &o.name_any()));
+                    let key = ring::key(o.namespace().as_deref(), &o.name_any());
+                    objects.remove(&key);
+                    moving_since.remove(&key);
                 }
                 Some(Ok(watcher::Event::Init)) => {}
                 Some(Ok(watcher::Event::InitDone)) => synced.0 += 1,
@@ -135,11 +145,13 @@ pub async fn run<K>(
                 Some(Ok(watcher::Event::Apply(l) | watcher::Event::InitApply(l))) => {
                     if let (Some(m), Some(spec)) = (member_of(&l), l.spec.clone()) {
                         members.observe(&m, spec, Instant::now());
+                        lease_names.insert(m, (l.name_any(), l.resource_version()));
                     }
                 }
                 Some(Ok(watcher::Event::Delete(l))) => {
                     if let Some(m) = member_of(&l) {
                         members.remove(&m);
+                        lease_names.remove(&m);
                     }
                 }
                 Some(Ok(watcher::Event::Init)) => {}
@@ -159,8 +171,33 @@ pub async fn run<K>(
         let live = members.live(now);
         if live.as_slice() != ring.members() {
             tracing::info!(controller, members = ?live, "sharder: members changed");
+            metrics.shard_members(live.len());
             ring = Ring::new(&live);
             everything = true;
+        }
+        for m in members.gone_for(FORGET_AFTER, now) {
+            // Every object of its was moved long ago; the Lease only takes room. Conditional
+            // on the version judged, so a member that came back keeps its Lease.
+            if let Some((name, rv)) = lease_names.get(&m) {
+                let dp = kube::api::DeleteParams {
+                    preconditions: Some(kube::api::Preconditions {
+                        resource_version: rv.clone(),
+                        uid: None,
+                    }),
+                    ..Default::default()
+                };
+                match leases.delete(name, &dp).await {
+                    Ok(_) => {
+                        tracing::info!(controller, member = %m, "sharder: deleted the Lease of a member long gone")
+                    }
+                    Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
+                    Err(e) => {
+                        tracing::warn!(controller, member = %m, error = %e, "sharder: deleting a gone member's Lease failed")
+                    }
+                }
+            }
+            members.remove(&m);
+            lease_names.remove(&m);
         }
         let keys: Vec<String> = if std::mem::take(&mut everything) {
             dirty.clear();
@@ -235,6 +272,14 @@ pub async fn run<K>(
             if let Some(o) = objects.get_mut(&key) {
                 match m {
                     Move::Assign { to } => {
+                        // A handover: from the drain asked, or from the last renewal seen of
+                        // the owner that is gone.
+                        let since = moving_since
+                            .remove(&key)
+                            .or_else(|| o.owner.as_deref().and_then(|m| members.last_renewed(m)));
+                        if let Some(since) = since {
+                            metrics.shard_handover(since.elapsed().as_secs_f64());
+                        }
                         o.owner = Some(to);
                         o.draining = false;
                         o.initial = false;
@@ -243,8 +288,12 @@ pub async fn run<K>(
                     Move::Drain => {
                         o.draining = true;
                         done.drained += 1;
+                        moving_since.insert(key, Instant::now());
                     }
-                    Move::Undrain => o.draining = false,
+                    Move::Undrain => {
+                        o.draining = false;
+                        moving_since.remove(&key);
+                    }
                 }
             }
         }
@@ -255,7 +304,8 @@ pub async fn run<K>(
                 drained = done.drained,
                 "sharder: objects moved"
             );
-            moved(done);
+            metrics.shard_moved("assigned", done.assigned);
+            metrics.shard_moved("drained", done.drained);
         }
     }
 }
