@@ -1,6 +1,8 @@
 //! The manifests committed under `config/` are what the code generates.
 use std::process::Command;
 
+use serde_json::Value;
+
 #[test]
 fn committed_manifests_are_fresh() {
     let dir = format!("{}/../../config", env!("CARGO_MANIFEST_DIR"));
@@ -84,4 +86,89 @@ fn kube_score_finds_nothing_critical_in_the_deployed_manifests() {
         findings.iter().all(|l| l.contains("few replicas")),
         "new warnings: {findings:#?}"
     );
+}
+
+/// `kubectl kustomize config/<overlay>` as JSON values, one per object.
+fn kustomized(overlay: &str) -> Vec<Value> {
+    let bin = opkit_testenv::Binaries::ensure().expect("the upstream binaries build");
+    let dir = format!("{}/../../config/{overlay}", env!("CARGO_MANIFEST_DIR"));
+    let out = Command::new(bin.path("kubectl"))
+        .args(["kustomize", &dir])
+        .output()
+        .expect("kubectl runs");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_yaml::Deserializer::from_slice(&out.stdout)
+        .map(|d| serde::Deserialize::deserialize(d).expect("valid YAML"))
+        .collect()
+}
+
+/// The strings of a YAML list (none when it is not one).
+fn strings(v: &Value) -> Vec<String> {
+    v.as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .map(String::from)
+        .collect()
+}
+
+/// The manager's replicas and arguments, and the verbs on Leases not named that Roles bound
+/// to its ServiceAccount grant in its namespace (sorted, once each), in one overlay.
+fn manager_and_unnamed_leases(objs: &[Value]) -> (Value, Vec<String>, Vec<String>) {
+    let manager = objs
+        .iter()
+        .find(|o| o["kind"] == "Deployment" && o["metadata"]["name"] == "opkit-controller-manager")
+        .expect("the manager Deployment");
+    let args = strings(&manager["spec"]["template"]["spec"]["containers"][0]["args"]);
+    let in_namespace =
+        |o: &&Value, kind: &str| o["kind"] == kind && o["metadata"]["namespace"] == "opkit-system";
+    let bound: Vec<&Value> = objs
+        .iter()
+        .filter(|o| in_namespace(o, "RoleBinding"))
+        .filter(|o| {
+            o["subjects"].as_array().into_iter().flatten().any(|s| {
+                s["kind"] == "ServiceAccount"
+                    && s["name"] == "opkit-controller-manager"
+                    && s["namespace"] == "opkit-system"
+            })
+        })
+        .map(|o| &o["roleRef"]["name"])
+        .collect();
+    let mut verbs: Vec<String> = objs
+        .iter()
+        .filter(|o| in_namespace(o, "Role") && bound.contains(&&o["metadata"]["name"]))
+        .flat_map(|o| o["rules"].as_array().into_iter().flatten())
+        .filter(|r| {
+            strings(&r["apiGroups"]) == ["coordination.k8s.io"] && strings(&r["resources"]) == ["leases"]
+        })
+        .filter(|r| r.get("resourceNames").is_none())
+        .flat_map(|r| strings(&r["verbs"]))
+        .collect();
+    verbs.sort();
+    verbs.dedup();
+    (manager["spec"]["replicas"].clone(), args, verbs)
+}
+
+/// `config/sharding` is `config/default` run as three replicas with `--sharding`, allowed the
+/// member Leases; `config/default` stays one replica, the leader Lease by name only.
+#[test]
+fn config_sharding_runs_three_sharded_replicas_and_config_default_one() {
+    let (replicas, args, leases) = manager_and_unnamed_leases(&kustomized("default"));
+    assert_eq!(replicas, 1);
+    assert!(!args.iter().any(|a| a == "--sharding"), "{args:?}");
+    assert_eq!(leases, ["create"], "the default grants Leases not named");
+
+    let (replicas, args, leases) = manager_and_unnamed_leases(&kustomized("sharding"));
+    assert_eq!(replicas, 3);
+    let at = args
+        .iter()
+        .position(|a| a == "--leader-elect")
+        .expect("--leader-elect");
+    assert_eq!(
+        args.get(at + 1).map(String::as_str),
+        Some("--sharding"),
+        "{args:?}"
+    );
+    assert_eq!(args.iter().filter(|a| *a == "--sharding").count(), 1, "{args:?}");
+    assert_eq!(leases, ["create", "delete", "get", "list", "update", "watch"]);
 }

@@ -1,6 +1,6 @@
 //! The generated deployment manifests under `config/`: CRDs from the Rust types, RBAC from the
 //! controllers' rule tables, the operator's Deployment, and kustomizations tying them together
-//! (`kubectl apply -k config/default`).
+//! (`kubectl apply -k config/default`; `config/sharding` for N replicas sharing the objects).
 use k8s_openapi::api::admissionregistration::v1::{
     MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
 };
@@ -354,7 +354,8 @@ pub fn user_roles<S>(op: &Operator<S>) -> Vec<(String, ClusterRole)> {
 
 /// Exactly what [`crate::leader`] uses, in the operator's namespace: read, watch (by name) and
 /// update the Lease `lease` only, create it once (a create cannot be limited by name). A
-/// replica started with another `--leader-election-id` needs its own rule.
+/// replica started with another `--leader-election-id` needs its own rule. `--sharding`
+/// needs [`sharding_rules`] too.
 pub fn leader_rules(lease: &str) -> Vec<PolicyRule> {
     let mut by_name = rule(
         &["coordination.k8s.io"],
@@ -363,6 +364,78 @@ pub fn leader_rules(lease: &str) -> Vec<PolicyRule> {
     );
     by_name.resource_names = Some(vec![lease.to_string()]);
     vec![by_name, rule(&["coordination.k8s.io"], &["leases"], &["create"])]
+}
+
+/// What `opkit run --sharding` adds to [`leader_rules`] in the operator's namespace: the
+/// member Leases (`<leader Lease>-member-<member>`). Each replica creates, reads and renews
+/// (update) its own; the sharder on the leader lists and watches them all and deletes those
+/// of members long gone. A member's name is only known at run time and the sharder finds the
+/// Leases by the label `shard.opkit.dev/group`, but RBAC can select neither by a name prefix
+/// nor by a label: this grants every Lease of the namespace, so it is only granted with
+/// sharding on ([`sharding_role`]), and the default stays the leader Lease by name.
+pub fn sharding_rules() -> Vec<PolicyRule> {
+    vec![rule(
+        &["coordination.k8s.io"],
+        &["leases"],
+        &["get", "list", "watch", "create", "update", "delete"],
+    )]
+}
+
+/// [`sharding_rules`] for the manager's ServiceAccount, as a Role and binding of their own
+/// (not in the leader-election Role) so that `config/sharding` adds them to `config/default`
+/// and the chart's `sharding.enable` adds the same objects.
+pub fn sharding_role<S>(op: &Operator<S>) -> (Role, RoleBinding) {
+    let name = format!("{}-sharding-role", op.name);
+    let role = Role {
+        metadata: meta(op, &name, Some(&op.namespace())),
+        rules: Some(sharding_rules()),
+    };
+    let binding = RoleBinding {
+        metadata: meta(
+            op,
+            &format!("{}-sharding-rolebinding", op.name),
+            Some(&op.namespace()),
+        ),
+        role_ref: RoleRef {
+            api_group: "rbac.authorization.k8s.io".into(),
+            kind: "Role".into(),
+            name,
+        },
+        subjects: Some(service_account_subject(op)),
+    };
+    (role, binding)
+}
+
+/// The replicas `config/sharding` runs; a user's overlay of it sets its own count.
+pub const SHARDED_REPLICAS: i32 = 3;
+
+/// The JSON patch (RFC 6902) of `config/sharding`: `--sharding` right after `--leader-elect`
+/// in the manager's arguments, after a `test` that `--leader-elect` is where the generated
+/// Deployment has it, so an overlay that moved it fails the build instead of misplacing the
+/// flag.
+pub fn sharding_patch(deployment: &Deployment) -> anyhow::Result<serde_json::Value> {
+    let containers = deployment
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .map(|p| p.containers.as_slice())
+        .unwrap_or_default();
+    let (c, container) = containers
+        .iter()
+        .enumerate()
+        .find(|(_, c)| c.name == "manager")
+        .ok_or_else(|| anyhow::anyhow!("the manager Deployment has no container `manager`"))?;
+    let at = container
+        .args
+        .iter()
+        .flatten()
+        .position(|a| a == "--leader-elect")
+        .ok_or_else(|| anyhow::anyhow!("the manager runs without --leader-elect: no place for --sharding"))?;
+    let path = |i: usize| format!("/spec/template/spec/containers/{c}/args/{i}");
+    Ok(json!([
+        {"op": "test", "path": path(at), "value": "--leader-elect"},
+        {"op": "add", "path": path(at + 1), "value": "--sharding"},
+    ]))
 }
 
 /// What the generated NetworkPolicy cannot say, said next to it.
@@ -684,10 +757,111 @@ pub fn all<S>(op: &Operator<S>, namespaces: &[String]) -> anyhow::Result<Vec<(St
         )])?
         .replace("- ../webhook\n", PROMETHEUS_NOTE),
     ));
+    files.extend(sharding_files(op, namespaces)?);
     files.extend(crate::monitoring::files(op)?);
     Ok(files)
 }
 
+/// `config/sharding`: `config/default` with [`SHARDED_REPLICAS`] replicas running
+/// `--sharding`, and [`sharding_role`].
+fn sharding_files<S>(op: &Operator<S>, namespaces: &[String]) -> anyhow::Result<Vec<(String, String)>> {
+    let (role, binding) = sharding_role(op);
+    let kustomization = json!({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": ["../default", "sharding_role.yaml", "sharding_role_binding.yaml"],
+        "replicas": [{"name": op.manager(), "count": SHARDED_REPLICAS}],
+        "patches": [{
+            "path": "manager_sharding_patch.yaml",
+            "target": {"kind": "Deployment", "name": op.manager()},
+        }],
+    });
+    Ok(vec![
+        (
+            "sharding/kustomization.yaml".into(),
+            to_yaml(&[kustomization])?.replacen("\n", &format!("\n{SHARDING_NOTE}"), 1),
+        ),
+        (
+            "sharding/manager_sharding_patch.yaml".into(),
+            to_yaml(&[sharding_patch(&deployment_for(op, namespaces))?])?,
+        ),
+        ("sharding/sharding_role.yaml".into(), to_yaml(&[role])?),
+        ("sharding/sharding_role_binding.yaml".into(), to_yaml(&[binding])?),
+    ])
+}
+
+/// How to use `config/sharding`, said in it.
+const SHARDING_NOTE: &str = "\
+# config/default with its objects spread over the replicas (`opkit run --leader-elect
+# --sharding`, docs/scaling.md): each replica watches, caches and reconciles about 1/N of
+# them. `kubectl apply --server-side -k config/sharding`; for another N, an overlay with
+# `resources: [<path to>/config/sharding]` and its own `replicas:` entry. The Role grants
+# every Lease of the namespace: member Leases are found by label, which RBAC cannot select.
+";
+
 /// Kubebuilder's opt-in for the ServiceMonitor and alerts: they need the Prometheus
 /// Operator's CRDs, which a cluster may not have.
 const PROMETHEUS_NOTE: &str = "- ../webhook\n# With the Prometheus Operator installed: uncomment to scrape the metrics and load\n# the alerts (config/prometheus: a ServiceMonitor and a PrometheusRule).\n#- ../prometheus\n";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_sharding_patch_puts_the_flag_right_after_leader_elect() {
+        let mut d = Deployment::default();
+        let args = |a: &[&str]| Some(a.iter().map(|s| s.to_string()).collect());
+        d.spec = Some(DeploymentSpec {
+            template: PodTemplateSpec {
+                spec: Some(PodSpec {
+                    containers: vec![
+                        Container {
+                            name: "sidecar".into(),
+                            args: args(&["--leader-elect"]),
+                            ..Default::default()
+                        },
+                        Container {
+                            name: "manager".into(),
+                            args: args(&["run", "--metrics-secure", "--leader-elect", "--x"]),
+                            ..Default::default()
+                        },
+                    ],
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+            ..Default::default()
+        });
+        let patch = sharding_patch(&d).unwrap();
+        assert_eq!(patch[0]["path"], "/spec/template/spec/containers/1/args/2");
+        assert_eq!(patch[0]["value"], "--leader-elect");
+        assert_eq!(patch[1]["op"], "add");
+        assert_eq!(patch[1]["path"], "/spec/template/spec/containers/1/args/3");
+        assert_eq!(patch[1]["value"], "--sharding");
+
+        let pod = d.spec.as_mut().and_then(|s| s.template.spec.as_mut()).unwrap();
+        pod.containers[1].args = args(&["run"]);
+        assert!(
+            sharding_patch(&d).is_err(),
+            "no --leader-elect: no place for --sharding"
+        );
+    }
+
+    #[test]
+    fn only_sharding_grants_leases_not_named() {
+        let unnamed = |rules: &[PolicyRule]| -> Vec<String> {
+            rules
+                .iter()
+                .filter(|r| r.resources.as_deref() == Some(&["leases".to_string()][..]))
+                .filter(|r| r.resource_names.is_none())
+                .flat_map(|r| r.verbs.clone())
+                .collect()
+        };
+        // A create cannot be limited by name; everything else of the default is by name.
+        assert_eq!(unnamed(&leader_rules("op-leader")), ["create"]);
+        assert_eq!(
+            unnamed(&sharding_rules()),
+            ["get", "list", "watch", "create", "update", "delete"]
+        );
+    }
+}
