@@ -1,6 +1,7 @@
 //! The Helm chart under `dist/chart/`: fresh, clean for `helm lint`, and with default values
-//! exactly the objects of `config/` (confined to namespaces, those of `make manifests
-//! NAMESPACES=...`), rendered by the real Helm. Installing it is in `in_cluster.rs`.
+//! exactly the objects of `config/default` (confined to namespaces, those of `make manifests
+//! NAMESPACES=...`; with `sharding.enable`, those of `config/sharding`), rendered by the real
+//! Helm. Installing it is in `in_cluster.rs`.
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -211,6 +212,98 @@ fn values_switch_parts_off_and_on() {
             .keys()
             .any(|k| k.starts_with("CustomResourceDefinition "))
     );
+}
+
+/// The strings of a YAML list (none when it is not one).
+fn strings(v: &Value) -> Vec<String> {
+    v.as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .map(String::from)
+        .collect()
+}
+
+/// The manager's arguments, and the verbs on Leases not named that Roles bound to its
+/// ServiceAccount grant in its namespace (sorted, once each).
+fn manager_args_and_unnamed_leases(
+    objs: &std::collections::BTreeMap<String, Value>,
+) -> (Vec<String>, Vec<String>) {
+    let manager = &objs["Deployment opkit-system/opkit-controller-manager"];
+    let args = strings(&manager["spec"]["template"]["spec"]["containers"][0]["args"]);
+    let bound: Vec<String> = objs
+        .iter()
+        .filter(|(k, _)| k.starts_with("RoleBinding opkit-system/"))
+        .filter(|(_, b)| {
+            b["subjects"].as_array().into_iter().flatten().any(|s| {
+                s["kind"] == "ServiceAccount"
+                    && s["name"] == "opkit-controller-manager"
+                    && s["namespace"] == "opkit-system"
+            })
+        })
+        .filter_map(|(_, b)| b["roleRef"]["name"].as_str())
+        .map(|r| format!("Role opkit-system/{r}"))
+        .collect();
+    let mut verbs: Vec<String> = bound
+        .iter()
+        .filter_map(|r| objs.get(r))
+        .flat_map(|r| r["rules"].as_array().into_iter().flatten())
+        .filter(|r| {
+            strings(&r["apiGroups"]) == ["coordination.k8s.io"] && strings(&r["resources"]) == ["leases"]
+        })
+        .filter(|r| r.get("resourceNames").is_none())
+        .flat_map(|r| strings(&r["verbs"]))
+        .collect();
+    verbs.sort();
+    verbs.dedup();
+    (args, verbs)
+}
+
+#[test]
+fn sharding_is_off_by_default_and_on_with_sharding_enable() {
+    let default = objects(&helm_template(&[]).unwrap_or_else(|e| panic!("helm template: {e}")));
+    let (args, leases) = manager_args_and_unnamed_leases(&default);
+    assert!(!args.iter().any(|a| a == "--sharding"), "{args:?}");
+    // A create cannot be limited by name; the default grants nothing else not named.
+    assert_eq!(leases, ["create"]);
+
+    let sharded = objects(
+        &helm_template(&["--set", "sharding.enable=true"]).unwrap_or_else(|e| panic!("helm template: {e}")),
+    );
+    let (args, leases) = manager_args_and_unnamed_leases(&sharded);
+    let at = args
+        .iter()
+        .position(|a| a == "--leader-elect")
+        .expect("--leader-elect");
+    assert_eq!(
+        args.get(at + 1).map(String::as_str),
+        Some("--sharding"),
+        "{args:?}"
+    );
+    assert_eq!(leases, ["create", "delete", "get", "list", "update", "watch"]);
+    // The replicas stay manager.replicas.
+    assert_eq!(
+        sharded["Deployment opkit-system/opkit-controller-manager"]["spec"]["replicas"],
+        1
+    );
+
+    // `opkit run` would refuse it: the render does, named.
+    let err = helm_template(&["--set", "sharding.enable=true,manager.leaderElection=false"]).unwrap_err();
+    assert!(
+        err.contains("sharding.enable needs manager.leaderElection"),
+        "{err}"
+    );
+}
+
+#[test]
+fn the_sharded_chart_is_config_sharding() {
+    let replicas = opkit::manifests::SHARDED_REPLICAS;
+    let chart = helm_template(&[
+        "--set",
+        &format!("sharding.enable=true,manager.replicas={replicas}"),
+    ])
+    .unwrap_or_else(|e| panic!("helm template: {e}"));
+    assert_same(&chart, &kustomize(&repo().join("config/sharding")));
 }
 
 /// `make build-installer IMG=...`: every object of `config/default` in one file, the manager
