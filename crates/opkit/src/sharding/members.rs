@@ -49,6 +49,30 @@ impl Members {
         })
     }
 
+    /// Whether `member`'s Lease names a holder: it is on the ring until the sharder has fenced
+    /// it ([`Members::expired`]) or it released its Lease.
+    pub fn is_held(&self, member: &str) -> bool {
+        self.seen
+            .get(member)
+            .is_some_and(|s| s.spec.holder_identity.as_deref().is_some_and(|h| !h.is_empty()))
+    }
+
+    /// The members whose Lease names a holder, sorted: the ring.
+    pub fn held(&self) -> Vec<String> {
+        self.seen.keys().filter(|m| self.is_held(m)).cloned().collect()
+    }
+
+    /// The members whose Lease still names a holder but has not changed for its duration at
+    /// `now`: their gates have closed, unless this sharder missed renewals (it was busy, or
+    /// the watch lagged). Only a conditional write of the Lease tells the two apart.
+    pub fn expired(&self, now: Instant) -> Vec<String> {
+        self.seen
+            .keys()
+            .filter(|m| self.is_held(m) && !self.is_live(m, now))
+            .cloned()
+            .collect()
+    }
+
     /// When `member`'s Lease was last seen to change (a renewal), if it is known.
     pub fn last_renewed(&self, member: &str) -> Option<Instant> {
         self.seen.get(member).map(|s| s.changed)
@@ -137,6 +161,22 @@ mod tests {
         assert!(!m.is_live("a", now));
         assert!(!m.is_live("nobody", now));
         assert_eq!(m.next_expiry(now), None);
+    }
+
+    #[test]
+    fn an_expired_member_stays_held_until_its_lease_is_taken() {
+        let t0 = Instant::now();
+        let at = |s| t0 + Duration::from_secs(s);
+        let mut m = Members::default();
+        m.observe("a", spec("a_1", 100), at(0));
+        m.observe("b", spec("b_1", 100), at(0));
+        m.observe("a", spec("a_1", 111), at(11));
+        assert_eq!(m.expired(at(12)), ["b"]);
+        assert_eq!(m.held(), ["a", "b"]);
+        // The sharder took b's Lease (holder cleared): off the ring.
+        m.observe("b", spec("", 100), at(12));
+        assert!(m.expired(at(12)).is_empty());
+        assert_eq!(m.held(), ["a"]);
     }
 
     #[test]

@@ -7,9 +7,9 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use k8s_openapi::api::coordination::v1::Lease;
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::core::PartialObjectMeta;
 use kube::runtime::watcher;
 use kube::{Client, Resource, ResourceExt};
@@ -24,6 +24,9 @@ use super::{
 
 /// Patches in flight at once.
 const CONCURRENCY: usize = 16;
+
+/// Objects decided on in one pass at most.
+const MAX_PASS: usize = 256;
 
 /// How long a member stays dead before its Lease is deleted: a restarted process is a new
 /// member, so without this every restart would leave a Lease behind.
@@ -81,112 +84,111 @@ pub(crate) async fn run<K>(
         .iter()
         .map(|ns| api::<PartialObjectMeta<K>>(&client, ns.as_deref()))
         .collect();
-    let streams = apis.len();
+    let mut st = State {
+        streams: apis.len(),
+        shard: shard_label(controller),
+        drain: drain_label(controller),
+        adopt: adopt_annotation(controller),
+        ..State::default()
+    };
     let mut objects_events = futures::stream::select_all(
         apis.into_iter()
             .map(|api| watcher(api, watcher::Config::default()).boxed()),
     );
     let selector = format!("{GROUP_LABEL}={group}");
     let mut lease_events = watcher(leases.clone(), watcher::Config::default().labels(&selector)).boxed();
-    // Member Leases by member: name and resourceVersion, to delete one long dead.
-    let mut lease_names: HashMap<String, (String, Option<String>)> = HashMap::new();
-    // Since when an object has had to move away from a live owner (drain asked).
-    let mut moving_since: HashMap<String, Instant> = HashMap::new();
-    let (shard, drain, adopt) = (
-        shard_label(controller),
-        drain_label(controller),
-        adopt_annotation(controller),
-    );
-    let mut objects: HashMap<String, Object> = HashMap::new();
-    let mut members = Members::default();
     let mut ring = Ring::default();
-    let mut synced = (0usize, false);
-    let mut dirty: HashSet<String> = HashSet::new();
     let mut everything = false;
     loop {
         let now = Instant::now();
-        let wake = members
-            .next_expiry(now)
-            .map_or(Duration::from_secs(60), |t| t.saturating_duration_since(now))
-            .max(Duration::from_millis(100));
-        tokio::select! {
+        let wake = if !st.dirty.is_empty() && st.synced.0 >= st.streams && st.synced.1 {
+            // The rest of a bounded pass.
+            Duration::ZERO
+        } else if st.members.expired(now).is_empty() {
+            st.members
+                .next_expiry(now)
+                .map_or(Duration::from_secs(60), |t| t.saturating_duration_since(now))
+                .max(Duration::from_millis(100))
+        } else {
+            // A member to fence whose fencing failed: try again soon.
+            Duration::from_secs(1)
+        };
+        let failed = tokio::select! {
             ev = objects_events.next() => match ev {
-                Some(Ok(watcher::Event::InitApply(o))) => {
-                    let key = ring::key(o.namespace().as_deref(), &o.name_any());
-                    let mut placed = object(&o, &shard, &drain);
-                    // Only the first list: a relist after a lost watch sees objects this
-                    // sharder assigned itself.
-                    placed.initial = (synced.0 < streams || objects.get(&key).is_some_and(|p| p.initial))
-                        && placed.owner.is_none();
-                    objects.insert(key.clone(), placed);
-                    dirty.insert(key);
-                }
-                Some(Ok(watcher::Event::Apply(o))) => {
-                    let key = ring::key(o.namespace().as_deref(), &o.name_any());
-                    let mut placed = object(&o, &shard, &drain);
-                    placed.initial = objects.get(&key).is_some_and(|p| p.initial) && placed.owner.is_none();
-                    objects.insert(key.clone(), placed);
-                    dirty.insert(key);
-                }
-                Some(Ok(watcher::Event::Delete(o))) => {
-                    let key = ring::key(o.namespace().as_deref(), &o.name_any());
-                    objects.remove(&key);
-                    moving_since.remove(&key);
-                }
-                Some(Ok(watcher::Event::Init)) => {}
-                Some(Ok(watcher::Event::InitDone)) => synced.0 += 1,
-                Some(Err(e)) => {
-                    tracing::warn!(controller, error = %e, "sharder: watching the objects failed; retrying");
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                }
+                Some(ev) => st.on_object(ev, controller),
                 None => return,
             },
             ev = lease_events.next() => match ev {
-                Some(Ok(watcher::Event::Apply(l) | watcher::Event::InitApply(l))) => {
-                    if let (Some(m), Some(spec)) = (member_of(&l), l.spec.clone()) {
-                        members.observe(&m, spec, Instant::now());
-                        lease_names.insert(m, (l.name_any(), l.resource_version()));
-                    }
-                }
-                Some(Ok(watcher::Event::Delete(l))) => {
-                    if let Some(m) = member_of(&l) {
-                        members.remove(&m);
-                        lease_names.remove(&m);
-                    }
-                }
-                Some(Ok(watcher::Event::Init)) => {}
-                Some(Ok(watcher::Event::InitDone)) => synced.1 = true,
-                Some(Err(e)) => {
-                    tracing::warn!(controller, error = %e, "sharder: watching the member Leases failed; retrying");
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                }
+                Some(ev) => st.on_lease(ev, controller),
                 None => return,
             },
-            _ = tokio::time::sleep(wake) => {}
+            _ = tokio::time::sleep(wake) => false,
+        };
+        if failed {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            continue;
         }
-        if synced.0 < streams || !synced.1 {
+        // Everything already received goes in before deciding: after a long pass, Lease
+        // renewals wait here, and a member must not look dead for want of reading them.
+        loop {
+            if let Some(Some(ev)) = lease_events.next().now_or_never() {
+                st.on_lease(ev, controller);
+            } else if let Some(Some(ev)) = objects_events.next().now_or_never() {
+                st.on_object(ev, controller);
+            } else {
+                break;
+            }
+        }
+        if st.synced.0 < st.streams || !st.synced.1 {
             continue;
         }
         let now = Instant::now();
-        let live = members.live(now);
+        // A member whose Lease stood still for its duration is taken off the ring only once
+        // its Lease is taken, conditional on the version seen: had it renewed since (this
+        // sharder missed it), the write fails and it stays. Once taken, it cannot renew,
+        // and its gate closed a renew deadline after its last renewal, which this version
+        // records: no write of its can follow the objects' reassignment.
+        for m in st.members.expired(now) {
+            let Some(lease) = st.leases.get(&m).cloned() else {
+                continue;
+            };
+            let mut taken = lease.clone();
+            if let Some(spec) = taken.spec.as_mut() {
+                spec.holder_identity = None;
+            }
+            match leases
+                .replace(&lease.name_any(), &PostParams::default(), &taken)
+                .await
+            {
+                Ok(l) => {
+                    tracing::info!(controller, member = %m, "sharder: took the Lease of a member that stopped renewing");
+                    st.on_lease(Ok(watcher::Event::Apply(l)), controller);
+                }
+                Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => {}
+                Err(e) => {
+                    tracing::warn!(controller, member = %m, error = %e, "sharder: taking a silent member's Lease failed")
+                }
+            }
+        }
+        let live = st.members.held();
         if live.as_slice() != ring.members() {
             tracing::info!(controller, members = ?live, "sharder: members changed");
             metrics.shard_members(live.len());
             ring = Ring::new(&live);
             everything = true;
         }
-        for m in members.gone_for(FORGET_AFTER, now) {
+        for m in st.members.gone_for(FORGET_AFTER, now) {
             // Every object of its was moved long ago; the Lease only takes room. Conditional
             // on the version judged, so a member that came back keeps its Lease.
-            if let Some((name, rv)) = lease_names.get(&m) {
+            if let Some(lease) = st.leases.get(&m) {
                 let dp = kube::api::DeleteParams {
                     preconditions: Some(kube::api::Preconditions {
-                        resource_version: rv.clone(),
+                        resource_version: lease.resource_version(),
                         uid: None,
                     }),
                     ..Default::default()
                 };
-                match leases.delete(name, &dp).await {
+                match leases.delete(&lease.name_any(), &dp).await {
                     Ok(_) => {
                         tracing::info!(controller, member = %m, "sharder: deleted the Lease of a member long gone")
                     }
@@ -196,15 +198,30 @@ pub(crate) async fn run<K>(
                     }
                 }
             }
-            members.remove(&m);
-            lease_names.remove(&m);
+            st.members.remove(&m);
+            st.leases.remove(&m);
         }
-        let keys: Vec<String> = if std::mem::take(&mut everything) {
+        let State {
+            objects,
+            members,
+            moving_since,
+            dirty,
+            shard,
+            drain,
+            adopt,
+            ..
+        } = &mut st;
+        let mut keys: Vec<String> = if std::mem::take(&mut everything) {
             dirty.clear();
             objects.keys().cloned().collect()
         } else {
             dirty.drain().collect()
         };
+        // A bounded pass, so that events (renewals above all) are read again soon; the rest
+        // waits for the next one.
+        if keys.len() > MAX_PASS {
+            dirty.extend(keys.split_off(MAX_PASS));
+        }
         let mut todo = Vec::new();
         for key in keys {
             let Some(o) = objects.get(&key) else { continue };
@@ -213,7 +230,7 @@ pub(crate) async fn run<K>(
                 owner: o.owner.as_deref(),
                 draining: o.draining,
             };
-            if let Some(m) = decide(&placed, &ring, |m| members.is_live(m, now)) {
+            if let Some(m) = decide(&placed, &ring, |m| members.is_held(m)) {
                 todo.push((key, m));
             }
         }
@@ -307,6 +324,93 @@ pub(crate) async fn run<K>(
             metrics.shard_moved("assigned", done.assigned);
             metrics.shard_moved("drained", done.drained);
         }
+    }
+}
+
+/// What the sharder knows, from its two watches.
+#[derive(Default)]
+struct State {
+    /// Object watch streams (one per namespace in scope), and how many have listed; whether
+    /// the Lease watch has.
+    streams: usize,
+    synced: (usize, bool),
+    shard: String,
+    drain: String,
+    adopt: String,
+    objects: HashMap<String, Object>,
+    members: Members,
+    /// The last member Lease seen of each member: the version to fence or delete.
+    leases: HashMap<String, Lease>,
+    /// Since when an object has had to move away from a live owner (drain asked).
+    moving_since: HashMap<String, Instant>,
+    /// Objects to decide on again.
+    dirty: HashSet<String>,
+}
+
+impl State {
+    /// Takes in one event of the objects' watch; whether it was an error.
+    fn on_object<K: Resource<DynamicType = ()>>(
+        &mut self,
+        ev: Result<watcher::Event<PartialObjectMeta<K>>, watcher::Error>,
+        controller: &str,
+    ) -> bool {
+        match ev {
+            Ok(watcher::Event::InitApply(o)) => {
+                let key = ring::key(o.namespace().as_deref(), &o.name_any());
+                let mut placed = object(&o, &self.shard, &self.drain);
+                // Only the first list: a relist after a lost watch sees objects this sharder
+                // assigned itself.
+                placed.initial = (self.synced.0 < self.streams
+                    || self.objects.get(&key).is_some_and(|p| p.initial))
+                    && placed.owner.is_none();
+                self.objects.insert(key.clone(), placed);
+                self.dirty.insert(key);
+            }
+            Ok(watcher::Event::Apply(o)) => {
+                let key = ring::key(o.namespace().as_deref(), &o.name_any());
+                let mut placed = object(&o, &self.shard, &self.drain);
+                placed.initial = self.objects.get(&key).is_some_and(|p| p.initial) && placed.owner.is_none();
+                self.objects.insert(key.clone(), placed);
+                self.dirty.insert(key);
+            }
+            Ok(watcher::Event::Delete(o)) => {
+                let key = ring::key(o.namespace().as_deref(), &o.name_any());
+                self.objects.remove(&key);
+                self.moving_since.remove(&key);
+            }
+            Ok(watcher::Event::Init) => {}
+            Ok(watcher::Event::InitDone) => self.synced.0 += 1,
+            Err(e) => {
+                tracing::warn!(controller, error = %e, "sharder: watching the objects failed; retrying");
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Takes in one event of the member Leases' watch; whether it was an error.
+    fn on_lease(&mut self, ev: Result<watcher::Event<Lease>, watcher::Error>, controller: &str) -> bool {
+        match ev {
+            Ok(watcher::Event::Apply(l) | watcher::Event::InitApply(l)) => {
+                if let (Some(m), Some(spec)) = (member_of(&l), l.spec.clone()) {
+                    self.members.observe(&m, spec, Instant::now());
+                    self.leases.insert(m, l);
+                }
+            }
+            Ok(watcher::Event::Delete(l)) => {
+                if let Some(m) = member_of(&l) {
+                    self.members.remove(&m);
+                    self.leases.remove(&m);
+                }
+            }
+            Ok(watcher::Event::Init) => {}
+            Ok(watcher::Event::InitDone) => self.synced.1 = true,
+            Err(e) => {
+                tracing::warn!(controller, error = %e, "sharder: watching the member Leases failed; retrying");
+                return true;
+            }
+        }
+        false
     }
 }
 
