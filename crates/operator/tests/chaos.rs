@@ -20,7 +20,6 @@ use futures::StreamExt;
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, Pod, ServiceAccount};
-use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
 use kube::api::{Api, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use opkit_api::at::{At, Outcome, Phase};
@@ -118,36 +117,6 @@ fn replica_index(replicas: &Replicas, name: &str) -> usize {
     r.iter()
         .position(|c| c.name == name)
         .expect("a replica of that name")
-}
-
-/// A replica's kubeconfig: the admin one with the ServiceAccount's token, so the audit log
-/// tells the replicas apart.
-async fn kubeconfig_for(
-    cp: &ControlPlane,
-    client: &kube::Client,
-    sa: &str,
-) -> anyhow::Result<std::path::PathBuf> {
-    let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), NS);
-    sas.create(
-        &PostParams::default(),
-        &serde_json::from_value(serde_json::json!({"metadata": {"name": sa}}))?,
-    )
-    .await?;
-    let crbs: Api<ClusterRoleBinding> = Api::all(client.clone());
-    crbs.create(
-        &PostParams::default(),
-        &serde_json::from_value(serde_json::json!({
-            "metadata": {"name": format!("chaos-{sa}")},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "cluster-admin"},
-            "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": NS}],
-        }))?,
-    )
-    .await?;
-    let token = common::service_account_token(client, NS, sa).await?;
-    let cfg = opkit_testenv::kubeconfig_with_token(&cp.kubeconfig_path(), &token)?;
-    let path = cp.dir().join(format!("{sa}.kubeconfig"));
-    std::fs::write(&path, cfg)?;
-    Ok(path)
 }
 
 /// Waits until `replica` has exited more than `exits_before` times (and been restarted by
@@ -358,18 +327,7 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
     let client = cp.client().await?;
     log(start, &format!("control plane up at {}", cp.server()));
 
-    let crds = std::process::Command::new(env!("CARGO_BIN_EXE_opkit"))
-        .arg("crd")
-        .output()?;
-    let mut apply = std::process::Command::new(cp.binaries().path("kubectl"))
-        .args(["apply", "--server-side", "-f", "-"])
-        .env("KUBECONFIG", cp.kubeconfig_path())
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::null())
-        .spawn()?;
-    std::io::Write::write_all(apply.stdin.as_mut().context("stdin")?, &crds.stdout)?;
-    drop(apply.stdin.take());
-    ensure!(apply.wait()?.success(), "installing the CRDs failed");
+    common::install_crds_on(&cp)?;
     let nss: Api<Namespace> = Api::all(client.clone());
     for ns in [NS, OWN_NS] {
         nss.create(
@@ -417,7 +375,7 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
     let mut kubeconfigs = Vec::new();
     let mut api_proxies = Vec::new();
     for n in names {
-        let direct = kubeconfig_for(&cp, &client, n).await?;
+        let direct = common::kubeconfig_for(&cp, &client, NS, n).await?;
         let p = FaultProxy::start(kube::Client::try_from(anonymous.clone())?).await?;
         kubeconfigs.push(through(&direct, &p)?);
         api_proxies.push(p);

@@ -152,6 +152,53 @@ pub async fn service_account_kubeconfig(
     Ok(path)
 }
 
+/// Installs the operator's CRDs (`opkit crd`) on `cp` with a server-side apply.
+pub fn install_crds_on(cp: &opkit_testenv::ControlPlane) -> anyhow::Result<()> {
+    let crds = Command::new(env!("CARGO_BIN_EXE_opkit")).arg("crd").output()?;
+    let mut apply = Command::new(cp.binaries().path("kubectl"))
+        .args(["apply", "--server-side", "-f", "-"])
+        .env("KUBECONFIG", cp.kubeconfig_path())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()?;
+    std::io::Write::write_all(apply.stdin.as_mut().context("stdin")?, &crds.stdout)?;
+    drop(apply.stdin.take());
+    ensure!(apply.wait()?.success(), "installing the CRDs failed");
+    Ok(())
+}
+
+/// A kubeconfig for a new ServiceAccount `sa` of `ns`, bound to cluster-admin: the admin one
+/// with the ServiceAccount's token, so that the audit log tells replicas apart.
+pub async fn kubeconfig_for(
+    cp: &opkit_testenv::ControlPlane,
+    client: &kube::Client,
+    ns: &str,
+    sa: &str,
+) -> anyhow::Result<PathBuf> {
+    use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
+    let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), ns);
+    sas.create(
+        &PostParams::default(),
+        &serde_json::from_value(serde_json::json!({"metadata": {"name": sa}}))?,
+    )
+    .await?;
+    let crbs: Api<ClusterRoleBinding> = Api::all(client.clone());
+    crbs.create(
+        &PostParams::default(),
+        &serde_json::from_value(serde_json::json!({
+            "metadata": {"name": format!("{ns}-{sa}")},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "cluster-admin"},
+            "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": ns}],
+        }))?,
+    )
+    .await?;
+    let token = service_account_token(client, ns, sa).await?;
+    let cfg = opkit_testenv::kubeconfig_with_token(&cp.kubeconfig_path(), &token)?;
+    let path = cp.dir().join(format!("{sa}.kubeconfig"));
+    std::fs::write(&path, cfg)?;
+    Ok(path)
+}
+
 /// One request in the apiserver's audit log (a control plane started with `audit_log`).
 #[derive(Clone, Debug)]
 pub struct Audited {
