@@ -355,6 +355,13 @@ async fn sharded_replicas_share_the_objects_through_kills_freezes_and_joins() ->
         replicas.push(start_replica(&cp, &client, &scale, name).await?);
     }
 
+    // As a Deployment's replicas would be, all three are members before the objects come.
+    wait_for(
+        "the three replicas to be members",
+        Duration::from_secs(60),
+        || ring_of(&client, &["opkit-a", "opkit-b", "opkit-c"]),
+    )
+    .await?;
     // The objects: Memcacheds created at once (50 requests in flight), then Ats falling due
     // from then on, over the faults, so that Ats move while their Pods run.
     let mcs: Api<Memcached> = Api::namespaced(client.clone(), NS);
