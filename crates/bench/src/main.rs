@@ -11,6 +11,16 @@
 //!   scaffolded), `controller-runtime-tuned` (the same binary with `--tuned`: 16 concurrent
 //!   reconciles, managedFields stripped from its cache) and `opkit`
 //!   (`opkit run --controllers memcached`). Every lane writes the Deployment opkit builds.
+//!   One more lane runs only when `BENCH_LANES` names it (`BENCH_LANES=opkit,opkit-sharded`):
+//!   `opkit-sharded`, the `opkit` lane's binary and flags as `BENCH_SHARDS` (default 3)
+//!   processes with `--leader-elect --sharding` (Leases in the lane's namespace, opkit's
+//!   default timings), each with its own `POD_NAME` (`shard-<i>`) and ports, all under the
+//!   lane's one ServiceAccount, so that its requests and writes are theirs together, Lease
+//!   renewals included. Its peak and steady RSS are the largest process's (each one's too:
+//!   `peak_rss_per_replica_kib`, `steady_rss_per_replica_kib`), its CPU seconds (busy and
+//!   idle) the sum over them. The restart stops all (SIGTERM at once) and starts all at once;
+//!   ready is when the last one's `/readyz` answers, which with leader election is as soon as
+//!   it serves (a standby is ready), so there its time to react is the number to read.
 //!
 //! `floor` is no controller: a small client making exactly the writes the job needs, as fast as
 //! the apiserver takes them. Per contender: create N objects → idle → change every size →
@@ -66,11 +76,24 @@ impl Scenario {
         }
     }
 
+    /// Every lane `BENCH_LANES` may name, in the order of the table and the plots.
     fn lanes(self) -> &'static [&'static str] {
         match self {
             Scenario::Foo => &["floor", "go", "opkit"],
-            Scenario::Memcached => &["floor", "controller-runtime", "controller-runtime-tuned", "opkit"],
+            Scenario::Memcached => &[
+                "floor",
+                "controller-runtime",
+                "controller-runtime-tuned",
+                "opkit",
+                "opkit-sharded",
+            ],
         }
+    }
+
+    /// The lanes a run without `BENCH_LANES` races: all but `opkit-sharded`, so that
+    /// `make bench` and the results it wrote before that lane existed stay as they were.
+    fn default_lanes(self) -> impl Iterator<Item = &'static str> {
+        self.lanes().iter().copied().filter(|l| *l != "opkit-sharded")
     }
 
     /// The lanes that are neither the floor nor opkit.
@@ -78,7 +101,7 @@ impl Scenario {
         self.lanes()
             .iter()
             .copied()
-            .filter(|l| !matches!(*l, "floor" | "opkit"))
+            .filter(|l| !matches!(*l, "floor" | "opkit" | "opkit-sharded"))
     }
 
     fn resource(self) -> ApiResource {
@@ -207,18 +230,42 @@ impl Scenario {
         json!({"apiVersion": r.api_version, "kind": r.kind, "status": status})
     }
 
-    /// Starts the contender process for `lane` (none for the floor).
+    /// Starts the contender's processes for `lane`, the i-th serving on `ports[i]` (one port
+    /// pair per process: none for the floor, see [`replicas`]).
     fn start(
         self,
         cp: &ControlPlane,
         lane: &str,
+        ns: &str,
+        kubeconfig: &Path,
+        ports: &[Ports],
+    ) -> anyhow::Result<Vec<Child>> {
+        ports
+            .iter()
+            .enumerate()
+            .map(|(i, p)| self.start_one(cp, lane, ns, kubeconfig, *p, i))
+            .collect()
+    }
+
+    /// Starts process `i` of the contender for `lane`.
+    fn start_one(
+        self,
+        cp: &ControlPlane,
+        lane: &str,
+        ns: &str,
         kubeconfig: &Path,
         ports: Ports,
-    ) -> anyhow::Result<Option<Child>> {
+        i: usize,
+    ) -> anyhow::Result<Child> {
+        let log = if lane == "opkit-sharded" {
+            format!("bench-{}-{lane}-{i}.log", self.name())
+        } else {
+            format!("bench-{}-{lane}.log", self.name())
+        };
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
-            .open(cp.dir().join(format!("bench-{}-{lane}.log", self.name())))?;
+            .open(cp.dir().join(log))?;
         let mut cmd = match lane {
             "go" => {
                 let mut c = Command::new(cp.binaries().path("sample-controller"));
@@ -234,7 +281,7 @@ impl Scenario {
                 }
                 c
             }
-            "opkit" => {
+            "opkit" | "opkit-sharded" => {
                 let mut c = Command::new(root().join("target/release/opkit"));
                 c.args(["run", "--controllers", self.name()])
                     .arg("--metrics-bind-address")
@@ -249,11 +296,27 @@ impl Scenario {
                             .unwrap_or_default()
                             .split_whitespace(),
                     );
+                if lane == "opkit-sharded" {
+                    // The Lease timings stay opkit's defaults; a replica's member name starts
+                    // with its POD_NAME.
+                    c.args(["--leader-elect", "--sharding", "--leader-election-namespace", ns])
+                        .env("POD_NAME", format!("shard-{i}"));
+                }
                 c
             }
-            _ => return Ok(None),
+            _ => bail!("lane {lane} runs no process"),
         };
-        Ok(Some(cmd.stdout(Stdio::null()).stderr(log).spawn()?))
+        Ok(cmd.stdout(Stdio::null()).stderr(log).spawn()?)
+    }
+}
+
+/// How many processes run the contender of `lane`: none for the floor, `BENCH_SHARDS`
+/// (default 3) for `opkit-sharded`, else one.
+fn replicas(lane: &str) -> usize {
+    match lane {
+        "floor" => 0,
+        "opkit-sharded" => env_or("BENCH_SHARDS", 3).max(1),
+        _ => 1,
     }
 }
 
@@ -293,17 +356,24 @@ struct Outcome {
     requests: BTreeMap<String, u64>,
     writes: u64,
     idle_writes: u64,
+    /// Of a contender of several processes: the largest process's (each one's below), and the
+    /// sum of their CPU seconds.
     peak_rss_kb: Option<u64>,
     steady_rss_kb: Option<u64>,
     cpu_s: Option<f64>,
     idle_cpu_s: Option<f64>,
-    /// From the restart until the readiness probe answers 200 (contenders that have one).
+    /// Each process's peak and steady RSS, when the contender runs more than one.
+    peak_rss_per_replica_kb: Vec<u64>,
+    steady_rss_per_replica_kb: Vec<u64>,
+    /// From the restart until the readiness probe answers 200 (contenders that have one; of
+    /// several processes, the last to answer).
     restart_ready: Option<Duration>,
     /// From the restart until an object created at that moment has converged.
     restart_reacts: Option<Duration>,
     restart_writes: Option<u64>,
     restart_requests: BTreeMap<String, u64>,
-    /// opkit's own view of its caches (`opkit_cache_*` at the end of the idle window).
+    /// opkit's own view of its caches (`opkit_cache_*` at the end of the idle window; of
+    /// several processes, each line after `shard-<i>: `).
     cache_metrics: Vec<String>,
 }
 
@@ -340,6 +410,35 @@ fn proc_stats(pid: u32) -> Option<(f64, u64, u64)> {
             .ok()
     };
     Some((ticks / 100.0, kb("VmRSS:")?, kb("VmHWM:")?))
+}
+
+/// [`proc_stats`] of all the processes of a contender: their CPU seconds summed, and each
+/// one's current and peak RSS (KiB).
+struct Stats {
+    cpu_s: f64,
+    rss_kb: Vec<u64>,
+    peak_kb: Vec<u64>,
+}
+
+impl Stats {
+    /// None without processes (the floor) or when one of them cannot be read.
+    fn of(pids: &[u32]) -> Option<Stats> {
+        if pids.is_empty() {
+            return None;
+        }
+        let mut s = Stats {
+            cpu_s: 0.0,
+            rss_kb: Vec::new(),
+            peak_kb: Vec::new(),
+        };
+        for pid in pids {
+            let (cpu, rss, peak) = proc_stats(*pid)?;
+            s.cpu_s += cpu;
+            s.rss_kb.push(rss);
+            s.peak_kb.push(peak);
+        }
+        Some(s)
+    }
 }
 
 /// A kubeconfig file authenticating as `bench-<lane>` (cluster-admin, so RBAC is no factor).
@@ -713,12 +812,36 @@ fn count_requests(
     (by_verb, writes)
 }
 
-/// Stops a contender the way Kubernetes does (SIGTERM) and waits for it.
-fn stop(child: &mut Child) {
-    let _ = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status();
-    let _ = child.wait();
+/// Stops a contender's processes the way Kubernetes does (SIGTERM), all at once, and waits
+/// for them.
+fn stop(children: &mut [Child]) {
+    for child in children.iter() {
+        let _ = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status();
+    }
+    for child in children {
+        let _ = child.wait();
+    }
+}
+
+/// Probe and metrics addresses for `count` processes, all distinct.
+fn free_ports(count: usize) -> anyhow::Result<Vec<Ports>> {
+    let mut taken = BTreeSet::new();
+    let mut port = || loop {
+        let p = opkit_testenv::free_port()?;
+        if taken.insert(p) {
+            return anyhow::Ok(SocketAddr::from(([127, 0, 0, 1], p)));
+        }
+    };
+    (0..count)
+        .map(|_| {
+            Ok(Ports {
+                health: port()?,
+                metrics: port()?,
+            })
+        })
+        .collect()
 }
 
 /// Polls a readiness endpoint until it answers 200.
@@ -777,12 +900,11 @@ impl Run<'_> {
         let ns = format!("bench-{lane}");
         create_namespace(admin, &ns).await?;
         let (kubeconfig, user) = identity(cp, admin, lane, &ns).await?;
-        let ports = Ports {
-            health: SocketAddr::from(([127, 0, 0, 1], opkit_testenv::free_port()?)),
-            metrics: SocketAddr::from(([127, 0, 0, 1], opkit_testenv::free_port()?)),
-        };
-        let mut child = scenario.start(cp, lane, &kubeconfig, ports)?;
-        let pid = child.as_ref().map(|c| c.id());
+        let ports = free_ports(replicas(lane))?;
+        let mut children = scenario.start(cp, lane, &ns, &kubeconfig, &ports)?;
+        let pids: Vec<u32> = children.iter().map(Child::id).collect();
+        let stats = || Stats::of(&pids);
+        let per_replica = |v: &[u64]| if v.len() > 1 { v.to_vec() } else { Vec::new() };
         let floor = Client::try_from(opkit_testenv::config_from_file(&kubeconfig).await?)?;
         warm_up(admin, &floor, scenario, lane).await?;
         let tracker = Tracker::new(admin, scenario, &ns);
@@ -805,7 +927,7 @@ impl Run<'_> {
 
         // Create N objects (the floor also creates each Deployment right away, and writes the
         // status of a Memcached of size 0 at once: there is no Pod to wait for).
-        let cpu0 = pid.and_then(proc_stats);
+        let cpu0 = stats();
         let t0 = Instant::now();
         in_parallel(n, |i| {
             let (objects, fd, fo) = (objects.clone(), floor_deploys.clone(), floor_objects.clone());
@@ -829,20 +951,41 @@ impl Run<'_> {
         .await?;
         out.create = tracker.converge(n, size, t0, self.limit).await?;
         out.create.report(lane, "created", n);
+        if ports.len() > 1 {
+            // How evenly the objects are spread: each process's cache of them.
+            for (i, p) in ports.iter().enumerate() {
+                let kind = format!("kind=\"{}\"}}", scenario.resource().kind);
+                let line = cache_metrics(p.metrics)
+                    .await
+                    .into_iter()
+                    .find(|l| l.starts_with("opkit_cache_objects{") && l.contains(&kind));
+                println!("{lane}: shard-{i} after create: {}", fmt_opt(line));
+            }
+        }
 
         // Idle.
         flush_audit(admin, &audit_log, &format!("bench-idle-start-{lane}")).await?;
         let idle_start = Timestamp::now();
-        let idle_cpu0 = pid.and_then(proc_stats);
+        let idle_cpu0 = stats();
         tokio::time::sleep(self.idle).await;
-        let idle_cpu1 = pid.and_then(proc_stats);
+        let idle_cpu1 = stats();
         let idle_end = Timestamp::now();
-        out.steady_rss_kb = idle_cpu1.map(|s| s.1);
-        if let (Some(a), Some(b)) = (idle_cpu0, idle_cpu1) {
-            out.idle_cpu_s = Some(b.0 - a.0);
+        if let Some(b) = &idle_cpu1 {
+            out.steady_rss_kb = b.rss_kb.iter().copied().max();
+            out.steady_rss_per_replica_kb = per_replica(&b.rss_kb);
         }
-        if lane == "opkit" {
-            out.cache_metrics = cache_metrics(ports.metrics).await;
+        if let (Some(a), Some(b)) = (&idle_cpu0, &idle_cpu1) {
+            out.idle_cpu_s = Some(b.cpu_s - a.cpu_s);
+        }
+        if lane.starts_with("opkit") {
+            for (i, p) in ports.iter().enumerate() {
+                let lines = cache_metrics(p.metrics).await.into_iter();
+                if ports.len() > 1 {
+                    out.cache_metrics.extend(lines.map(|l| format!("shard-{i}: {l}")));
+                } else {
+                    out.cache_metrics.extend(lines);
+                }
+            }
         }
 
         // Update every object's size by one (the floor also scales each Deployment itself).
@@ -868,15 +1011,16 @@ impl Run<'_> {
         .await?;
         out.update = tracker.converge(n, bigger, t1, self.limit).await?;
         out.update.report(lane, "updated", n);
-        let end = pid.and_then(proc_stats);
+        let end = stats();
         if let (Some(a), Some(b)) = (cpu0, end) {
-            out.cpu_s = Some(b.0 - a.0);
-            out.peak_rss_kb = Some(b.2);
+            out.cpu_s = Some(b.cpu_s - a.cpu_s);
+            out.peak_rss_kb = b.peak_kb.iter().copied().max();
+            out.peak_rss_per_replica_kb = per_replica(&b.peak_kb);
         }
         if let Some(w) = status_writer {
             w.abort();
         }
-        let Some(mut process) = child.take() else {
+        if children.is_empty() {
             flush_audit(admin, &audit_log, &format!("bench-end-{lane}")).await?;
             let requests = audit(&audit_log)?;
             (out.requests, out.writes) =
@@ -884,33 +1028,33 @@ impl Run<'_> {
             drop(tracker);
             delete_namespace(admin, &ns).await?;
             return Ok(out);
-        };
-        stop(&mut process);
+        }
+        stop(&mut children);
         let stopped = Timestamp::now();
 
         // Restart with N converged objects: time to ready, time until a new object (created
         // the moment it starts, in a namespace of its own) converges, and what the resync
-        // writes. The restarted process is measured until SETTLE seconds after that.
+        // writes. The restarted process is measured until SETTLE seconds after that. A contender
+        // of several processes stops them all at once and starts them all at once again.
         let probe_ns = format!("bench-restart-{lane}");
         create_namespace(admin, &probe_ns).await?;
         flush_audit(admin, &audit_log, &format!("bench-restart-{lane}")).await?;
         let restart_start = Timestamp::now();
         let t2 = Instant::now();
-        let mut process = scenario
-            .start(cp, lane, &kubeconfig, ports)?
-            .context("the contender did not start again")?;
+        let mut children = scenario.start(cp, lane, &ns, &kubeconfig, &ports)?;
         let probes: Api<DynamicObject> = Api::namespaced_with(admin.clone(), &probe_ns, &scenario.resource());
         probes
             .create(&PostParams::default(), &scenario.object("probe", bigger)?)
             .await?;
         if lane != "go" {
-            out.restart_ready = Some(wait_ready(ports.health, self.limit).await?);
+            let each = ports.iter().map(|p| wait_ready(p.health, self.limit));
+            out.restart_ready = futures::future::try_join_all(each).await?.into_iter().max();
         }
         wait_converged(admin, scenario, &probe_ns, "probe", bigger, self.limit).await?;
         out.restart_reacts = Some(t2.elapsed());
         tokio::time::sleep(Duration::from_secs(env_or("BENCH_RESTART_SETTLE_SECONDS", 30))).await;
         let restart_end = Timestamp::now();
-        stop(&mut process);
+        stop(&mut children);
         println!(
             "{lane}: restarted with {n}: ready {}, reacted {}",
             fmt_opt(out.restart_ready.map(|d| format!("{:.2}s", d.as_secs_f64()))),
@@ -1006,8 +1150,19 @@ fn table(doc: &Value, scenario: Scenario, idle: Duration) -> String {
     for (lane, r) in &lanes {
         let secs = |k: &str| format!("{}{}", num(&r[k], |x| format!("{x:.2}s")), spread(r, k, 2));
         let mb = |k: &str| num(&r[k], |x| format!("{x:.1} MiB"));
+        // A contender of several processes: the largest, then each one's in parentheses.
+        let each = |k: &str| match r[k].as_array() {
+            Some(v) => format!(
+                " (each {})",
+                v.iter()
+                    .map(|kib| num(kib, |x| format!("{:.1}", x / 1024.0)))
+                    .collect::<Vec<_>>()
+                    .join(" / ")
+            ),
+            None => String::new(),
+        };
         s.push_str(&format!(
-            "| {lane} | {} | {} | {} | {} | {} | {}{} | {}{} | {} | {}{} | {} / {} | {} / {} | {} |\n",
+            "| {lane} | {} | {} | {} | {} | {} | {}{} | {}{}{} | {}{} | {}{} | {} / {} | {} / {} | {} |\n",
             secs("create_a_s"),
             secs("create_b_s"),
             secs("update_a_s"),
@@ -1017,7 +1172,9 @@ fn table(doc: &Value, scenario: Scenario, idle: Duration) -> String {
             spread(r, "writes_per_object", 2),
             mb("peak_rss_mib"),
             spread(r, "peak_rss_mib", 1),
+            each("peak_rss_per_replica_kib"),
             mb("steady_rss_mib"),
+            each("steady_rss_per_replica_kib"),
             num(&r["cpu_s"], |x| format!("{x:.2}")),
             spread(r, "cpu_s", 2),
             r["idle_writes"],
@@ -1030,6 +1187,14 @@ fn table(doc: &Value, scenario: Scenario, idle: Duration) -> String {
                 verbs_of(&r["restart_requests"])
             },
         ));
+    }
+    for (lane, r) in &lanes {
+        if let Some(each) = r["peak_rss_per_replica_kib"].as_array() {
+            s.push_str(&format!(
+                "\n{lane}: {} processes. RSS: the largest process's, each one's in parentheses; CPU s and idle CPU s: their sum; requests and writes: all of them (Lease renewals too).\n",
+                each.len()
+            ));
+        }
     }
     if lanes.iter().any(|(_, r)| runs_of(r) > 1) {
         let runs: Vec<String> = lanes
@@ -1064,7 +1229,7 @@ const NUMBERS: [&str; 13] = [
 /// The raw numbers of one run of a lane.
 fn run_json(r: &Outcome, n: usize) -> Value {
     let secs = |d: Duration| (d.as_secs_f64() * 1000.0).round() / 1000.0;
-    json!({
+    let mut run = json!({
         "repetition": r.repetition,
         "position": r.position,
         "create_a_s": secs(r.create.deployments),
@@ -1085,7 +1250,16 @@ fn run_json(r: &Outcome, n: usize) -> Value {
         "cache_metrics": r.cache_metrics,
         "create_timeline": r.create.timeline,
         "update_timeline": r.update.timeline,
-    })
+    });
+    for (key, each) in [
+        ("peak_rss_per_replica_kib", &r.peak_rss_per_replica_kb),
+        ("steady_rss_per_replica_kib", &r.steady_rss_per_replica_kb),
+    ] {
+        if !each.is_empty() {
+            run[key] = json!(each);
+        }
+    }
+    run
 }
 
 /// The median (of an even count, the mean of the middle two).
@@ -1137,6 +1311,21 @@ fn lane_json(runs: Vec<Value>) -> Value {
             })
             .collect();
         lane.insert(key.into(), Value::Object(by_verb));
+    }
+    // Each process's RSS: of the run whose largest process is nearest the lane's median.
+    for (key, of) in [
+        ("peak_rss_per_replica_kib", "peak_rss_mib"),
+        ("steady_rss_per_replica_kib", "steady_rss_mib"),
+    ] {
+        let Some(m) = lane[of].as_f64() else { continue };
+        let off = |r: &&Value| (r[of].as_f64().unwrap_or(f64::INFINITY) - m).abs();
+        let nearest = runs
+            .iter()
+            .filter(|r| r[key].is_array())
+            .min_by(|a, b| off(a).total_cmp(&off(b)));
+        if let Some(r) = nearest {
+            lane.insert(key.into(), r[key].clone());
+        }
     }
     let last = runs.last().map_or(Value::Null, |r| r["cache_metrics"].clone());
     lane.insert("cache_metrics".into(), last);
@@ -1222,7 +1411,7 @@ fn plot(doc: &Value, scenario: Scenario, phase: &str, title: &str) -> String {
     let ymax = (*yt.last().unwrap_or(&(n as f64))).max(n as f64);
     let x = |t: f64| left + t / xmax * pw;
     let y = |c: f64| top + ph - c / ymax * ph;
-    let colors = ["#555555", "#00add8", "#dea584", "#9b59b6"];
+    let colors = ["#555555", "#00add8", "#dea584", "#9b59b6", "#27ae60"];
     let mut s = format!(
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n<text x=\"{left}\" y=\"22\" font-size=\"14\">{title}</text>\n"
     );
@@ -1389,12 +1578,15 @@ async fn main() -> anyhow::Result<()> {
             scenario.lanes().join(", ")
         );
     }
-    let lanes: Vec<&'static str> = scenario
-        .lanes()
-        .iter()
-        .copied()
-        .filter(|lane| only.as_deref().is_none_or(|o| o.split(',').any(|l| l == *lane)))
-        .collect();
+    let lanes: Vec<&'static str> = match only.as_deref() {
+        None => scenario.default_lanes().collect(),
+        Some(o) => scenario
+            .lanes()
+            .iter()
+            .copied()
+            .filter(|lane| o.split(',').any(|l| l == *lane))
+            .collect(),
+    };
     if lanes.is_empty() {
         return Err(anyhow!("no lane to run (BENCH_LANES={only:?})"));
     }
@@ -1488,8 +1680,22 @@ fn write_outputs(
     let (o, f) = (lane("opkit"), lane("floor"));
     let peers: Vec<&str> = scenario.peers().filter(|p| !lane(p).is_null()).collect();
     let per_peer = |what: &dyn Fn(&str) -> String| peers.iter().map(|p| what(p)).collect::<Vec<_>>();
+    // Sharded against one replica: the largest replica's peak RSS, the replicas' CPU summed.
+    let sh = lane("opkit-sharded");
+    let sharded = if sh.is_null() || o.is_null() {
+        String::new()
+    } else {
+        format!(
+            "; peak RSS per replica opkit-sharded/opkit {}; CPU opkit-sharded/opkit {}; create (a)/(b) opkit-sharded/opkit {} {}; writes/object opkit-sharded {}",
+            ratio(&sh["peak_rss_mib"], &o["peak_rss_mib"]),
+            ratio(&sh["cpu_s"], &o["cpu_s"]),
+            ratio(&sh["create_a_s"], &o["create_a_s"]),
+            ratio(&sh["create_b_s"], &o["create_b_s"]),
+            sh["writes_per_object"],
+        )
+    };
     println!(
-        "summary {stem} (create a, b, update a, b): {}; opkit/floor {}; writes/object opkit {} {}; peak RSS {}",
+        "summary {stem} (create a, b, update a, b): {}; opkit/floor {}; writes/object opkit {} {}; peak RSS {}{sharded}",
         per_peer(&|p| format!("opkit/{p} {}", ratios(o, lane(p)))).join("; "),
         ratios(o, f),
         o["writes_per_object"],
