@@ -22,11 +22,8 @@ use super::{
     shard_label,
 };
 
-/// Patches in flight at once.
-const CONCURRENCY: usize = 16;
-
-/// Objects decided on in one pass at most.
-const MAX_PASS: usize = 256;
+/// Label writes in flight at once.
+const CONCURRENCY: usize = 32;
 
 /// How long a member stays dead before its Lease is deleted: a restarted process is a new
 /// member, so without this every restart would leave a Lease behind.
@@ -98,11 +95,20 @@ pub(crate) async fn run<K>(
     let selector = format!("{GROUP_LABEL}={group}");
     let mut lease_events = watcher(leases.clone(), watcher::Config::default().labels(&selector)).boxed();
     let mut ring = Ring::default();
-    let mut everything = false;
+    // Label writes in flight: events keep being read while they run, and an object with a
+    // write in flight is not decided on again until it is answered.
+    let mut inflight: futures::stream::FuturesUnordered<
+        futures::future::BoxFuture<'static, (String, Move, bool)>,
+    > = futures::stream::FuturesUnordered::new();
+    let mut pending: HashSet<String> = HashSet::new();
+    // Objects that changed while a write of theirs was in flight: decided on once answered.
+    let mut deferred: HashSet<String> = HashSet::new();
+    let mut moved = (Moves::default(), Instant::now());
     loop {
         let now = Instant::now();
-        let wake = if !st.dirty.is_empty() && st.synced.0 >= st.streams && st.synced.1 {
-            // The rest of a bounded pass.
+        let synced = st.synced.0 >= st.streams && st.synced.1;
+        let wake = if synced && !st.dirty.is_empty() && inflight.len() < CONCURRENCY {
+            // Decisions waiting for a free slot.
             Duration::ZERO
         } else if st.members.expired(now).is_empty() {
             st.members
@@ -122,24 +128,51 @@ pub(crate) async fn run<K>(
                 Some(ev) => st.on_lease(ev, controller),
                 None => return,
             },
+            Some((key, m, ok)) = inflight.next(), if !inflight.is_empty() => {
+                pending.remove(&key);
+                if deferred.remove(&key) {
+                    st.dirty.insert(key.clone());
+                }
+                if ok {
+                    st.written(&key, m, &metrics, &mut moved.0);
+                }
+                false
+            }
             _ = tokio::time::sleep(wake) => false,
         };
         if failed {
             tokio::time::sleep(Duration::from_secs(1)).await;
             continue;
         }
-        // Everything already received goes in before deciding: after a long pass, Lease
-        // renewals wait here, and a member must not look dead for want of reading them.
+        // Everything already received goes in before deciding: a member must not look dead
+        // for want of reading its renewals.
         loop {
             if let Some(Some(ev)) = lease_events.next().now_or_never() {
                 st.on_lease(ev, controller);
             } else if let Some(Some(ev)) = objects_events.next().now_or_never() {
                 st.on_object(ev, controller);
+            } else if let Some(Some((key, m, ok))) = inflight.next().now_or_never() {
+                pending.remove(&key);
+                if deferred.remove(&key) {
+                    st.dirty.insert(key.clone());
+                }
+                if ok {
+                    st.written(&key, m, &metrics, &mut moved.0);
+                }
             } else {
                 break;
             }
         }
-        if st.synced.0 < st.streams || !st.synced.1 {
+        if moved.0 != Moves::default() && moved.1.elapsed() >= Duration::from_secs(1) {
+            tracing::info!(
+                controller,
+                assigned = moved.0.assigned,
+                drained = moved.0.drained,
+                "sharder: objects moved"
+            );
+            moved = (Moves::default(), Instant::now());
+        }
+        if !synced {
             continue;
         }
         let now = Instant::now();
@@ -175,7 +208,7 @@ pub(crate) async fn run<K>(
             tracing::info!(controller, members = ?live, "sharder: members changed");
             metrics.shard_members(live.len());
             ring = Ring::new(&live);
-            everything = true;
+            st.dirty.extend(st.objects.keys().cloned());
         }
         for m in st.members.gone_for(FORGET_AFTER, now) {
             // Every object of its was moved long ago; the Lease only takes room. Conditional
@@ -201,128 +234,44 @@ pub(crate) async fn run<K>(
             st.members.remove(&m);
             st.leases.remove(&m);
         }
-        let State {
-            objects,
-            members,
-            moving_since,
-            dirty,
-            shard,
-            drain,
-            adopt,
-            ..
-        } = &mut st;
-        let mut keys: Vec<String> = if std::mem::take(&mut everything) {
-            dirty.clear();
-            objects.keys().cloned().collect()
-        } else {
-            dirty.drain().collect()
-        };
-        // A bounded pass, so that events (renewals above all) are read again soon; the rest
-        // waits for the next one.
-        if keys.len() > MAX_PASS {
-            dirty.extend(keys.split_off(MAX_PASS));
-        }
-        let mut todo = Vec::new();
+        // Decide on what changed, as far as there are free slots; the rest stays dirty.
+        let keys: Vec<String> = st.dirty.iter().cloned().collect();
         for key in keys {
-            let Some(o) = objects.get(&key) else { continue };
+            if pending.contains(&key) {
+                st.dirty.remove(&key);
+                deferred.insert(key);
+                continue;
+            }
+            if inflight.len() >= CONCURRENCY {
+                break;
+            }
+            st.dirty.remove(&key);
+            let Some(o) = st.objects.get(&key) else { continue };
             let placed = Placed {
                 key: &key,
                 owner: o.owner.as_deref(),
                 draining: o.draining,
             };
-            if let Some(m) = decide(&placed, &ring, |m| members.is_held(m)) {
-                todo.push((key, m));
-            }
-        }
-        if todo.is_empty() {
-            continue;
-        }
-        let mut done = Moves::default();
-        let results: Vec<(String, Move, bool)> = futures::stream::iter(todo)
-            .map(|(key, m)| {
-                let o = &objects[&key];
-                let api = api::<PartialObjectMeta<K>>(&client, o.namespace.as_deref());
-                let mut labels = serde_json::Map::new();
-                let mut annotations = serde_json::Map::new();
-                match &m {
-                    Move::Assign { to } => {
-                        labels.insert(shard.clone(), to.clone().into());
-                        labels.insert(drain.clone(), serde_json::Value::Null);
-                        if o.had_owner() {
-                            annotations.insert(adopt.clone(), "true".into());
-                        }
-                    }
-                    Move::Drain => {
-                        labels.insert(drain.clone(), "true".into());
-                    }
-                    Move::Undrain => {
-                        labels.insert(drain.clone(), serde_json::Value::Null);
-                    }
-                }
-                let mut metadata = serde_json::json!({"resourceVersion": o.resource_version, "labels": labels});
-                if !annotations.is_empty() {
-                    metadata["annotations"] = annotations.into();
-                }
-                let body = serde_json::json!({ "metadata": metadata });
-                let name = o.name.clone();
-                async move {
-                    let r = api.patch(&name, &PatchParams::default(), &Patch::Merge(&body)).await;
-                    match r {
-                        Ok(_) => (key, m, true),
-                        // Changed since (409) or gone (404): its watch event decides again.
-                        Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => (key, m, false),
-                        Err(e) => {
-                            tracing::warn!(controller, object = %key, error = %e, "sharder: labelling failed");
-                            (key, m, false)
-                        }
-                    }
-                }
-            })
-            .buffer_unordered(CONCURRENCY)
-            .collect()
-            .await;
-        for (key, m, ok) in results {
-            if !ok {
+            let Some(m) = decide(&placed, &ring, |m| st.members.is_held(m)) else {
                 continue;
-            }
-            // Until its watch event arrives, the object is as the write left it.
-            if let Some(o) = objects.get_mut(&key) {
-                match m {
-                    Move::Assign { to } => {
-                        // A handover: from the drain asked, or from the last renewal seen of
-                        // the owner that is gone.
-                        let since = moving_since
-                            .remove(&key)
-                            .or_else(|| o.owner.as_deref().and_then(|m| members.last_renewed(m)));
-                        if let Some(since) = since {
-                            metrics.shard_handover(since.elapsed().as_secs_f64());
-                        }
-                        o.owner = Some(to);
-                        o.draining = false;
-                        o.initial = false;
-                        done.assigned += 1;
-                    }
-                    Move::Drain => {
-                        o.draining = true;
-                        done.drained += 1;
-                        moving_since.insert(key, Instant::now());
-                    }
-                    Move::Undrain => {
-                        o.draining = false;
-                        moving_since.remove(&key);
+            };
+            let api = api::<PartialObjectMeta<K>>(&client, o.namespace.as_deref());
+            let body = st.patch(o, &m);
+            let name = o.name.clone();
+            pending.insert(key.clone());
+            inflight.push(async move {
+                let r = api.patch(&name, &PatchParams::default(), &Patch::Merge(&body)).await;
+                match r {
+                    Ok(_) => (key, m, true),
+                    // Changed since (409) or gone (404): its watch event decides again.
+                    Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => (key, m, false),
+                    Err(e) => {
+                        tracing::warn!(controller, object = %key, error = %e, "sharder: labelling failed");
+                        (key, m, false)
                     }
                 }
             }
-        }
-        if done != Moves::default() {
-            tracing::info!(
-                controller,
-                assigned = done.assigned,
-                drained = done.drained,
-                "sharder: objects moved"
-            );
-            metrics.shard_moved("assigned", done.assigned);
-            metrics.shard_moved("drained", done.drained);
+            .boxed());
         }
     }
 }
@@ -348,6 +297,68 @@ struct State {
 }
 
 impl State {
+    /// The merge patch that carries `m` out on `o`, conditional on the version decided from.
+    fn patch(&self, o: &Object, m: &Move) -> serde_json::Value {
+        let mut labels = serde_json::Map::new();
+        let mut annotations = serde_json::Map::new();
+        match m {
+            Move::Assign { to } => {
+                labels.insert(self.shard.clone(), to.clone().into());
+                labels.insert(self.drain.clone(), serde_json::Value::Null);
+                if o.had_owner() {
+                    annotations.insert(self.adopt.clone(), "true".into());
+                }
+            }
+            Move::Drain => {
+                labels.insert(self.drain.clone(), "true".into());
+            }
+            Move::Undrain => {
+                labels.insert(self.drain.clone(), serde_json::Value::Null);
+            }
+        }
+        let mut metadata = serde_json::json!({"resourceVersion": o.resource_version, "labels": labels});
+        if !annotations.is_empty() {
+            metadata["annotations"] = annotations.into();
+        }
+        serde_json::json!({ "metadata": metadata })
+    }
+
+    /// Records a move written: until its watch event arrives, the object is as the write left
+    /// it.
+    fn written(&mut self, key: &str, m: Move, metrics: &crate::metrics::ControllerMetrics, done: &mut Moves) {
+        let Some(o) = self.objects.get_mut(key) else {
+            return;
+        };
+        match m {
+            Move::Assign { to } => {
+                // A handover: from the drain asked, or from the last renewal seen of the
+                // owner that is gone.
+                let since = self
+                    .moving_since
+                    .remove(key)
+                    .or_else(|| o.owner.as_deref().and_then(|m| self.members.last_renewed(m)));
+                if let Some(since) = since {
+                    metrics.shard_handover(since.elapsed().as_secs_f64());
+                }
+                o.owner = Some(to);
+                o.draining = false;
+                o.initial = false;
+                done.assigned += 1;
+                metrics.shard_moved("assigned", 1);
+            }
+            Move::Drain => {
+                o.draining = true;
+                done.drained += 1;
+                metrics.shard_moved("drained", 1);
+                self.moving_since.insert(key.to_string(), Instant::now());
+            }
+            Move::Undrain => {
+                o.draining = false;
+                self.moving_since.remove(key);
+            }
+        }
+    }
+
     /// Takes in one event of the objects' watch; whether it was an error.
     fn on_object<K: Resource<DynamicType = ()>>(
         &mut self,
