@@ -8,18 +8,76 @@ use std::time::Duration;
 
 use anyhow::ensure;
 use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::ConfigMap;
+use k8s_openapi::api::rbac::v1::PolicyRule;
+use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
-use opkit::ManagerOptions;
 use opkit::leader::LeaderElectionConfig;
 use opkit::sharding::{ShardingConfig, drain_label, member_name, shard_label};
+use opkit::{Invalid, ManagerOptions, Plan, Reconciler, Requeue, Watch, Watches};
 use opkit_api::memcached::Memcached;
 use opkit_controllers::memcached;
 use opkit_testenv::{shared, wait_for};
 use serde_json::json;
+use std::sync::{Arc, Mutex};
 
 mod common;
 use common::{Operator, T};
+
+/// Plans ConfigMaps labelled `opkit-shard-probe`, recording which replica planned which;
+/// a singleton or not.
+#[derive(Clone)]
+struct Probe {
+    replica: &'static str,
+    singleton: bool,
+    planned: Planned,
+}
+
+/// (controller, ConfigMap, replica) for every plan made.
+type Planned = Arc<Mutex<Vec<(&'static str, String, &'static str)>>>;
+
+impl Reconciler for Probe {
+    type Object = ConfigMap;
+    type Cache = ();
+    type World = ();
+    type Status = serde_json::Value;
+
+    fn name(&self) -> &'static str {
+        if self.singleton {
+            "probe-singleton"
+        } else {
+            "probe-sharded"
+        }
+    }
+
+    fn rbac() -> Vec<PolicyRule> {
+        Vec::new()
+    }
+
+    fn singleton(&self) -> bool {
+        self.singleton
+    }
+
+    fn primary(&self) -> Watch<ConfigMap> {
+        Watch::labels("opkit-shard-probe")
+    }
+
+    fn watch(&self, _: &mut Watches<ConfigMap>) {}
+
+    async fn observe(&self, _: &ConfigMap, _: &(), _: &Client) -> kube::Result<()> {
+        Ok(())
+    }
+
+    fn plan(&self, cm: &ConfigMap, _: &(), _: Timestamp) -> Result<Plan<serde_json::Value>, Invalid> {
+        self.planned.lock().unwrap_or_else(|p| p.into_inner()).push((
+            self.name(),
+            cm.name_any(),
+            self.replica,
+        ));
+        Ok(Plan::nothing(Requeue::OnChange))
+    }
+}
 
 const CACHED: &str = r#"opkit_cache_objects{controller="memcached",kind="Memcached"}"#;
 const ADOPT: &str = r#"opkit_api_writes_total{controller="memcached",verb="adopt"}"#;
@@ -203,6 +261,108 @@ async fn objects_are_spread_over_the_members_and_move_when_members_leave_and_joi
                 let (was, is) = (before[&member_name(id)], by[&member_name(id)]);
                 ensure!(is <= was, "{id} gained objects when d joined: {was} -> {is}");
             }
+            Ok(())
+        })
+        .await;
+}
+
+#[tokio::test]
+async fn a_singleton_runs_on_the_leader_only_while_the_others_are_sharded() {
+    shared()
+        .in_namespace("sharding-singleton", |client, ns| async move {
+            let planned: Planned = Arc::default();
+            let mut ops = Vec::new();
+            for (replica, identity) in [("a", "sa_1"), ("b", "sb_1")] {
+                let cfg = election(&ns, identity);
+                let sharding = ShardingConfig::new(&cfg);
+                let opts = ManagerOptions {
+                    leader_election: Some(cfg),
+                    ..Default::default()
+                };
+                let planned = planned.clone();
+                ops.push(
+                    common::start_with(&client, &ns, memcached::NAME, opts, move |m| {
+                        let mut m = m.with_sharding(sharding)?;
+                        for singleton in [true, false] {
+                            m.add(Probe {
+                                replica,
+                                singleton,
+                                planned: planned.clone(),
+                            });
+                        }
+                        Ok(m)
+                    })
+                    .await?,
+                );
+            }
+            let cms: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
+            let n = 20;
+            for i in 0..n {
+                let cm: ConfigMap = serde_json::from_value(json!({
+                    "metadata": {"name": format!("probe-{i}"), "labels": {"opkit-shard-probe": "x"}}
+                }))?;
+                cms.create(&PostParams::default(), &cm).await?;
+            }
+            // The singleton plans every probe on the leader only, and places none; the sharded
+            // one plans each probe on the replica it is placed on, and both replicas work.
+            let members = [(member_name("sa_1"), "a"), (member_name("sb_1"), "b")];
+            let shard = shard_label("probe-sharded");
+            let placed: BTreeMap<String, &str> = wait_for("every probe placed", T, || async {
+                let mut placed = BTreeMap::new();
+                let probes = kube::api::ListParams::default().labels("opkit-shard-probe");
+                for cm in cms.list(&probes).await?.items {
+                    ensure!(
+                        !cm.labels().contains_key(&shard_label("probe-singleton")),
+                        "{} placed for the singleton",
+                        cm.name_any()
+                    );
+                    let on = cm.labels().get(&shard).cloned().unwrap_or_default();
+                    let replica = members.iter().find(|(m, _)| *m == on).map(|(_, r)| *r);
+                    ensure!(replica.is_some(), "{} placed on {on:?}", cm.name_any());
+                    placed.insert(cm.name_any(), replica.unwrap_or_default());
+                }
+                ensure!(placed.len() == n, "{} probes", placed.len());
+                Ok(placed)
+            })
+            .await?;
+            wait_for("every probe planned by both controllers", T, || async {
+                let planned = planned.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                for ctl in ["probe-singleton", "probe-sharded"] {
+                    let names: std::collections::BTreeSet<&String> =
+                        planned.iter().filter(|p| p.0 == ctl).map(|p| &p.1).collect();
+                    ensure!(names.len() == n, "{ctl} planned {} of {n}", names.len());
+                }
+                Ok(())
+            })
+            .await?;
+            for op in &ops {
+                common::settled(&op.metrics_of("probe-singleton")).await?;
+                common::settled(&op.metrics_of("probe-sharded")).await?;
+            }
+            let planned = planned.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            let singleton_on: std::collections::BTreeSet<&str> = planned
+                .iter()
+                .filter(|p| p.0 == "probe-singleton")
+                .map(|p| p.2)
+                .collect();
+            ensure!(
+                singleton_on.len() == 1,
+                "the singleton planned on {singleton_on:?}"
+            );
+            let elsewhere: Vec<_> = planned
+                .iter()
+                .filter(|p| p.0 == "probe-sharded" && placed.get(&p.1) != Some(&p.2))
+                .collect();
+            ensure!(elsewhere.is_empty(), "planned off their replica: {elsewhere:?}");
+            let sharded_on: std::collections::BTreeSet<&str> = planned
+                .iter()
+                .filter(|p| p.0 == "probe-sharded")
+                .map(|p| p.2)
+                .collect();
+            ensure!(
+                sharded_on.len() == 2,
+                "the sharded controller planned on {sharded_on:?} only"
+            );
             Ok(())
         })
         .await;
