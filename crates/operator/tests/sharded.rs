@@ -328,6 +328,8 @@ async fn sharded_replicas_share_the_objects_through_kills_freezes_and_joins() ->
     let start = Instant::now();
     let cp = ControlPlane::start(Options {
         audit_log: true,
+        // Kept (logs, audit log) when set, as for the chaos test.
+        state_dir: std::env::var("CHAOS_STATE").ok().map(Into::into),
         ..Default::default()
     })
     .await?;
