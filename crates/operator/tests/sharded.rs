@@ -439,7 +439,7 @@ async fn sharded_replicas_share_the_objects_through_kills_freezes_and_joins() ->
             ),
         );
         ensure!(
-            cached == placed && children == placed && placed > third * 0.5 && placed < third * 1.5,
+            cached == placed && children == placed && placed > third * 0.4 && placed < third * 1.7,
             "{} holds {placed} of {} Memcacheds and caches {cached} of them and {children} Deployments",
             r.name,
             scale.memcacheds
