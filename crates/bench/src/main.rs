@@ -31,6 +31,9 @@
 //! `target/bench/<scenario>-n<N>.{md,json,svg}`. It prints numbers and never fails on a
 //! threshold.
 //!
+//! `BENCH_CREATE_ONLY=1` stops each lane after the idle window (no update, no restart): CPU
+//! and peak RSS then cover create and idle only.
+//!
 //! `BENCH_LANES=a,b` runs some lanes only (the others are kept from an earlier JSON of the same
 //! job). `BENCH_REPEAT=K` runs every lane K times, repetition r starting at lane r mod lanes so
 //! that no lane always goes first; the table shows medians and (min–max), the JSON every run.
@@ -988,6 +991,28 @@ impl Run<'_> {
             }
         }
 
+        if env_or("BENCH_CREATE_ONLY", 0) == 1 {
+            // Create and idle only (no update, no restart): for sizes where the update's Pods
+            // would take the machine longer than the comparison is worth.
+            if let (Some(a), Some(b)) = (cpu0, stats()) {
+                out.cpu_s = Some(b.cpu_s - a.cpu_s);
+                out.peak_rss_kb = b.peak_kb.iter().copied().max();
+                out.peak_rss_per_replica_kb = per_replica(&b.peak_kb);
+            }
+            if let Some(w) = status_writer {
+                w.abort();
+            }
+            stop(&mut children);
+            flush_audit(admin, &audit_log, &format!("bench-end-{lane}")).await?;
+            let requests = audit(&audit_log)?;
+            (out.requests, out.writes) =
+                count_requests(&requests, &user, window_start, Timestamp::now(), &[]);
+            let (_, idle_writes) = count_requests(&requests, &user, idle_start, idle_end, &[]);
+            out.idle_writes = idle_writes;
+            drop(tracker);
+            delete_namespace(admin, &ns).await?;
+            return Ok(out);
+        }
         // Update every object's size by one (the floor also scales each Deployment itself).
         let bigger = size + 1;
         target.store(bigger, Ordering::SeqCst);
