@@ -57,6 +57,8 @@ pub(crate) struct Shard {
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Versions {
     inner: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, (String, std::time::Instant)>>>,
+    /// The size at which the next insert sweeps out old entries.
+    sweep_at: std::sync::Arc<std::sync::Mutex<usize>>,
 }
 
 impl Versions {
@@ -79,8 +81,12 @@ impl Versions {
 
     pub fn insert(&self, uid: String, rv: String) {
         let mut m = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        if m.len() >= 1024 {
+        let mut sweep = self.sweep_at.lock().unwrap_or_else(|p| p.into_inner());
+        if m.len() >= *sweep {
             m.retain(|_, (_, at)| at.elapsed() < Self::KEEP);
+            // Swept again only once it has doubled: amortised O(1) per insert, however many
+            // entries are young.
+            *sweep = (m.len() * 2).max(1024);
         }
         m.insert(uid, (rv, std::time::Instant::now()));
     }

@@ -418,6 +418,8 @@ impl Manager {
             let (group, lease_ns) = (s.cfg.group.clone(), s.cfg.lease.namespace.clone());
             let namespaces = namespaces.clone();
             let metrics = self.metrics.for_controller(name);
+            let primary = reconciler.primary();
+            let selectors = (primary.labels.clone(), primary.fields.clone());
             self.sharders.push(Box::new(move |client: Client| {
                 let leases = kube::Api::namespaced(client.clone(), &lease_ns);
                 crate::sharding::sharder::run::<R::Object>(
@@ -426,6 +428,7 @@ impl Manager {
                     group.clone(),
                     name,
                     namespaces.clone(),
+                    selectors.clone(),
                     metrics.clone(),
                 )
                 .boxed()
@@ -505,10 +508,14 @@ impl Manager {
                 s.cfg.lease.clone(),
                 s.gate.clone(),
             );
+            // A member never stands by after a loss: the sharder fenced it by clearing its
+            // Lease, which a standby would take back at once and write from caches that
+            // still hold the objects moved away. The process exits, and comes back as a new
+            // member.
             let task = tokio::spawn(elect(
                 e.clone(),
                 "shard member",
-                opts.stand_by_on_loss,
+                false,
                 shutdown.clone(),
                 s.leading.clone(),
                 None,

@@ -78,11 +78,13 @@ impl Members {
         self.seen.get(member).map(|s| s.changed)
     }
 
-    /// The members judged dead for at least `after` at `now` (their Lease unchanged for its
-    /// duration plus `after`, or released that long ago): their Leases can go.
+    /// The members whose Lease names no holder (released, or taken by the sharder) and has
+    /// stood unchanged for its duration plus `after` at `now`: their Leases can go. A Lease
+    /// still naming a holder is never among them, however old: only taking it decides.
     pub fn gone_for(&self, after: Duration, now: Instant) -> Vec<String> {
         self.seen
             .iter()
+            .filter(|(m, _)| !self.is_held(m))
             .filter(|(m, s)| {
                 let secs = u64::try_from(s.spec.lease_duration_seconds.unwrap_or(0)).unwrap_or(0);
                 !self.is_live(m, now)
@@ -187,10 +189,13 @@ mod tests {
         m.observe("a", spec("a_1", 100), at(0));
         m.observe("b", spec("b_1", 100), at(0));
         let after = Duration::from_secs(60);
-        // Dead from 10 s on (its duration), forgettable from 70 s on.
-        assert!(m.gone_for(after, at(69)).is_empty());
+        // Expired from 10 s on, but still naming a holder: never forgotten before it is taken.
+        assert!(m.gone_for(after, at(200)).iter().all(|x| x != "b"));
+        m.observe("b", spec("", 100), at(5));
+        // Taken at 5 s (its record changed then): forgettable from 75 s on.
+        assert!(m.gone_for(after, at(74)).is_empty());
         m.observe("a", spec("a_1", 150), at(50));
-        assert_eq!(m.gone_for(after, at(70)), ["b"]);
+        assert_eq!(m.gone_for(after, at(75)), ["b"]);
         assert_eq!(m.last_renewed("a"), Some(at(50)));
         assert!(m.gone_for(after, at(119)).iter().all(|x| x != "a"));
     }

@@ -57,8 +57,9 @@ pub struct Moves {
     pub drained: usize,
 }
 
-/// Keeps the objects of `controller` (kind `K`, in `namespaces`; `None`: all) placed on the
-/// live members of `group`, whose Leases are in `leases`, until the future is dropped.
+/// Keeps the objects of `controller` (kind `K`, in `namespaces`; `None`: all; those its
+/// primary watch selects: `selectors` are its label and field selectors) placed on the live
+/// members of `group`, whose Leases are in `leases`, until the future is dropped.
 /// Moves, handover times and members are counted in `metrics`.
 pub(crate) async fn run<K>(
     client: Client,
@@ -66,6 +67,7 @@ pub(crate) async fn run<K>(
     group: String,
     controller: &'static str,
     namespaces: Vec<Option<String>>,
+    selectors: (Option<String>, Option<String>),
     metrics: crate::metrics::ControllerMetrics,
 ) where
     K: Watchable,
@@ -88,22 +90,33 @@ pub(crate) async fn run<K>(
         adopt: adopt_annotation(controller),
         ..State::default()
     };
-    let mut objects_events = futures::stream::select_all(
-        apis.into_iter()
-            .map(|api| watcher(api, watcher::Config::default()).boxed()),
-    );
+    // The objects the controller watches, no more: its own label and field selectors.
+    let mut cfg = watcher::Config::default();
+    if let Some(l) = &selectors.0 {
+        cfg = cfg.labels(l);
+    }
+    if let Some(f) = &selectors.1 {
+        cfg = cfg.fields(f);
+    }
+    let mut objects_events =
+        futures::stream::select_all(apis.into_iter().map(|api| watcher(api, cfg.clone()).boxed()));
     let selector = format!("{GROUP_LABEL}={group}");
     let mut lease_events = watcher(leases.clone(), watcher::Config::default().labels(&selector)).boxed();
     let mut ring = Ring::default();
     // Label writes in flight: events keep being read while they run, and an object with a
     // write in flight is not decided on again until it is answered.
     let mut inflight: futures::stream::FuturesUnordered<
-        futures::future::BoxFuture<'static, (String, Move, bool)>,
+        futures::future::BoxFuture<'static, (String, Move, Option<bool>)>,
     > = futures::stream::FuturesUnordered::new();
     let mut pending: HashSet<String> = HashSet::new();
     // Objects that changed while a write of theirs was in flight: decided on once answered.
     let mut deferred: HashSet<String> = HashSet::new();
     let mut moved = (Moves::default(), Instant::now());
+    // When each silent member's Lease was last tried to be taken.
+    let mut fenced_at: HashMap<String, Instant> = HashMap::new();
+    // Objects whose label write failed for another reason than a change (a timeout, a 5xx):
+    // decided on again from this time on, for no watch event will come for them.
+    let mut retry: Vec<(Instant, String)> = Vec::new();
     loop {
         let now = Instant::now();
         let synced = st.synced.0 >= st.streams && st.synced.1;
@@ -113,6 +126,9 @@ pub(crate) async fn run<K>(
         } else if st.members.expired(now).is_empty() {
             st.members
                 .next_expiry(now)
+                .into_iter()
+                .chain(retry.iter().map(|(t, _)| *t))
+                .min()
                 .map_or(Duration::from_secs(60), |t| t.saturating_duration_since(now))
                 .max(Duration::from_millis(100))
         } else {
@@ -129,13 +145,7 @@ pub(crate) async fn run<K>(
                 None => return,
             },
             Some((key, m, ok)) = inflight.next(), if !inflight.is_empty() => {
-                pending.remove(&key);
-                if deferred.remove(&key) {
-                    st.dirty.insert(key.clone());
-                }
-                if ok {
-                    st.written(&key, m, &metrics, &mut moved.0);
-                }
+                answered(&mut st, (&mut pending, &mut deferred, &mut retry), key, m, ok, &metrics, &mut moved.0);
                 false
             }
             _ = tokio::time::sleep(wake) => false,
@@ -152,13 +162,15 @@ pub(crate) async fn run<K>(
             } else if let Some(Some(ev)) = objects_events.next().now_or_never() {
                 st.on_object(ev, controller);
             } else if let Some(Some((key, m, ok))) = inflight.next().now_or_never() {
-                pending.remove(&key);
-                if deferred.remove(&key) {
-                    st.dirty.insert(key.clone());
-                }
-                if ok {
-                    st.written(&key, m, &metrics, &mut moved.0);
-                }
+                answered(
+                    &mut st,
+                    (&mut pending, &mut deferred, &mut retry),
+                    key,
+                    m,
+                    ok,
+                    &metrics,
+                    &mut moved.0,
+                );
             } else {
                 break;
             }
@@ -182,6 +194,13 @@ pub(crate) async fn run<K>(
         // and its gate closed a renew deadline after its last renewal, which this version
         // records: no write of its can follow the objects' reassignment.
         for m in st.members.expired(now) {
+            if fenced_at
+                .get(&m)
+                .is_some_and(|t| now.saturating_duration_since(*t) < Duration::from_secs(1))
+            {
+                continue;
+            }
+            fenced_at.insert(m.clone(), now);
             let Some(lease) = st.leases.get(&m).cloned() else {
                 continue;
             };
@@ -221,21 +240,39 @@ pub(crate) async fn run<K>(
                     }),
                     ..Default::default()
                 };
-                match leases.delete(&lease.name_any(), &dp).await {
+                let gone = match leases.delete(&lease.name_any(), &dp).await {
                     Ok(_) => {
-                        tracing::info!(controller, member = %m, "sharder: deleted the Lease of a member long gone")
+                        tracing::info!(controller, member = %m, "sharder: deleted the Lease of a member long gone");
+                        true
                     }
-                    Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
+                    Err(kube::Error::Api(s)) if s.code == 404 => true,
+                    // Changed since (409: the member came back; its event is on the way), or
+                    // failed: it stays known, with its Lease, until its next event decides.
+                    Err(kube::Error::Api(s)) if s.code == 409 => false,
                     Err(e) => {
-                        tracing::warn!(controller, member = %m, error = %e, "sharder: deleting a gone member's Lease failed")
+                        tracing::warn!(controller, member = %m, error = %e, "sharder: deleting a gone member's Lease failed");
+                        false
                     }
+                };
+                if !gone {
+                    let spec = lease.spec.clone().unwrap_or_default();
+                    st.members.observe(&m, spec, now);
+                    continue;
                 }
             }
             st.members.remove(&m);
             st.leases.remove(&m);
         }
+        let due = retry.iter().filter(|(t, _)| *t <= now).count();
+        if due > 0 {
+            retry.sort();
+            st.dirty.extend(retry.drain(..due).map(|(_, k)| k));
+        }
         // Decide on what changed, as far as there are free slots; the rest stays dirty.
-        let keys: Vec<String> = st.dirty.iter().cloned().collect();
+        if inflight.len() >= CONCURRENCY {
+            continue;
+        }
+        let keys: Vec<String> = st.dirty.iter().take(4 * CONCURRENCY).cloned().collect();
         for key in keys {
             if pending.contains(&key) {
                 st.dirty.remove(&key);
@@ -262,17 +299,46 @@ pub(crate) async fn run<K>(
             inflight.push(async move {
                 let r = api.patch(&name, &PatchParams::default(), &Patch::Merge(&body)).await;
                 match r {
-                    Ok(_) => (key, m, true),
+                    Ok(_) => (key, m, Some(true)),
                     // Changed since (409) or gone (404): its watch event decides again.
-                    Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => (key, m, false),
+                    Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => (key, m, Some(false)),
                     Err(e) => {
-                        tracing::warn!(controller, object = %key, error = %e, "sharder: labelling failed");
-                        (key, m, false)
+                        tracing::warn!(controller, object = %key, error = %e, "sharder: labelling failed; trying again");
+                        (key, m, None)
                     }
                 }
             }
             .boxed());
         }
+    }
+}
+
+/// Objects with a write in flight, those that changed meanwhile, and those to retry.
+type Bookkeeping<'a> = (
+    &'a mut HashSet<String>,
+    &'a mut HashSet<String>,
+    &'a mut Vec<(Instant, String)>,
+);
+
+/// Takes a label write's answer in: `Some(true)` written, `Some(false)` refused for a change
+/// (its event decides again), `None` failed otherwise (decided on again in a second).
+fn answered(
+    st: &mut State,
+    (pending, deferred, retry): Bookkeeping<'_>,
+    key: String,
+    m: Move,
+    ok: Option<bool>,
+    metrics: &crate::metrics::ControllerMetrics,
+    moved: &mut Moves,
+) {
+    pending.remove(&key);
+    if deferred.remove(&key) {
+        st.dirty.insert(key.clone());
+    }
+    match ok {
+        Some(true) => st.written(&key, m, metrics, moved),
+        Some(false) => {}
+        None => retry.push((Instant::now() + Duration::from_secs(1), key)),
     }
 }
 
