@@ -351,6 +351,9 @@ pub struct Child {
     pub(crate) body: serde_json::Value,
     pub(crate) mode: Mode,
     pub(crate) needed: bool,
+    /// Whether the plan saw it in a cache: a sharded controller's caches hold only its own
+    /// children, so one absent there may still exist, made by someone else.
+    pub(crate) cached: bool,
 }
 
 impl Child {
@@ -373,6 +376,7 @@ impl Child {
             body,
             mode,
             needed,
+            cached: live.is_some(),
         }
     }
 

@@ -61,8 +61,10 @@ impl Writer {
     ) -> Result<(), Error> {
         let ns = child.namespace(default_ns);
         let labelled;
+        // Not on `fields` writes: those set fields of an object someone else owns (Eru's
+        // restart stamp on a user's Deployment), which must not become a child to prune.
         let body = match (self.ctx.shard(), owner_uid) {
-            (Some(shard), Some(uid)) => {
+            (Some(shard), Some(uid)) if child.mode != Mode::Fields => {
                 labelled = shard_labelled(&child.body, shard, uid);
                 &labelled
             }
@@ -75,11 +77,22 @@ impl Writer {
         };
         let written = match child.mode {
             Mode::Apply | Mode::Fields => {
-                let pp = PatchParams::apply(self.ctx.field_manager()).force();
+                // A sharded controller's cache lacks what is not its own: a child it did not
+                // see may be another's (a hand-made Deployment of that name), which a forced
+                // apply would take over. Unforced, fields another manager owns conflict.
+                let unseen = self.ctx.shard().is_some() && !child.cached;
+                let pp = PatchParams::apply(self.ctx.field_manager());
+                let pp = if unseen { pp } else { pp.force() };
                 self.ctx.may_write("apply")?;
-                api.patch(&child.name, &pp, &Patch::Apply(body))
-                    .await
-                    .map_err(err)?
+                match api.patch(&child.name, &pp, &Patch::Apply(body)).await {
+                    Ok(o) => o,
+                    Err(kube::Error::Api(s)) if s.code == 409 && unseen => {
+                        return Err(Error::Conflict {
+                            child: child.describe(),
+                        });
+                    }
+                    Err(e) => return Err(err(e)),
+                }
             }
             Mode::Create => {
                 let obj: DynamicObject = serde_json::from_value(body.clone())?;
