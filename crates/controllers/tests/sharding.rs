@@ -230,6 +230,8 @@ async fn objects_are_spread_over_the_members_and_move_when_members_leave_and_joi
             // A member joins: about a third moves to it, each drained from its old owner
             // first; nothing moves between the two others.
             let before = placement(&mcs).await?.0;
+            let drained_before = a.sample(DRAINED) + c.sample(DRAINED);
+            let handovers_before = a.sample(HANDOVERS) + c.sample(HANDOVERS);
             let d = member(&client, &ns, "d_1").await?;
             wait_for("objects to move to the new member", T, || async {
                 let (by, _) = placement(&mcs).await?;
@@ -243,8 +245,8 @@ async fn objects_are_spread_over_the_members_and_move_when_members_leave_and_joi
             let to_d = by.get(&member_name("d_1")).copied().unwrap_or(0);
             ensure!((2..=20).contains(&to_d), "{to_d} of {n} moved to d");
             // The leader's sharder counted the moves to d and how long each took.
-            let drained = a.sample(DRAINED) + c.sample(DRAINED);
-            let handovers = a.sample(HANDOVERS) + c.sample(HANDOVERS);
+            let drained = a.sample(DRAINED) + c.sample(DRAINED) - drained_before;
+            let handovers = a.sample(HANDOVERS) + c.sample(HANDOVERS) - handovers_before;
             ensure!(
                 drained >= to_d as f64 && handovers >= to_d as f64,
                 "{to_d} moved to d: {drained} drains and {handovers} handovers counted"
@@ -304,7 +306,7 @@ async fn a_singleton_runs_on_the_leader_only_while_the_others_are_sharded() {
                 cms.create(&PostParams::default(), &cm).await?;
             }
             // The singleton plans every probe on the leader only, and places none; the sharded
-            // one plans each probe on the replica it is placed on, and both replicas work.
+            // one plans each probe last on the replica it is placed on, and both replicas work.
             let members = [(member_name("sa_1"), "a"), (member_name("sb_1"), "b")];
             let shard = shard_label("probe-sharded");
             let placed: BTreeMap<String, &str> = wait_for("every probe placed", T, || async {
@@ -349,11 +351,28 @@ async fn a_singleton_runs_on_the_leader_only_while_the_others_are_sharded() {
                 singleton_on.len() == 1,
                 "the singleton planned on {singleton_on:?}"
             );
-            let elsewhere: Vec<_> = planned
+            // A probe placed before the second member joined moved once: its last plan is
+            // the one on the member it is placed on now.
+            let mut last: BTreeMap<&String, &str> = BTreeMap::new();
+            for p in planned.iter().filter(|p| p.0 == "probe-sharded") {
+                last.insert(&p.1, p.2);
+            }
+            let elsewhere: Vec<_> = last
                 .iter()
-                .filter(|p| p.0 == "probe-sharded" && placed.get(&p.1) != Some(&p.2))
+                .filter(|(name, on)| placed.get(**name) != Some(*on))
                 .collect();
-            ensure!(elsewhere.is_empty(), "planned off their replica: {elsewhere:?}");
+            ensure!(
+                elsewhere.is_empty(),
+                "last planned off their replica: {elsewhere:?}"
+            );
+            // The sharder places only what the controller watches: not the namespace's other
+            // ConfigMaps (placement is done: every probe is placed).
+            let root = cms.get("kube-root-ca.crt").await?;
+            ensure!(
+                !root.labels().contains_key(&shard),
+                "a ConfigMap the controller does not watch was placed: {:?}",
+                root.labels()
+            );
             let sharded_on: std::collections::BTreeSet<&str> = planned
                 .iter()
                 .filter(|p| p.0 == "probe-sharded")
