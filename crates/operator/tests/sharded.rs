@@ -384,21 +384,7 @@ async fn sharded_replicas_share_the_objects_through_kills_freezes_and_joins() ->
         .await?;
     let ats: Api<At> = Api::namespaced(client.clone(), NS);
     let first_due = k8s_openapi::jiff::Timestamp::now() + k8s_openapi::jiff::SignedDuration::from_secs(1);
-    for i in 0..scale.ats {
-        let due = first_due
-            + k8s_openapi::jiff::SignedDuration::from_millis(
-                (scale.spread * 1000 * i as u64 / scale.ats as u64) as i64,
-            );
-        ats.create(
-            &PostParams::default(),
-            &serde_json::from_value(serde_json::json!({
-                "apiVersion": "cnat.programming-kubernetes.info/v1alpha1", "kind": "At",
-                "metadata": {"name": format!("at-{i}")},
-                "spec": {"schedule": due.strftime("%Y-%m-%dT%H:%M:%S%.3fZ").to_string(), "command": "echo YAY"},
-            }))?,
-        )
-        .await?;
-    }
+    common::create_ats(&client, NS, scale.ats, first_due, scale.spread).await?;
     log(
         start,
         &format!("{} Memcacheds and {} Ats created", scale.memcacheds, scale.ats),

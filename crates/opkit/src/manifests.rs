@@ -385,15 +385,21 @@ pub fn sharding_rules() -> Vec<PolicyRule> {
 /// (not in the leader-election Role) so that `config/sharding` adds them to `config/default`
 /// and the chart's `sharding.enable` adds the same objects.
 pub fn sharding_role<S>(op: &Operator<S>) -> (Role, RoleBinding) {
-    let name = format!("{}-sharding-role", op.name);
+    role_in_own_namespace(op, "sharding", sharding_rules())
+}
+
+/// A Role `<name>-<what>-role` of `rules` in the operator's namespace, bound to the
+/// manager's ServiceAccount by `<name>-<what>-rolebinding`.
+fn role_in_own_namespace<S>(op: &Operator<S>, what: &str, rules: Vec<PolicyRule>) -> (Role, RoleBinding) {
+    let name = format!("{}-{what}-role", op.name);
     let role = Role {
         metadata: meta(op, &name, Some(&op.namespace())),
-        rules: Some(sharding_rules()),
+        rules: Some(rules),
     };
     let binding = RoleBinding {
         metadata: meta(
             op,
-            &format!("{}-sharding-rolebinding", op.name),
+            &format!("{}-{what}-rolebinding", op.name),
             Some(&op.namespace()),
         ),
         role_ref: RoleRef {
@@ -548,27 +554,9 @@ pub fn manager_role_binding<S>(op: &Operator<S>, namespace: &str) -> RoleBinding
 
 /// The operator's own namespace: its Lease and the webhook certificate its replicas share.
 pub fn own_namespace_role<S>(op: &Operator<S>) -> (Role, RoleBinding) {
-    let name = format!("{}-leader-election-role", op.name);
     let mut rules = leader_rules(&op.lease());
     rules.extend(crate::webhook::secret_rules(op.name));
-    let role = Role {
-        metadata: meta(op, &name, Some(&op.namespace())),
-        rules: Some(rules),
-    };
-    let binding = RoleBinding {
-        metadata: meta(
-            op,
-            &format!("{}-leader-election-rolebinding", op.name),
-            Some(&op.namespace()),
-        ),
-        role_ref: RoleRef {
-            api_group: "rbac.authorization.k8s.io".into(),
-            kind: "Role".into(),
-            name,
-        },
-        subjects: Some(service_account_subject(op)),
-    };
-    (role, binding)
+    role_in_own_namespace(op, "leader-election", rules)
 }
 
 /// The manager's ServiceAccount.

@@ -59,18 +59,16 @@ const CONFLICT_RETRY: Duration = Duration::from_secs(60);
 /// The API access this controller uses, for the generated ClusterRole.
 pub fn rbac_rules() -> Vec<PolicyRule> {
     vec![
-        // `delete`: a finished At past `spec.ttlSecondsAfterFinished`; `patch`: the shard
-        // labels and notes (`opkit run --sharding`).
+        // `delete`: a finished At past `spec.ttlSecondsAfterFinished`.
         rule(
             &["cnat.programming-kubernetes.info"],
             &["ats"],
-            &["list", "watch", "delete", "patch"],
+            &["list", "watch", "delete"],
         ),
         rule(&["cnat.programming-kubernetes.info"], &["ats/status"], &["patch"]),
         // The Pod is created (never applied: a second apply could start the command twice)
-        // and never changed afterwards, but for its shard label when another replica takes its
-        // At over (`--sharding`); `get` reads it when the cache may lag (see `observe`).
-        rule(&[""], &["pods"], &["get", "list", "watch", "create", "patch"]),
+        // and never changed afterwards; `get` reads it when the cache may lag (see `observe`).
+        rule(&[""], &["pods"], &["get", "list", "watch", "create"]),
         events(),
     ]
 }

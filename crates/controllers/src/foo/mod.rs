@@ -39,12 +39,7 @@ const INVALID_SPEC: &str = "InvalidSpec";
 /// The API access this controller uses, for the generated ClusterRole.
 pub fn rbac_rules() -> Vec<PolicyRule> {
     vec![
-        // `patch`: the shard labels and notes (`opkit run --sharding`).
-        rule(
-            &["samplecontroller.k8s.io"],
-            &["foos"],
-            &["list", "watch", "patch"],
-        ),
+        rule(&["samplecontroller.k8s.io"], &["foos"], &["list", "watch"]),
         rule(&["samplecontroller.k8s.io"], &["foos/status"], &["patch"]),
         // `get`: a Deployment of that name not in the cache (see `observe`); `delete` prunes
         // the old one when `deploymentName` changes.

@@ -65,12 +65,7 @@ impl Default for MemcachedController {
 /// The API access this controller uses, for the generated ClusterRole.
 pub fn rbac_rules() -> Vec<PolicyRule> {
     vec![
-        // `patch`: the shard labels and notes (`opkit run --sharding`).
-        rule(
-            &["cache.example.com"],
-            &["memcacheds"],
-            &["list", "watch", "patch"],
-        ),
+        rule(&["cache.example.com"], &["memcacheds"], &["list", "watch"]),
         rule(&["cache.example.com"], &["memcacheds/status"], &["patch"]),
         // Read from caches only. `create`: an apply that makes the Deployment is authorized as
         // a create too; `delete` prunes a Deployment the plan no longer produces.

@@ -199,6 +199,32 @@ pub async fn kubeconfig_for(
     Ok(path)
 }
 
+/// Creates `n` Ats `at-0`..`at-<n-1>` in `ns`, running `echo YAY`, falling due evenly from
+/// `first_due` over `spread_s` seconds.
+pub async fn create_ats(
+    client: &kube::Client,
+    ns: &str,
+    n: usize,
+    first_due: k8s_openapi::jiff::Timestamp,
+    spread_s: u64,
+) -> anyhow::Result<()> {
+    let ats: Api<opkit_api::at::At> = Api::namespaced(client.clone(), ns);
+    for i in 0..n {
+        let due = first_due
+            + k8s_openapi::jiff::SignedDuration::from_millis((spread_s * 1000 * i as u64 / n as u64) as i64);
+        ats.create(
+            &PostParams::default(),
+            &serde_json::from_value(serde_json::json!({
+                "apiVersion": "cnat.programming-kubernetes.info/v1alpha1", "kind": "At",
+                "metadata": {"name": format!("at-{i}")},
+                "spec": {"schedule": due.strftime("%Y-%m-%dT%H:%M:%S%.3fZ").to_string(), "command": "echo YAY"},
+            }))?,
+        )
+        .await?;
+    }
+    Ok(())
+}
+
 /// One request in the apiserver's audit log (a control plane started with `audit_log`).
 #[derive(Clone, Debug)]
 pub struct Audited {
