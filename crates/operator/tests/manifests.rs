@@ -171,4 +171,27 @@ fn config_sharding_runs_three_sharded_replicas_and_config_default_one() {
     );
     assert_eq!(args.iter().filter(|a| *a == "--sharding").count(), 1, "{args:?}");
     assert_eq!(leases, ["create", "delete", "get", "list", "update", "watch"]);
+
+    // The shard labels and adoption: patch on the served kinds and created children that the
+    // controllers' own rules do not patch already, bound to the manager, only here.
+    let patched = |objs: &[Value]| -> Vec<String> {
+        let mut out: Vec<String> = objs
+            .iter()
+            .filter(|o| o["kind"] == "ClusterRole" && o["metadata"]["name"] == "opkit-sharding-manager-role")
+            .flat_map(|o| o["rules"].as_array().cloned().unwrap_or_default())
+            .filter(|r| strings(&r["verbs"]) == ["patch"])
+            .flat_map(|r| strings(&r["resources"]))
+            .collect();
+        out.sort();
+        out
+    };
+    assert_eq!(
+        patched(&kustomized("sharding")),
+        ["ats", "foos", "memcacheds", "pods"]
+    );
+    assert!(patched(&kustomized("default")).is_empty());
+    let bound = kustomized("sharding")
+        .iter()
+        .any(|o| o["kind"] == "ClusterRoleBinding" && o["roleRef"]["name"] == "opkit-sharding-manager-role");
+    assert!(bound, "the sharding ClusterRole is bound");
 }

@@ -119,6 +119,18 @@ pub fn chart<S>(op: &Operator<S>) -> anyhow::Result<Vec<(String, String)>> {
             ),
         ),
     ));
+    let (sharding_cluster_role, sharding_cluster_binding) = manifests::sharding_cluster_role(op);
+    files.push((
+        "templates/rbac/sharding_cluster_role.yaml".into(),
+        enabled(
+            "sharding.enable",
+            &format!(
+                "{}---\n{}",
+                template(&ns, &sharding_cluster_role)?,
+                template(&ns, &sharding_cluster_binding)?
+            ),
+        ),
+    ));
     files.push((
         "templates/rbac/service_account.yaml".into(),
         template(&ns, &manifests::service_account(op))?,

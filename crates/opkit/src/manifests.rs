@@ -412,6 +412,56 @@ fn role_in_own_namespace<S>(op: &Operator<S>, what: &str, rules: Vec<PolicyRule>
     (role, binding)
 }
 
+/// What `--sharding` writes beyond the controllers' own rules: `patch` on every kind the
+/// controllers serve (their CRDs: the shard labels and notes) or create (their children:
+/// adoption), where their rules do not grant it already. Derived from the registry, and
+/// granted only with sharding, so that the default install keeps exactly what it uses.
+pub fn sharding_cluster_rules<S>(op: &Operator<S>) -> Vec<PolicyRule> {
+    let served: Vec<(String, String)> = op
+        .registry
+        .crds()
+        .iter()
+        .map(|c| (c.spec.group.clone(), c.spec.names.plural.clone()))
+        .collect();
+    let mut out = Vec::new();
+    for r in op.registry.rbac() {
+        if r.resource_names.is_some() || r.verbs.iter().any(|v| v == "patch" || v == "*") {
+            continue;
+        }
+        let creates = r.verbs.iter().any(|v| v == "create");
+        for group in r.api_groups.iter().flatten() {
+            for resource in r.resources.iter().flatten().filter(|r| !r.contains('/')) {
+                if creates || served.contains(&(group.clone(), resource.clone())) {
+                    out.push(rule(&[group.as_str()], &[resource.as_str()], &["patch"]));
+                }
+            }
+        }
+    }
+    crate::rbac::merge([out])
+}
+
+/// [`sharding_cluster_rules`] for the manager's ServiceAccount, cluster-wide (the objects
+/// live in the watched namespaces), in `config/sharding` and with the chart's
+/// `sharding.enable`.
+pub fn sharding_cluster_role<S>(op: &Operator<S>) -> (ClusterRole, ClusterRoleBinding) {
+    let name = format!("{}-sharding-manager-role", op.name);
+    let role = ClusterRole {
+        metadata: meta(op, &name, None),
+        rules: Some(sharding_cluster_rules(op)),
+        ..Default::default()
+    };
+    let binding = ClusterRoleBinding {
+        metadata: meta(op, &format!("{}-sharding-manager-rolebinding", op.name), None),
+        role_ref: RoleRef {
+            api_group: "rbac.authorization.k8s.io".into(),
+            kind: "ClusterRole".into(),
+            name,
+        },
+        subjects: Some(service_account_subject(op)),
+    };
+    (role, binding)
+}
+
 /// The replicas `config/sharding` runs; a user's overlay of it sets its own count.
 pub const SHARDED_REPLICAS: i32 = 3;
 
@@ -754,10 +804,17 @@ pub fn all<S>(op: &Operator<S>, namespaces: &[String]) -> anyhow::Result<Vec<(St
 /// `--sharding`, and [`sharding_role`].
 fn sharding_files<S>(op: &Operator<S>, namespaces: &[String]) -> anyhow::Result<Vec<(String, String)>> {
     let (role, binding) = sharding_role(op);
+    let (cluster_role, cluster_binding) = sharding_cluster_role(op);
     let kustomization = json!({
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",
-        "resources": ["../default", "sharding_role.yaml", "sharding_role_binding.yaml"],
+        "resources": [
+            "../default",
+            "sharding_role.yaml",
+            "sharding_role_binding.yaml",
+            "sharding_cluster_role.yaml",
+            "sharding_cluster_role_binding.yaml",
+        ],
         "replicas": [{"name": op.manager(), "count": SHARDED_REPLICAS}],
         "patches": [{
             "path": "manager_sharding_patch.yaml",
@@ -775,6 +832,14 @@ fn sharding_files<S>(op: &Operator<S>, namespaces: &[String]) -> anyhow::Result<
         ),
         ("sharding/sharding_role.yaml".into(), to_yaml(&[role])?),
         ("sharding/sharding_role_binding.yaml".into(), to_yaml(&[binding])?),
+        (
+            "sharding/sharding_cluster_role.yaml".into(),
+            to_yaml(&[cluster_role])?,
+        ),
+        (
+            "sharding/sharding_cluster_role_binding.yaml".into(),
+            to_yaml(&[cluster_binding])?,
+        ),
     ])
 }
 
@@ -785,6 +850,7 @@ const SHARDING_NOTE: &str = "\
 # them. `kubectl apply --server-side -k config/sharding`; for another N, an overlay with
 # `resources: [<path to>/config/sharding]` and its own `replicas:` entry. The Role grants
 # every Lease of the namespace: member Leases are found by label, which RBAC cannot select.
+# The ClusterRole grants patch on the served and created kinds: the shard labels, adoption.
 ";
 
 /// Kubebuilder's opt-in for the ServiceMonitor and alerts: they need the Prometheus
