@@ -19,7 +19,7 @@ use anyhow::{Context, anyhow, ensure};
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Namespace, Pod, ServiceAccount};
+use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use opkit_api::at::{At, Outcome, Phase};
@@ -328,21 +328,7 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
     log(start, &format!("control plane up at {}", cp.server()));
 
     common::install_crds_on(&cp)?;
-    let nss: Api<Namespace> = Api::all(client.clone());
-    for ns in [NS, OWN_NS] {
-        nss.create(
-            &PostParams::default(),
-            &serde_json::from_value(serde_json::json!({"metadata": {"name": ns}}))?,
-        )
-        .await?;
-    }
-    wait_for("the default ServiceAccount", Duration::from_secs(30), || async {
-        Api::<ServiceAccount>::namespaced(client.clone(), NS)
-            .get("default")
-            .await
-            .map(|_| ())
-    })
-    .await?;
+    common::create_namespaces(&client, &[NS, OWN_NS]).await?;
 
     // Every Pod UID ever seen, by name, from one watch kept open all along.
     let uids: Arc<Mutex<BTreeMap<String, BTreeSet<String>>>> = Arc::default();

@@ -16,7 +16,7 @@ use anyhow::{anyhow, ensure};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Namespace, Pod, ServiceAccount};
+use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
 use opkit::sharding::{MEMBER_LABEL, Ring, adopt_annotation, drain_label, ring, shard_label};
@@ -335,21 +335,7 @@ async fn sharded_replicas_share_the_objects_through_kills_freezes_and_joins() ->
     .await?;
     let client = cp.client().await?;
     common::install_crds_on(&cp)?;
-    let nss: Api<Namespace> = Api::all(client.clone());
-    for ns in [NS, OWN_NS] {
-        nss.create(
-            &PostParams::default(),
-            &serde_json::from_value(serde_json::json!({"metadata": {"name": ns}}))?,
-        )
-        .await?;
-    }
-    wait_for("the default ServiceAccount", Duration::from_secs(30), || async {
-        Api::<ServiceAccount>::namespaced(client.clone(), NS)
-            .get("default")
-            .await
-            .map(|_| ())
-    })
-    .await?;
+    common::create_namespaces(&client, &[NS, OWN_NS]).await?;
     log(start, "control plane up");
 
     let mut replicas = Vec::new();

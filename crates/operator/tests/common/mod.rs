@@ -199,6 +199,27 @@ pub async fn kubeconfig_for(
     Ok(path)
 }
 
+/// Creates the namespaces `names`, then waits for the first one's default ServiceAccount
+/// (objects with Pods are refused until it exists).
+pub async fn create_namespaces(client: &kube::Client, names: &[&str]) -> anyhow::Result<()> {
+    let nss: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(client.clone());
+    for ns in names {
+        nss.create(
+            &PostParams::default(),
+            &serde_json::from_value(serde_json::json!({"metadata": {"name": ns}}))?,
+        )
+        .await?;
+    }
+    let first = names.first().copied().unwrap_or("default");
+    wait_for("the default ServiceAccount", Duration::from_secs(30), || async {
+        Api::<ServiceAccount>::namespaced(client.clone(), first)
+            .get("default")
+            .await
+            .map(|_| ())
+    })
+    .await
+}
+
 /// Creates `n` Ats `at-0`..`at-<n-1>` in `ns`, running `echo YAY`, falling due evenly from
 /// `first_due` over `spread_s` seconds.
 pub async fn create_ats(
