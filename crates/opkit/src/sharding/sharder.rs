@@ -5,6 +5,7 @@
 //! objects themselves) and the member Leases, and writes nothing but the two labels, each
 //! write conditional on the resourceVersion it decided from.
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::{FutureExt, StreamExt};
@@ -29,11 +30,12 @@ const CONCURRENCY: usize = 32;
 /// member, so without this every restart would leave a Lease behind.
 const FORGET_AFTER: Duration = Duration::from_secs(60);
 
+/// One object, kept small: the leader holds one per object of the kind, so at 30000 objects
+/// every field costs. Its namespace and name are in its key ([`ring::key`]).
 struct Object {
-    namespace: Option<String>,
-    name: String,
-    resource_version: Option<String>,
-    owner: Option<String>,
+    resource_version: Option<Box<str>>,
+    /// Interned ([`State::intern`]): every object of one member shares its name.
+    owner: Option<Arc<str>>,
     draining: bool,
     /// Listed when the sharder started, without an owner: its children (if any) were made
     /// by an operator that did not shard, or by an owner this sharder never saw.
@@ -262,6 +264,8 @@ pub(crate) async fn run<K>(
             }
             st.members.remove(&m);
             st.leases.remove(&m);
+            // Its name, unless an object still carries it.
+            st.names.retain(|n| Arc::strong_count(n) > 1);
         }
         let due = retry.iter().filter(|(t, _)| *t <= now).count();
         if due > 0 {
@@ -292,9 +296,10 @@ pub(crate) async fn run<K>(
             let Some(m) = decide(&placed, &ring, |m| st.members.is_held(m)) else {
                 continue;
             };
-            let api = api::<PartialObjectMeta<K>>(&client, o.namespace.as_deref());
+            let (namespace, name) = ring::split_key(&key);
+            let api = api::<PartialObjectMeta<K>>(&client, namespace);
             let body = st.patch(o, &m);
-            let name = o.name.clone();
+            let name = name.to_string();
             pending.insert(key.clone());
             inflight.push(async move {
                 let r = api.patch(&name, &PatchParams::default(), &Patch::Merge(&body)).await;
@@ -353,6 +358,8 @@ struct State {
     drain: String,
     adopt: String,
     objects: HashMap<String, Object>,
+    /// Owner names, shared by the objects ([`intern`]).
+    names: HashSet<Arc<str>>,
     members: Members,
     /// The last member Lease seen of each member: the version to fence or delete.
     leases: HashMap<String, Lease>,
@@ -406,7 +413,7 @@ impl State {
                 if let Some(since) = since {
                     metrics.shard_handover(since.elapsed().as_secs_f64());
                 }
-                o.owner = Some(to);
+                o.owner = Some(intern(&mut self.names, &to));
                 o.draining = false;
                 o.initial = false;
                 done.assigned += 1;
@@ -434,7 +441,7 @@ impl State {
         match ev {
             Ok(watcher::Event::InitApply(o)) => {
                 let key = ring::key(o.namespace().as_deref(), &o.name_any());
-                let mut placed = object(&o, &self.shard, &self.drain);
+                let mut placed = object(&o, &self.shard, &self.drain, &mut self.names);
                 // Only the first list: a relist after a lost watch sees objects this sharder
                 // assigned itself.
                 placed.initial = (self.synced.0 < self.streams
@@ -445,7 +452,7 @@ impl State {
             }
             Ok(watcher::Event::Apply(o)) => {
                 let key = ring::key(o.namespace().as_deref(), &o.name_any());
-                let mut placed = object(&o, &self.shard, &self.drain);
+                let mut placed = object(&o, &self.shard, &self.drain, &mut self.names);
                 placed.initial = self.objects.get(&key).is_some_and(|p| p.initial) && placed.owner.is_none();
                 self.objects.insert(key.clone(), placed);
                 self.dirty.insert(key);
@@ -491,16 +498,32 @@ impl State {
     }
 }
 
-fn object<K: Resource<DynamicType = ()>>(o: &PartialObjectMeta<K>, shard: &str, drain: &str) -> Object {
+fn object<K: Resource<DynamicType = ()>>(
+    o: &PartialObjectMeta<K>,
+    shard: &str,
+    drain: &str,
+    names: &mut HashSet<Arc<str>>,
+) -> Object {
     let labels: &BTreeMap<String, String> = o.labels();
     Object {
-        namespace: o.namespace(),
-        name: o.name_any(),
-        resource_version: o.resource_version(),
-        owner: labels.get(shard).filter(|v| !v.is_empty()).cloned(),
+        resource_version: o.meta().resource_version.as_deref().map(Box::from),
+        owner: labels
+            .get(shard)
+            .filter(|v| !v.is_empty())
+            .map(|v| intern(names, v)),
         draining: labels.contains_key(drain),
         initial: false,
     }
+}
+
+/// The one shared copy of `name` (member names repeat over every object).
+fn intern(names: &mut HashSet<Arc<str>>, name: &str) -> Arc<str> {
+    if let Some(n) = names.get(name) {
+        return n.clone();
+    }
+    let n: Arc<str> = Arc::from(name);
+    names.insert(n.clone());
+    n
 }
 
 fn member_of(l: &Lease) -> Option<String> {
