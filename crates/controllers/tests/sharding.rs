@@ -82,6 +82,7 @@ impl Reconciler for Probe {
 const CACHED: &str = r#"opkit_cache_objects{controller="memcached",kind="Memcached"}"#;
 const ADOPT: &str = r#"opkit_api_writes_total{controller="memcached",verb="adopt"}"#;
 const APPLY: &str = r#"opkit_api_writes_total{controller="memcached",verb="apply"}"#;
+const MEMBERS: &str = r#"opkit_shard_members{controller="memcached"}"#;
 const DRAINED: &str = r#"opkit_shard_moves_total{controller="memcached",move="drained"}"#;
 const HANDOVERS: &str = r#"opkit_shard_handover_seconds_count{controller="memcached"}"#;
 const CACHED_CHILDREN: &str = r#"opkit_cache_objects{controller="memcached",kind="Deployment"}"#;
@@ -263,6 +264,170 @@ async fn objects_are_spread_over_the_members_and_move_when_members_leave_and_joi
                 let (was, is) = (before[&member_name(id)], by[&member_name(id)]);
                 ensure!(is <= was, "{id} gained objects when d joined: {was} -> {is}");
             }
+            Ok(())
+        })
+        .await;
+}
+
+const ASSIGNED: &str = r#"opkit_shard_moves_total{controller="memcached",move="assigned"}"#;
+
+/// Serves `hooks` on a port of its own until `stop`, and points a mutating webhook
+/// configuration (named after `ns`, sent only the requests of `ns`) at it; returns the
+/// configuration's name.
+async fn serve_placement(
+    client: &Client,
+    ns: &str,
+    hooks: &opkit::webhook::Webhooks,
+    stop: tokio_util::sync::CancellationToken,
+) -> anyhow::Result<String> {
+    use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+    let cert = opkit::webhook::self_signed(&["127.0.0.1".to_string()])?;
+    let port = opkit_testenv::free_port()?;
+    opkit::webhook::serve(
+        hooks,
+        ([127, 0, 0, 1], port).into(),
+        opkit::webhook::CertSource::Generated(cert.clone()),
+        false,
+        stop,
+    )
+    .await?;
+    let endpoint = opkit::webhook::Endpoint::Url(format!("https://127.0.0.1:{port}"));
+    let (mut mutating, _) = opkit::webhook::configurations(ns, hooks, &endpoint, "none", Some(&cert.ca_pem));
+    let name = format!("{ns}-placement");
+    mutating.metadata.name = Some(name.clone());
+    for w in mutating.webhooks.iter_mut().flatten() {
+        w.namespace_selector = Some(LabelSelector {
+            match_labels: Some([("kubernetes.io/metadata.name".to_string(), ns.to_string())].into()),
+            ..Default::default()
+        });
+    }
+    ensure!(
+        mutating.webhooks.as_ref().is_some_and(|w| w.len() == 1),
+        "one placement webhook wanted: {mutating:?}"
+    );
+    Api::<MutatingWebhookConfiguration>::all(client.clone())
+        .create(&PostParams::default(), &mutating)
+        .await?;
+    Ok(name)
+}
+
+#[tokio::test]
+async fn new_objects_are_placed_as_they_are_created_and_a_stranger_s_label_is_checked_first() {
+    shared()
+        .in_namespace("sharding-admit", |client, ns| async move {
+            use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
+            let mcs: Api<Memcached> = Api::namespaced(client.clone(), &ns);
+            let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+            // Member a serves the placement webhook, as every replica of an operator serving
+            // webhooks does.
+            let cfg = election(&ns, "pa_1");
+            let sharding = ShardingConfig::new(&cfg);
+            let opts = ManagerOptions {
+                leader_election: Some(cfg),
+                ..Default::default()
+            };
+            let mut hooks = None;
+            let a = common::start_with_after(
+                &client,
+                &ns,
+                memcached::NAME,
+                opts,
+                |m| Ok(m.with_sharding(sharding)?),
+                |m| hooks = Some(m.sharding_webhooks()),
+            )
+            .await?;
+            let hooks = hooks.ok_or_else(|| anyhow::anyhow!("no webhooks"))?;
+            let stop = tokio_util::sync::CancellationToken::new();
+            let _stop_serving = stop.clone().drop_guard();
+            let configuration = serve_placement(&client, &ns, &hooks, stop).await?;
+            let b = member(&client, &ns, "pb_1").await?;
+            let members = [("pa_1", &a), ("pb_1", &b)];
+            wait_for("the sharder to see both members", T, || async {
+                let seen = a.sample(MEMBERS) + b.sample(MEMBERS);
+                ensure!(seen == 2.0, "{seen}");
+                Ok(())
+            })
+            .await?;
+
+            // Each new object carries its member's label as it is created: no label write of
+            // the sharder's follows. An object the webhook placed against the sharder's ring
+            // (its view of the members behind) would be drained, then assigned.
+            let n = 20;
+            let shard = shard_label(memcached::NAME);
+            let names: Vec<String> = members.iter().map(|(id, _)| member_name(id)).collect();
+            for i in 0..n {
+                let m: Memcached = serde_json::from_value(json!({
+                    "apiVersion": "cache.example.com/v1", "kind": "Memcached",
+                    "metadata": {"name": format!("mc-{i}")}, "spec": {"size": 0}
+                }))?;
+                let made = mcs.create(&PostParams::default(), &m).await?;
+                let label = made.labels().get(&shard);
+                ensure!(
+                    label.is_some_and(|l| names.contains(l)),
+                    "mc-{i} was created labelled {label:?}, not for one of {names:?}"
+                );
+            }
+            // One labelled for a member that never was: the sharder reads its Lease (there is
+            // none), and only then places the object on a live member.
+            let m: Memcached = serde_json::from_value(json!({
+                "apiVersion": "cache.example.com/v1", "kind": "Memcached",
+                "metadata": {"name": "mc-stranger", "labels": {&shard: "stranger-0000000000"}},
+                "spec": {"size": 0}
+            }))?;
+            mcs.create(&PostParams::default(), &m).await?;
+            let by = settled_on(&mcs, &deploys, &members, n + 1).await?;
+            println!("placed at creation: {by:?}");
+            let (assigned, drained) = (
+                a.sample(ASSIGNED) + b.sample(ASSIGNED),
+                a.sample(DRAINED) + b.sample(DRAINED),
+            );
+            ensure!(
+                assigned == drained + 1.0,
+                "the sharder assigned {assigned} objects and drained {drained}: want one assignment \
+                 (the stranger's object) beyond the drained ones"
+            );
+
+            // A member the sharder's watch has not shown it yet (here: its Lease lacks the
+            // group label the watch selects on), named by a new object's label: the sharder
+            // reads its Lease, finds it held and treats it as the live member it is, until
+            // it stops renewing and the sharder takes its Lease. Then its objects come back.
+            use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+            use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+            let late = "late-1111111111";
+            let leases: Api<Lease> = Api::namespaced(client.clone(), &ns);
+            let lease: Lease = Lease {
+                metadata: kube::api::ObjectMeta {
+                    name: Some(format!("shard-test-member-{late}")),
+                    labels: Some([(opkit::sharding::MEMBER_LABEL.to_string(), late.to_string())].into()),
+                    ..Default::default()
+                },
+                spec: Some(LeaseSpec {
+                    holder_identity: Some("late_1".into()),
+                    lease_duration_seconds: Some(6),
+                    acquire_time: Some(MicroTime(Timestamp::now())),
+                    renew_time: Some(MicroTime(Timestamp::now())),
+                    ..Default::default()
+                }),
+            };
+            leases.create(&PostParams::default(), &lease).await?;
+            let m: Memcached = serde_json::from_value(json!({
+                "apiVersion": "cache.example.com/v1", "kind": "Memcached",
+                "metadata": {"name": "mc-late", "labels": {&shard: late}}, "spec": {"size": 0}
+            }))?;
+            mcs.create(&PostParams::default(), &m).await?;
+            wait_for("the sharder to take the silent member's Lease", T, || async {
+                let l = leases.get(&format!("shard-test-member-{late}")).await?;
+                let holder = l.spec.and_then(|s| s.holder_identity);
+                ensure!(holder.is_none(), "still held by {holder:?}");
+                Ok(())
+            })
+            .await?;
+            let by = settled_on(&mcs, &deploys, &members, n + 2).await?;
+            println!("after the late member came and went: {by:?}");
+            Api::<MutatingWebhookConfiguration>::all(client.clone())
+                .delete(&configuration, &Default::default())
+                .await?;
             Ok(())
         })
         .await;

@@ -395,7 +395,11 @@ async fn run_operator<S, A: Args>(
     if let Some(bind) = addr(&args.webhook_bind_address, "webhook-bind-address")? {
         // Every kind's admission rules, whichever controllers run here: the configurations are
         // shared by all replicas and must not depend on one process's `--controllers`.
-        let hooks = registry.webhooks(&client).with_metrics(manager.metrics().clone());
+        // With --sharding, also the webhooks that place new objects on their members.
+        let hooks = registry
+            .webhooks(&client)
+            .merge(manager.sharding_webhooks())
+            .with_metrics(manager.metrics().clone());
         let webhook_opts = crate::webhook::WebhookOptions {
             project: op.name,
             bind,

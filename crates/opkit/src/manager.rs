@@ -205,6 +205,8 @@ pub struct Manager {
     sharding: Option<Sharding>,
     /// One per sharded controller, run by the leader while it leads.
     sharders: Vec<Sharder>,
+    /// The placement webhooks of the sharded controllers ([`Manager::sharding_webhooks`]).
+    placement: crate::webhook::Webhooks,
 }
 
 /// This replica as a member of its sharding group.
@@ -215,6 +217,10 @@ struct Sharding {
     gate: WriteGate,
     leading: tokio::sync::watch::Sender<bool>,
     client: Client,
+    /// The members as this replica sees them, for its placement webhooks; kept current
+    /// only once they are served.
+    view: crate::sharding::admit::View,
+    view_wanted: bool,
 }
 
 /// Starts the sharder of one controller with the leader's client.
@@ -240,6 +246,7 @@ impl Manager {
             config: None,
             sharding: None,
             sharders: Vec::new(),
+            placement: crate::webhook::Webhooks::new(),
         }
     }
 
@@ -274,8 +281,20 @@ impl Manager {
             gate,
             leading: tokio::sync::watch::channel(false).0,
             client,
+            view: Default::default(),
+            view_wanted: false,
         });
         Ok(self)
+    }
+
+    /// The webhooks that place each new object of the sharded controllers added so far on
+    /// its member as it is created (see [`crate::sharding::admit`]), to serve with the
+    /// operator's own: the sharder then writes no label for it. Empty without sharding.
+    pub fn sharding_webhooks(&mut self) -> crate::webhook::Webhooks {
+        if let Some(s) = self.sharding.as_mut() {
+            s.view_wanted = !self.placement.is_empty();
+        }
+        self.placement.clone()
     }
 
     /// The client for what every replica does whether it leads or not (waiting for CRDs, the
@@ -420,6 +439,12 @@ impl Manager {
             let metrics = self.metrics.for_controller(name);
             let primary = reconciler.primary();
             let selectors = (primary.labels.clone(), primary.fields.clone());
+            let selective = selectors.0.is_some() || selectors.1.is_some();
+            self.placement = std::mem::take(&mut self.placement).merge(crate::sharding::admit::webhook::<
+                R::Object,
+            >(
+                name, s.view.clone(), selective
+            ));
             self.sharders.push(Box::new(move |client: Client| {
                 let leases = kube::Api::namespaced(client.clone(), &lease_ns);
                 crate::sharding::sharder::run::<R::Object>(
@@ -503,6 +528,17 @@ impl Manager {
         // A member of a sharding group holds its member Lease whether it leads or not.
         let member = sharding.map(|s| {
             s.gate.enforce();
+            if s.view_wanted {
+                let leases = kube::Api::namespaced(client.clone(), &s.cfg.lease.namespace);
+                let view = crate::sharding::admit::watch(leases, s.cfg.group.clone(), s.view.clone());
+                let shutdown = shutdown.clone();
+                tokio::spawn(async move {
+                    tokio::select! {
+                        _ = view => {},
+                        _ = shutdown.cancelled() => {},
+                    }
+                });
+            }
             let e = LeaderElector::new(
                 election_client.clone().unwrap_or(client.clone()),
                 s.cfg.lease.clone(),

@@ -114,6 +114,19 @@ pub async fn start_with(
     opts: ManagerOptions,
     configure: impl FnOnce(Manager) -> anyhow::Result<Manager>,
 ) -> anyhow::Result<Operator> {
+    start_with_after(client, ns, name, opts, configure, |_| {}).await
+}
+
+/// [`start_with`], handing the manager to `added` once the controller is added (for what
+/// depends on the controllers, such as their webhooks).
+pub async fn start_with_after(
+    client: &Client,
+    ns: &str,
+    name: &'static str,
+    opts: ManagerOptions,
+    configure: impl FnOnce(Manager) -> anyhow::Result<Manager>,
+    added: impl FnOnce(&mut Manager),
+) -> anyhow::Result<Operator> {
     let registry = registry();
     let entry = registry
         .select(&[name.to_string()])
@@ -125,6 +138,7 @@ pub async fn start_with(
     let mut manager =
         configure(Manager::new(client.clone()).with_scope(Scope::namespaces(vec![ns.to_string()])))?;
     (entry.add)(&mut manager, &Settings::default());
+    added(&mut manager);
     let metrics = manager.metrics().clone();
     let stop = manager.shutdown_token();
     let opts = ManagerOptions {

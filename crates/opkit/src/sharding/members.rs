@@ -33,6 +33,11 @@ impl Members {
         }
     }
 
+    /// Whether `member`'s Lease has been seen (and not deleted since).
+    pub fn knows(&self, member: &str) -> bool {
+        self.seen.contains_key(member)
+    }
+
     /// Forgets `member` (its Lease was deleted: it stopped and let go of everything).
     pub fn remove(&mut self, member: &str) {
         self.seen.remove(member);

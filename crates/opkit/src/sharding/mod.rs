@@ -10,6 +10,7 @@
 //! at once: the old owner's write gate closed before its Lease could run out.
 //!
 //! This module holds the decisions, as pure functions of what the sharder observes.
+pub mod admit;
 pub mod members;
 pub mod ring;
 pub mod sharder;

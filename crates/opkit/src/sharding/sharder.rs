@@ -119,6 +119,10 @@ pub(crate) async fn run<K>(
     // Objects whose label write failed for another reason than a change (a timeout, a 5xx):
     // decided on again from this time on, for no watch event will come for them.
     let mut retry: Vec<(Instant, String)> = Vec::new();
+    // Reads of the Lease of a member named by an object's label but not seen by this
+    // sharder's watch (see `admit`).
+    let mut lookups: futures::stream::FuturesUnordered<futures::future::BoxFuture<'static, Lookup>> =
+        futures::stream::FuturesUnordered::new();
     loop {
         let now = Instant::now();
         let synced = st.synced.0 >= st.streams && st.synced.1;
@@ -150,6 +154,10 @@ pub(crate) async fn run<K>(
                 answered(&mut st, (&mut pending, &mut deferred, &mut retry), key, m, ok, &metrics, &mut moved.0);
                 false
             }
+            Some(found) = lookups.next(), if !lookups.is_empty() => {
+                st.looked_up(found, &mut retry, controller);
+                false
+            }
             _ = tokio::time::sleep(wake) => false,
         };
         if failed {
@@ -163,6 +171,8 @@ pub(crate) async fn run<K>(
                 st.on_lease(ev, controller);
             } else if let Some(Some(ev)) = objects_events.next().now_or_never() {
                 st.on_object(ev, controller);
+            } else if let Some(Some(found)) = lookups.next().now_or_never() {
+                st.looked_up(found, &mut retry, controller);
             } else if let Some(Some((key, m, ok))) = inflight.next().now_or_never() {
                 answered(
                     &mut st,
@@ -264,7 +274,8 @@ pub(crate) async fn run<K>(
             }
             st.members.remove(&m);
             st.leases.remove(&m);
-            // Its name, unless an object still carries it.
+            // Names no object carries any more (held by the two sets only).
+            st.absent.retain(|n| Arc::strong_count(n) > 2);
             st.names.retain(|n| Arc::strong_count(n) > 1);
         }
         let due = retry.iter().filter(|(t, _)| *t <= now).count();
@@ -288,6 +299,23 @@ pub(crate) async fn run<K>(
             }
             st.dirty.remove(&key);
             let Some(o) = st.objects.get(&key) else { continue };
+            if let Some(owner) = o
+                .owner
+                .as_ref()
+                .filter(|m| !st.members.knows(m) && !st.absent.contains(*m))
+            {
+                // Labelled for a member this sharder has not seen: a placement webhook whose
+                // watch was ahead of this one's. Moved now, the object could be taken from a
+                // live member already working on it; its Lease decides first.
+                let waiting = st.waiting.entry(owner.clone()).or_default();
+                if waiting.is_empty() {
+                    let (leases, m) = (leases.clone(), owner.clone());
+                    let name = format!("{group}-member-{owner}");
+                    lookups.push(async move { (m, leases.get_opt(&name).await) }.boxed());
+                }
+                waiting.push(key);
+                continue;
+            }
             let placed = Placed {
                 key: &key,
                 owner: o.owner.as_deref(),
@@ -317,6 +345,9 @@ pub(crate) async fn run<K>(
         }
     }
 }
+
+/// A member named by a label, and its Lease as read (`None`: there is none).
+type Lookup = (Arc<str>, Result<Option<Lease>, kube::Error>);
 
 /// Objects with a write in flight, those that changed meanwhile, and those to retry.
 type Bookkeeping<'a> = (
@@ -360,6 +391,11 @@ struct State {
     objects: HashMap<String, Object>,
     /// Owner names, shared by the objects ([`intern`]).
     names: HashSet<Arc<str>>,
+    /// Members named by labels whose Lease was read and found missing: they cannot write,
+    /// and their objects move at once.
+    absent: HashSet<Arc<str>>,
+    /// Objects waiting for the Lease of the member they are labelled for to be read.
+    waiting: HashMap<Arc<str>, Vec<String>>,
     members: Members,
     /// The last member Lease seen of each member: the version to fence or delete.
     leases: HashMap<String, Lease>,
@@ -472,11 +508,37 @@ impl State {
         false
     }
 
+    /// Takes in the Lease read of a member named by a label: its objects are decided on
+    /// again, now that the member is known or known to be absent.
+    fn looked_up(&mut self, (m, read): Lookup, retry: &mut Vec<(Instant, String)>, controller: &str) {
+        let keys = self.waiting.remove(&m).unwrap_or_default();
+        match read {
+            Ok(Some(lease)) => {
+                self.on_lease(Ok(watcher::Event::Apply(lease)), controller);
+                if !self.members.knows(&m) {
+                    // A Lease of that name, but not a member's.
+                    self.absent.insert(m);
+                }
+            }
+            Ok(None) => {
+                self.absent.insert(m);
+            }
+            Err(e) => {
+                tracing::warn!(controller, member = %m, error = %e, "sharder: reading a member's Lease failed; trying again");
+                let at = Instant::now() + Duration::from_secs(1);
+                retry.extend(keys.into_iter().map(|k| (at, k)));
+                return;
+            }
+        }
+        self.dirty.extend(keys);
+    }
+
     /// Takes in one event of the member Leases' watch; whether it was an error.
     fn on_lease(&mut self, ev: Result<watcher::Event<Lease>, watcher::Error>, controller: &str) -> bool {
         match ev {
             Ok(watcher::Event::Apply(l) | watcher::Event::InitApply(l)) => {
                 if let (Some(m), Some(spec)) = (member_of(&l), l.spec.clone()) {
+                    self.absent.remove(m.as_str());
                     self.members.observe(&m, spec, Instant::now());
                     self.leases.insert(m, l);
                 }
