@@ -14,8 +14,10 @@
 //!   One more lane runs only when `BENCH_LANES` names it (`BENCH_LANES=opkit,opkit-sharded`):
 //!   `opkit-sharded`, the `opkit` lane's binary and flags as `BENCH_SHARDS` (default 3)
 //!   processes with `--leader-elect --sharding` (Leases in the lane's namespace, opkit's
-//!   default timings), each with its own `POD_NAME` (`shard-<i>`) and ports, all under the
-//!   lane's one ServiceAccount, so that its requests and writes are theirs together, Lease
+//!   default timings), each with its own `POD_NAME` (`shard-<i>`) and ports, the first also
+//!   serving the webhooks (among them the one that places new objects as they are created;
+//!   their configurations are deleted when the lane ends), all under the lane's one
+//!   ServiceAccount, so that its requests and writes are theirs together, Lease
 //!   renewals included. Its peak and steady RSS are the largest process's (each one's too:
 //!   `peak_rss_per_replica_kib`, `steady_rss_per_replica_kib`), its CPU seconds (busy and
 //!   idle) the sum over them. The restart stops all (SIGTERM at once) and starts all at once;
@@ -304,6 +306,15 @@ impl Scenario {
                     // with its POD_NAME.
                     c.args(["--leader-elect", "--sharding", "--leader-election-namespace", ns])
                         .env("POD_NAME", format!("shard-{i}"));
+                    if i == 0 {
+                        // The first serves the webhooks, among them the one placing new
+                        // objects as they are created (in a cluster, a Service spreads
+                        // them over every replica).
+                        let url = format!("https://{}", ports.webhook);
+                        c.arg("--webhook-bind-address")
+                            .arg(ports.webhook.to_string())
+                            .args(["--webhook-url", &url]);
+                    }
                 }
                 c
             }
@@ -328,6 +339,7 @@ fn replicas(lane: &str) -> usize {
 struct Ports {
     health: SocketAddr,
     metrics: SocketAddr,
+    webhook: SocketAddr,
 }
 
 #[derive(Default, Clone)]
@@ -656,6 +668,32 @@ async fn create_namespace(admin: &Client, ns: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Deletes the webhook configurations a contender made (the sharded lane's first replica
+/// serves webhooks), so that no later lane's requests are sent to a webhook that is gone.
+async fn delete_webhook_configurations(admin: &Client) -> anyhow::Result<()> {
+    use k8s_openapi::api::admissionregistration::v1::{
+        MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
+    };
+    let m: Api<MutatingWebhookConfiguration> = Api::all(admin.clone());
+    let v: Api<ValidatingWebhookConfiguration> = Api::all(admin.clone());
+    let gone = |r: Result<_, kube::Error>| match r {
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+        Ok(_) => Ok(()),
+        Err(e) => Err(e),
+    };
+    gone(
+        m.delete("opkit-mutating-webhook-configuration", &DeleteParams::default())
+            .await
+            .map(|_| ()),
+    )?;
+    gone(
+        v.delete("opkit-validating-webhook-configuration", &DeleteParams::default())
+            .await
+            .map(|_| ()),
+    )?;
+    Ok(())
+}
+
 async fn delete_namespace(admin: &Client, ns: &str) -> anyhow::Result<()> {
     let nss: Api<Namespace> = Api::all(admin.clone());
     let uid = nss.get(ns).await?.uid().unwrap_or_default();
@@ -842,6 +880,7 @@ fn free_ports(count: usize) -> anyhow::Result<Vec<Ports>> {
             Ok(Ports {
                 health: port()?,
                 metrics: port()?,
+                webhook: port()?,
             })
         })
         .collect()
@@ -901,6 +940,7 @@ impl Run<'_> {
     async fn lane(&self, lane: &'static str) -> anyhow::Result<Outcome> {
         let (cp, admin, scenario, n, size) = (self.cp, self.admin, self.scenario, self.n, self.size);
         let ns = format!("bench-{lane}");
+        delete_webhook_configurations(admin).await?;
         create_namespace(admin, &ns).await?;
         let (kubeconfig, user) = identity(cp, admin, lane, &ns).await?;
         let ports = free_ports(replicas(lane))?;
@@ -1003,6 +1043,7 @@ impl Run<'_> {
                 w.abort();
             }
             stop(&mut children);
+            delete_webhook_configurations(admin).await?;
             flush_audit(admin, &audit_log, &format!("bench-end-{lane}")).await?;
             let requests = audit(&audit_log)?;
             (out.requests, out.writes) =
@@ -1080,6 +1121,7 @@ impl Run<'_> {
         tokio::time::sleep(Duration::from_secs(env_or("BENCH_RESTART_SETTLE_SECONDS", 30))).await;
         let restart_end = Timestamp::now();
         stop(&mut children);
+        delete_webhook_configurations(admin).await?;
         println!(
             "{lane}: restarted with {n}: ready {}, reacted {}",
             fmt_opt(out.restart_ready.map(|d| format!("{:.2}s", d.as_secs_f64()))),

@@ -272,8 +272,8 @@ async fn objects_are_spread_over_the_members_and_move_when_members_leave_and_joi
 const ASSIGNED: &str = r#"opkit_shard_moves_total{controller="memcached",move="assigned"}"#;
 
 /// Serves `hooks` on a port of its own until `stop`, and points a mutating webhook
-/// configuration (named after `ns`, sent only the requests of `ns`) at it; returns the
-/// configuration's name.
+/// configuration named after `ns` at it; returns the configuration's name. The webhooks of a
+/// manager watching `ns` only are sent the requests of `ns` only.
 async fn serve_placement(
     client: &Client,
     ns: &str,
@@ -281,7 +281,6 @@ async fn serve_placement(
     stop: tokio_util::sync::CancellationToken,
 ) -> anyhow::Result<String> {
     use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
     let cert = opkit::webhook::self_signed(&["127.0.0.1".to_string()])?;
     let port = opkit_testenv::free_port()?;
     opkit::webhook::serve(
@@ -296,15 +295,21 @@ async fn serve_placement(
     let (mut mutating, _) = opkit::webhook::configurations(ns, hooks, &endpoint, "none", Some(&cert.ca_pem));
     let name = format!("{ns}-placement");
     mutating.metadata.name = Some(name.clone());
-    for w in mutating.webhooks.iter_mut().flatten() {
-        w.namespace_selector = Some(LabelSelector {
-            match_labels: Some([("kubernetes.io/metadata.name".to_string(), ns.to_string())].into()),
-            ..Default::default()
-        });
-    }
+    let scoped = |w: &k8s_openapi::api::admissionregistration::v1::MutatingWebhook| {
+        w.namespace_selector
+            .as_ref()
+            .and_then(|s| s.match_expressions.as_ref())
+            .is_some_and(|e| {
+                e.iter()
+                    .any(|e| e.operator == "In" && e.values.as_deref() == Some(&[ns.to_string()][..]))
+            })
+    };
     ensure!(
-        mutating.webhooks.as_ref().is_some_and(|w| w.len() == 1),
-        "one placement webhook wanted: {mutating:?}"
+        mutating
+            .webhooks
+            .as_ref()
+            .is_some_and(|w| w.len() == 1 && scoped(&w[0])),
+        "one placement webhook, for {ns} only, wanted: {mutating:?}"
     );
     Api::<MutatingWebhookConfiguration>::all(client.clone())
         .create(&PostParams::default(), &mutating)
@@ -313,7 +318,7 @@ async fn serve_placement(
 }
 
 #[tokio::test]
-async fn new_objects_are_placed_as_they_are_created_and_a_stranger_s_label_is_checked_first() {
+async fn new_objects_are_placed_as_they_are_created_and_a_stranger_s_label_is_replaced() {
     shared()
         .in_namespace("sharding-admit", |client, ns| async move {
             use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
@@ -349,19 +354,37 @@ async fn new_objects_are_placed_as_they_are_created_and_a_stranger_s_label_is_ch
                 Ok(())
             })
             .await?;
+            let shard = shard_label(memcached::NAME);
+            let names: Vec<String> = members.iter().map(|(id, _)| member_name(id)).collect();
+            let new = |name: String| -> anyhow::Result<Memcached> {
+                Ok(serde_json::from_value(json!({
+                    "apiVersion": "cache.example.com/v1", "kind": "Memcached",
+                    "metadata": {"name": name}, "spec": {"size": 0}
+                }))?)
+            };
+            // a's webhook has its own watch of the members: until it sees b, it places every
+            // object on a. Objects are made until one is placed on b.
+            let mut n = 0;
+            wait_for("the webhook to place an object on b", T, || {
+                n += 1;
+                let (mcs, name, new, b_name) = (mcs.clone(), format!("probe-{n}"), &new, &names[1]);
+                async move {
+                    let made = mcs.create(&PostParams::default(), &new(name)?).await?;
+                    let label = made.labels().get(&shard_label(memcached::NAME)).cloned();
+                    ensure!(label.as_ref() == Some(b_name), "placed on {label:?}");
+                    Ok(())
+                }
+            })
+            .await?;
 
             // Each new object carries its member's label as it is created: no label write of
             // the sharder's follows. An object the webhook placed against the sharder's ring
-            // (its view of the members behind) would be drained, then assigned.
-            let n = 20;
-            let shard = shard_label(memcached::NAME);
-            let names: Vec<String> = members.iter().map(|(id, _)| member_name(id)).collect();
-            for i in 0..n {
-                let m: Memcached = serde_json::from_value(json!({
-                    "apiVersion": "cache.example.com/v1", "kind": "Memcached",
-                    "metadata": {"name": format!("mc-{i}")}, "spec": {"size": 0}
-                }))?;
-                let made = mcs.create(&PostParams::default(), &m).await?;
+            // (their views of the members differing for a moment) is drained, then assigned.
+            for i in 0..20 {
+                let made = mcs
+                    .create(&PostParams::default(), &new(format!("mc-{i}"))?)
+                    .await?;
+                n += 1;
                 let label = made.labels().get(&shard);
                 ensure!(
                     label.is_some_and(|l| names.contains(l)),
@@ -369,7 +392,7 @@ async fn new_objects_are_placed_as_they_are_created_and_a_stranger_s_label_is_ch
                 );
             }
             // One labelled for a member that never was: the sharder reads its Lease (there is
-            // none), and only then places the object on a live member.
+            // none), and then places the object on a live member.
             let m: Memcached = serde_json::from_value(json!({
                 "apiVersion": "cache.example.com/v1", "kind": "Memcached",
                 "metadata": {"name": "mc-stranger", "labels": {&shard: "stranger-0000000000"}},
@@ -378,53 +401,21 @@ async fn new_objects_are_placed_as_they_are_created_and_a_stranger_s_label_is_ch
             mcs.create(&PostParams::default(), &m).await?;
             let by = settled_on(&mcs, &deploys, &members, n + 1).await?;
             println!("placed at creation: {by:?}");
-            let (assigned, drained) = (
-                a.sample(ASSIGNED) + b.sample(ASSIGNED),
-                a.sample(DRAINED) + b.sample(DRAINED),
-            );
-            ensure!(
-                assigned == drained + 1.0,
-                "the sharder assigned {assigned} objects and drained {drained}: want one assignment \
-                 (the stranger's object) beyond the drained ones"
-            );
-
-            // A member the sharder's watch has not shown it yet (here: its Lease lacks the
-            // group label the watch selects on), named by a new object's label: the sharder
-            // reads its Lease, finds it held and treats it as the live member it is, until
-            // it stops renewing and the sharder takes its Lease. Then its objects come back.
-            use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
-            use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
-            let late = "late-1111111111";
-            let leases: Api<Lease> = Api::namespaced(client.clone(), &ns);
-            let lease: Lease = Lease {
-                metadata: kube::api::ObjectMeta {
-                    name: Some(format!("shard-test-member-{late}")),
-                    labels: Some([(opkit::sharding::MEMBER_LABEL.to_string(), late.to_string())].into()),
-                    ..Default::default()
-                },
-                spec: Some(LeaseSpec {
-                    holder_identity: Some("late_1".into()),
-                    lease_duration_seconds: Some(6),
-                    acquire_time: Some(MicroTime(Timestamp::now())),
-                    renew_time: Some(MicroTime(Timestamp::now())),
-                    ..Default::default()
-                }),
-            };
-            leases.create(&PostParams::default(), &lease).await?;
-            let m: Memcached = serde_json::from_value(json!({
-                "apiVersion": "cache.example.com/v1", "kind": "Memcached",
-                "metadata": {"name": "mc-late", "labels": {&shard: late}}, "spec": {"size": 0}
-            }))?;
-            mcs.create(&PostParams::default(), &m).await?;
-            wait_for("the sharder to take the silent member's Lease", T, || async {
-                let l = leases.get(&format!("shard-test-member-{late}")).await?;
-                let holder = l.spec.and_then(|s| s.holder_identity);
-                ensure!(holder.is_none(), "still held by {holder:?}");
+            // Counted once each drained object has been assigned too.
+            wait_for("the sharder's moves", T, || async {
+                let (assigned, drained) = (
+                    a.sample(ASSIGNED) + b.sample(ASSIGNED),
+                    a.sample(DRAINED) + b.sample(DRAINED),
+                );
+                ensure!(
+                    assigned == drained + 1.0,
+                    "the sharder assigned {assigned} objects and drained {drained}: want one \
+                     assignment (the stranger's object) beyond the drained ones"
+                );
                 Ok(())
             })
             .await?;
-            let by = settled_on(&mcs, &deploys, &members, n + 2).await?;
-            println!("after the late member came and went: {by:?}");
+
             Api::<MutatingWebhookConfiguration>::all(client.clone())
                 .delete(&configuration, &Default::default())
                 .await?;

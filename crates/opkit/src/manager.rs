@@ -439,12 +439,15 @@ impl Manager {
             let metrics = self.metrics.for_controller(name);
             let primary = reconciler.primary();
             let selectors = (primary.labels.clone(), primary.fields.clone());
-            let selective = selectors.0.is_some() || selectors.1.is_some();
-            self.placement = std::mem::take(&mut self.placement).merge(crate::sharding::admit::webhook::<
-                R::Object,
-            >(
-                name, s.view.clone(), selective
-            ));
+            // Objects every member watches only: the sharder applies the selectors of one
+            // that selects, and only in the namespaces in scope.
+            if selectors.0.is_none() && selectors.1.is_none() {
+                let mut hook = crate::sharding::admit::webhook::<R::Object>(name, s.view.clone());
+                if let Some(list) = self.scope.list() {
+                    hook = hook.in_namespaces(&crate::sharding::admit::path(name), list.to_vec());
+                }
+                self.placement = std::mem::take(&mut self.placement).merge(hook);
+            }
             self.sharders.push(Box::new(move |client: Client| {
                 let leases = kube::Api::namespaced(client.clone(), &lease_ns);
                 crate::sharding::sharder::run::<R::Object>(

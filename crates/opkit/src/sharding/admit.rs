@@ -9,6 +9,10 @@
 //! seen yet (this replica's watch was ahead of the sharder's) waits until the sharder has
 //! read that member's Lease. The webhook's failure policy is `Ignore`: while no replica
 //! answers, the sharder labels new objects as it always does.
+//!
+//! A controller whose primary watch selects by label or field gets no placement webhook
+//! (the sharder applies its selectors), and the webhook of a controller watching some
+//! namespaces is sent only their requests.
 use std::sync::{Arc, RwLock};
 
 use futures::StreamExt;
@@ -95,10 +99,10 @@ pub(crate) async fn watch(leases: Api<Lease>, group: String, view: View) {
     }
 }
 
-/// The webhook that places new objects of `controller` (kind `K`) by `view`. It places only
-/// objects every member watches: a controller whose primary watch has a label or field
-/// selector leaves its new objects to the sharder, which applies those selectors.
-pub(crate) fn webhook<K: Watchable>(controller: &'static str, view: View, selective: bool) -> Webhooks {
+/// The webhook that places new objects of `controller` (kind `K`) by `view`. Only for a
+/// controller whose primary watch has no label or field selector: the webhook would be
+/// sent objects the controller does not watch.
+pub(crate) fn webhook<K: Watchable>(controller: &'static str, view: View) -> Webhooks {
     // Once per sharded controller and process: the rule's names live as long as the server.
     let leak = |s: String| -> &'static str { Box::leak(s.into_boxed_str()) };
     let rule = Rule {
@@ -117,12 +121,7 @@ pub(crate) fn webhook<K: Watchable>(controller: &'static str, view: View, select
     };
     let label = shard_label(controller);
     Webhooks::new().mutating(rule, move |review: Review<PartialObjectMeta<K>>| {
-        let verdict = if selective {
-            Verdict::allow()
-        } else {
-            place(&review, &label, &view)
-        };
-        std::future::ready(verdict)
+        std::future::ready(place(&review, &label, &view))
     })
 }
 

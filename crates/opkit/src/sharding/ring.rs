@@ -7,16 +7,18 @@
 //!
 //! The hash is FNV-1a with a final mixer, spelled out here rather than taken from the
 //! standard library, whose hashers may change between Rust releases: replicas of two opkit
-//! builds (a rolling update) must agree on every owner.
+//! builds (a rolling update) should agree on every owner, or objects move for nothing.
 
 /// Points per member. The most loaded member sets every replica's memory limit, so the
 /// shares must be even: with 1000, the largest of 3 random members' shares is on average 3%
 /// over a third, 5% in one ring of ten (8% and 14% with 100; simulated). Building a ring of 1000 points per
 /// member takes well under a millisecond per member.
 ///
-/// Only the leader's sharder places objects, so builds with different values differ only in
-/// where they place: a new leader of another build moves the objects it would place
-/// elsewhere, by the usual drain handshake.
+/// Builds with different values place objects differently: while both run (a rolling
+/// update from a build with another value), a new object the placement webhook of one build
+/// labels may be drained by the sharder of the other, and a new leader of another build
+/// moves what it would place elsewhere. Safe (the drain handshake), but each such move costs
+/// writes.
 pub const POINTS: u32 = 1000;
 
 /// A stable 64-bit hash of `s`.

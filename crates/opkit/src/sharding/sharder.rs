@@ -86,7 +86,9 @@ pub(crate) async fn run<K>(
         .map(|ns| api::<PartialObjectMeta<K>>(&client, ns.as_deref()))
         .collect();
     let mut st = State {
-        streams: apis.len(),
+        listed: vec![false; apis.len()],
+        scopes: namespaces.clone(),
+        group: group.clone(),
         shard: shard_label(controller),
         drain: drain_label(controller),
         adopt: adopt_annotation(controller),
@@ -100,8 +102,12 @@ pub(crate) async fn run<K>(
     if let Some(f) = &selectors.1 {
         cfg = cfg.fields(f);
     }
-    let mut objects_events =
-        futures::stream::select_all(apis.into_iter().map(|api| watcher(api, cfg.clone()).boxed()));
+    // Each event tagged with its stream, whose namespace a relist covers.
+    let mut objects_events = futures::stream::select_all(
+        apis.into_iter()
+            .enumerate()
+            .map(|(i, api)| watcher(api, cfg.clone()).map(move |ev| (i, ev)).boxed()),
+    );
     let selector = format!("{GROUP_LABEL}={group}");
     let mut lease_events = watcher(leases.clone(), watcher::Config::default().labels(&selector)).boxed();
     let mut ring = Ring::default();
@@ -116,6 +122,7 @@ pub(crate) async fn run<K>(
     let mut moved = (Moves::default(), Instant::now());
     // When each silent member's Lease was last tried to be taken.
     let mut fenced_at: HashMap<String, Instant> = HashMap::new();
+    let mut pruned_at = Instant::now();
     // Objects whose label write failed for another reason than a change (a timeout, a 5xx):
     // decided on again from this time on, for no watch event will come for them.
     let mut retry: Vec<(Instant, String)> = Vec::new();
@@ -125,7 +132,7 @@ pub(crate) async fn run<K>(
         futures::stream::FuturesUnordered::new();
     loop {
         let now = Instant::now();
-        let synced = st.synced.0 >= st.streams && st.synced.1;
+        let synced = st.listed.iter().all(|l| *l) && st.leases_listed;
         let wake = if synced && !st.dirty.is_empty() && inflight.len() < CONCURRENCY {
             // Decisions waiting for a free slot.
             Duration::ZERO
@@ -143,7 +150,7 @@ pub(crate) async fn run<K>(
         };
         let failed = tokio::select! {
             ev = objects_events.next() => match ev {
-                Some(ev) => st.on_object(ev, controller),
+                Some((i, ev)) => st.on_object(i, ev, controller),
                 None => return,
             },
             ev = lease_events.next() => match ev {
@@ -169,8 +176,8 @@ pub(crate) async fn run<K>(
         loop {
             if let Some(Some(ev)) = lease_events.next().now_or_never() {
                 st.on_lease(ev, controller);
-            } else if let Some(Some(ev)) = objects_events.next().now_or_never() {
-                st.on_object(ev, controller);
+            } else if let Some(Some((i, ev))) = objects_events.next().now_or_never() {
+                st.on_object(i, ev, controller);
             } else if let Some(Some(found)) = lookups.next().now_or_never() {
                 st.looked_up(found, &mut retry, controller);
             } else if let Some(Some((key, m, ok))) = inflight.next().now_or_never() {
@@ -274,9 +281,11 @@ pub(crate) async fn run<K>(
             }
             st.members.remove(&m);
             st.leases.remove(&m);
-            // Names no object carries any more (held by the two sets only).
-            st.absent.retain(|n| Arc::strong_count(n) > 2);
-            st.names.retain(|n| Arc::strong_count(n) > 1);
+        }
+        if now.saturating_duration_since(pruned_at) >= FORGET_AFTER {
+            pruned_at = now;
+            st.prune();
+            fenced_at.retain(|m, _| st.members.knows(m));
         }
         let due = retry.iter().filter(|(t, _)| *t <= now).count();
         if due > 0 {
@@ -299,11 +308,7 @@ pub(crate) async fn run<K>(
             }
             st.dirty.remove(&key);
             let Some(o) = st.objects.get(&key) else { continue };
-            if let Some(owner) = o
-                .owner
-                .as_ref()
-                .filter(|m| !st.members.knows(m) && !st.absent.contains(*m))
-            {
+            if let Some(owner) = st.unseen_owner(o) {
                 // Labelled for a member this sharder has not seen: a placement webhook whose
                 // watch was ahead of this one's. Moved now, the object could be taken from a
                 // live member already working on it; its Lease decides first.
@@ -311,9 +316,10 @@ pub(crate) async fn run<K>(
                 if waiting.is_empty() {
                     let (leases, m) = (leases.clone(), owner.clone());
                     let name = format!("{group}-member-{owner}");
-                    lookups.push(async move { (m, leases.get_opt(&name).await) }.boxed());
+                    let seen = st.lease_events.get(&*owner).copied().unwrap_or(0);
+                    lookups.push(async move { (m, seen, leases.get_opt(&name).await) }.boxed());
                 }
-                waiting.push(key);
+                waiting.insert(key);
                 continue;
             }
             let placed = Placed {
@@ -346,8 +352,9 @@ pub(crate) async fn run<K>(
     }
 }
 
-/// A member named by a label, and its Lease as read (`None`: there is none).
-type Lookup = (Arc<str>, Result<Option<Lease>, kube::Error>);
+/// A member named by a label, how many events of its Lease the watch had shown when the read
+/// was sent, and its Lease as read (`None`: there is none).
+type Lookup = (Arc<str>, u64, Result<Option<Lease>, kube::Error>);
 
 /// Objects with a write in flight, those that changed meanwhile, and those to retry.
 type Bookkeeping<'a> = (
@@ -381,10 +388,16 @@ fn answered(
 /// What the sharder knows, from its two watches.
 #[derive(Default)]
 struct State {
-    /// Object watch streams (one per namespace in scope), and how many have listed; whether
-    /// the Lease watch has.
-    streams: usize,
-    synced: (usize, bool),
+    /// Whether each object stream (one per namespace in scope) has listed once, and the
+    /// Lease watch.
+    listed: Vec<bool>,
+    leases_listed: bool,
+    /// The namespace each object stream watches (`None`: all).
+    scopes: Vec<Option<String>>,
+    /// The keys listed so far by each stream relisting after a lost watch.
+    relisting: HashMap<usize, HashSet<String>>,
+    /// The members whose Leases were listed so far in a relist of the Lease watch.
+    lease_relisting: Option<HashSet<String>>,
     shard: String,
     drain: String,
     adopt: String,
@@ -395,7 +408,12 @@ struct State {
     /// and their objects move at once.
     absent: HashSet<Arc<str>>,
     /// Objects waiting for the Lease of the member they are labelled for to be read.
-    waiting: HashMap<Arc<str>, Vec<String>>,
+    waiting: HashMap<Arc<str>, HashSet<String>>,
+    /// How many events of each member's Lease the watch has shown: a read sent before the
+    /// last of them is older than what the watch said, and is not used.
+    lease_events: HashMap<String, u64>,
+    /// The group whose member Leases count (their label).
+    group: String,
     members: Members,
     /// The last member Lease seen of each member: the version to fence or delete.
     leases: HashMap<String, Lease>,
@@ -471,18 +489,22 @@ impl State {
     /// Takes in one event of the objects' watch; whether it was an error.
     fn on_object<K: Resource<DynamicType = ()>>(
         &mut self,
+        stream: usize,
         ev: Result<watcher::Event<PartialObjectMeta<K>>, watcher::Error>,
         controller: &str,
     ) -> bool {
         match ev {
             Ok(watcher::Event::InitApply(o)) => {
                 let key = ring::key(o.namespace().as_deref(), &o.name_any());
+                if let Some(seen) = self.relisting.get_mut(&stream) {
+                    seen.insert(key.clone());
+                }
                 let mut placed = object(&o, &self.shard, &self.drain, &mut self.names);
                 // Only the first list: a relist after a lost watch sees objects this sharder
                 // assigned itself.
-                placed.initial = (self.synced.0 < self.streams
-                    || self.objects.get(&key).is_some_and(|p| p.initial))
-                    && placed.owner.is_none();
+                let first = !self.listed.get(stream).copied().unwrap_or(true);
+                placed.initial =
+                    (first || self.objects.get(&key).is_some_and(|p| p.initial)) && placed.owner.is_none();
                 self.objects.insert(key.clone(), placed);
                 self.dirty.insert(key);
             }
@@ -498,8 +520,28 @@ impl State {
                 self.objects.remove(&key);
                 self.moving_since.remove(&key);
             }
-            Ok(watcher::Event::Init) => {}
-            Ok(watcher::Event::InitDone) => self.synced.0 += 1,
+            // A list, or a relist after a lost watch: what it does not list is gone (deleted
+            // meanwhile, or listed by a first list that failed halfway).
+            Ok(watcher::Event::Init) => {
+                self.relisting.insert(stream, HashSet::new());
+            }
+            Ok(watcher::Event::InitDone) => {
+                if let Some(l) = self.listed.get_mut(stream) {
+                    *l = true;
+                }
+                if let Some(seen) = self.relisting.remove(&stream) {
+                    let prefix = self
+                        .scopes
+                        .get(stream)
+                        .cloned()
+                        .flatten()
+                        .map(|ns| format!("{ns}/"));
+                    let covered = |k: &str| prefix.as_deref().is_none_or(|p| k.starts_with(p));
+                    self.objects.retain(|k, _| seen.contains(k) || !covered(k));
+                    let objects = &self.objects;
+                    self.moving_since.retain(|k, _| objects.contains_key(k));
+                }
+            }
             Err(e) => {
                 tracing::warn!(controller, error = %e, "sharder: watching the objects failed; retrying");
                 return true;
@@ -508,24 +550,51 @@ impl State {
         false
     }
 
+    /// The member `o` is labelled for, if this sharder has neither seen its Lease nor found
+    /// that there is none: it must read that Lease before deciding on `o`.
+    fn unseen_owner(&self, o: &Object) -> Option<Arc<str>> {
+        o.owner
+            .as_ref()
+            .filter(|m| !self.members.knows(m) && !self.absent.contains(*m))
+            .cloned()
+    }
+
+    /// Forgets the names no object carries any more, and what was kept about them.
+    fn prune(&mut self) {
+        // An absent name is held by `names` and `absent`, plus each object labelled with it.
+        self.absent.retain(|n| Arc::strong_count(n) > 2);
+        self.names.retain(|n| Arc::strong_count(n) > 1);
+        let (members, waiting, absent) = (&self.members, &self.waiting, &self.absent);
+        self.lease_events.retain(|m, _| {
+            members.knows(m) || waiting.contains_key(m.as_str()) || absent.contains(m.as_str())
+        });
+    }
+
     /// Takes in the Lease read of a member named by a label: its objects are decided on
     /// again, now that the member is known or known to be absent.
-    fn looked_up(&mut self, (m, read): Lookup, retry: &mut Vec<(Instant, String)>, controller: &str) {
+    fn looked_up(&mut self, (m, sent, read): Lookup, retry: &mut Vec<(Instant, String)>, controller: &str) {
         let keys = self.waiting.remove(&m).unwrap_or_default();
+        if self.lease_events.get(&*m).copied().unwrap_or(0) != sent {
+            // The watch showed the Lease since: it knows better than this read.
+            self.dirty.extend(keys);
+            return;
+        }
         match read {
-            Ok(Some(lease)) => {
+            Ok(Some(lease))
+                if lease.labels().get(GROUP_LABEL) == Some(&self.group)
+                    && member_of(&lease).as_deref() == Some(&*m) =>
+            {
+                // A member whose Lease event has not reached this sharder's watch yet.
                 self.on_lease(Ok(watcher::Event::Apply(lease)), controller);
-                if !self.members.knows(&m) {
-                    // A Lease of that name, but not a member's.
-                    self.absent.insert(m);
-                }
             }
-            Ok(None) => {
+            // No such Lease, or one of that name that is not a member's of this group (a
+            // member always labels its Lease): nobody writes for this label.
+            Ok(_) => {
                 self.absent.insert(m);
             }
             Err(e) => {
-                tracing::warn!(controller, member = %m, error = %e, "sharder: reading a member's Lease failed; trying again");
-                let at = Instant::now() + Duration::from_secs(1);
+                tracing::warn!(controller, member = %m, error = %e, "sharder: reading a member's Lease failed; trying again in 5 s");
+                let at = Instant::now() + Duration::from_secs(5);
                 retry.extend(keys.into_iter().map(|k| (at, k)));
                 return;
             }
@@ -538,6 +607,10 @@ impl State {
         match ev {
             Ok(watcher::Event::Apply(l) | watcher::Event::InitApply(l)) => {
                 if let (Some(m), Some(spec)) = (member_of(&l), l.spec.clone()) {
+                    *self.lease_events.entry(m.clone()).or_default() += 1;
+                    if let Some(seen) = self.lease_relisting.as_mut() {
+                        seen.insert(m.clone());
+                    }
                     self.absent.remove(m.as_str());
                     self.members.observe(&m, spec, Instant::now());
                     self.leases.insert(m, l);
@@ -545,12 +618,33 @@ impl State {
             }
             Ok(watcher::Event::Delete(l)) => {
                 if let Some(m) = member_of(&l) {
+                    *self.lease_events.entry(m.clone()).or_default() += 1;
                     self.members.remove(&m);
                     self.leases.remove(&m);
                 }
             }
-            Ok(watcher::Event::Init) => {}
-            Ok(watcher::Event::InitDone) => self.synced.1 = true,
+            Ok(watcher::Event::Init) => {
+                if self.leases_listed {
+                    self.lease_relisting = Some(HashSet::new());
+                }
+            }
+            Ok(watcher::Event::InitDone) => {
+                self.leases_listed = true;
+                // Leases deleted while the watch was down: their members are gone.
+                if let Some(seen) = self.lease_relisting.take() {
+                    for m in self
+                        .leases
+                        .keys()
+                        .filter(|m| !seen.contains(*m))
+                        .cloned()
+                        .collect::<Vec<_>>()
+                    {
+                        *self.lease_events.entry(m.clone()).or_default() += 1;
+                        self.members.remove(&m);
+                        self.leases.remove(&m);
+                    }
+                }
+            }
             Err(e) => {
                 tracing::warn!(controller, error = %e, "sharder: watching the member Leases failed; retrying");
                 return true;
@@ -590,4 +684,182 @@ fn intern(names: &mut HashSet<Arc<str>>, name: &str) -> Arc<str> {
 
 fn member_of(l: &Lease) -> Option<String> {
     l.labels().get(MEMBER_LABEL).cloned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::ConfigMap;
+    use watcher::Event;
+
+    fn meta(ns: &str, name: &str) -> PartialObjectMeta<ConfigMap> {
+        let mut o = PartialObjectMeta::<ConfigMap>::default();
+        o.metadata.namespace = Some(ns.into());
+        o.metadata.name = Some(name.into());
+        o.metadata.resource_version = Some("1".into());
+        o
+    }
+
+    fn list(st: &mut State, stream: usize, objects: &[(&str, &str)]) {
+        st.on_object::<ConfigMap>(stream, Ok(Event::Init), "c");
+        for (ns, name) in objects {
+            st.on_object(stream, Ok(Event::InitApply(meta(ns, name))), "c");
+        }
+        st.on_object::<ConfigMap>(stream, Ok(Event::InitDone), "c");
+    }
+
+    fn keys(st: &State) -> Vec<&str> {
+        let mut k: Vec<&str> = st.objects.keys().map(String::as_str).collect();
+        k.sort_unstable();
+        k
+    }
+
+    #[test]
+    fn a_relist_forgets_what_was_deleted_while_the_watch_was_down_in_its_namespace_only() {
+        let mut st = State {
+            listed: vec![false; 2],
+            scopes: vec![Some("a".into()), Some("b".into())],
+            ..State::default()
+        };
+        list(&mut st, 0, &[("a", "x"), ("a", "y")]);
+        list(&mut st, 1, &[("b", "z")]);
+        assert_eq!(keys(&st), ["a/x", "a/y", "b/z"]);
+        // Stream 0 lost its watch; y was deleted meanwhile. Stream 1's objects stay.
+        list(&mut st, 0, &[("a", "x")]);
+        assert_eq!(keys(&st), ["a/x", "b/z"]);
+        // A stream over every namespace covers every key.
+        let mut all = State {
+            listed: vec![false],
+            scopes: vec![None],
+            ..State::default()
+        };
+        list(&mut all, 0, &[("a", "x"), ("b", "z")]);
+        list(&mut all, 0, &[("b", "z")]);
+        assert_eq!(keys(&all), ["b/z"]);
+    }
+
+    /// A held member Lease of group `g`, labelled as a member's or not.
+    fn lease(m: &str, labelled: bool) -> Lease {
+        let mut l = Lease::default();
+        l.metadata.name = Some(format!("g-member-{m}"));
+        let mut labels = BTreeMap::from([(MEMBER_LABEL.to_string(), m.to_string())]);
+        if labelled {
+            labels.insert(GROUP_LABEL.to_string(), "g".to_string());
+        }
+        l.metadata.labels = Some(labels);
+        l.spec = Some(k8s_openapi::api::coordination::v1::LeaseSpec {
+            holder_identity: Some(m.into()),
+            lease_duration_seconds: Some(10),
+            ..Default::default()
+        });
+        l
+    }
+
+    /// An object labelled for `owner`, taken in from the watch.
+    fn labelled(st: &mut State, name: &str, owner: &str) -> String {
+        let mut o = meta("ns", name);
+        o.metadata.labels = Some([(st.shard.clone(), owner.to_string())].into());
+        st.on_object(0, Ok(Event::Apply(o)), "c");
+        ring::key(Some("ns"), name)
+    }
+
+    #[test]
+    fn an_object_labelled_for_an_unseen_member_waits_for_its_lease_to_be_read() {
+        let mut st = State {
+            group: "g".into(),
+            shard: shard_label("c"),
+            listed: vec![true],
+            leases_listed: true,
+            ..State::default()
+        };
+        st.on_lease(Ok(Event::Apply(lease("m1", true))), "c");
+        let owner_of = |st: &State, key: &str| st.unseen_owner(&st.objects[key]).map(|m| m.to_string());
+        let mut retry = Vec::new();
+
+        // No Lease: nobody can write for it, it moves at once.
+        let k = labelled(&mut st, "a", "gone");
+        assert_eq!(owner_of(&st, &k).as_deref(), Some("gone"));
+        st.waiting.entry("gone".into()).or_default().insert(k.clone());
+        st.looked_up(("gone".into(), 0, Ok(None)), &mut retry, "c");
+        assert_eq!(owner_of(&st, &k), None);
+        assert!(st.dirty.contains(&k));
+        let ring = Ring::new(st.members.held());
+        let placed = Placed {
+            key: &k,
+            owner: Some("gone"),
+            draining: false,
+        };
+        assert_eq!(
+            decide(&placed, &ring, |m| st.members.is_held(m)),
+            Some(Move::Assign { to: "m1".into() })
+        );
+
+        // A held member Lease the watch has not shown yet: a live member, never overridden.
+        let k = labelled(&mut st, "b", "m2");
+        assert_eq!(owner_of(&st, &k).as_deref(), Some("m2"));
+        st.looked_up(("m2".into(), 0, Ok(Some(lease("m2", true)))), &mut retry, "c");
+        assert_eq!(owner_of(&st, &k), None);
+        assert!(st.members.is_held("m2"));
+        let ring = Ring::new(st.members.held());
+        let placed = Placed {
+            key: &k,
+            owner: Some("m2"),
+            draining: false,
+        };
+        assert!(
+            !matches!(
+                decide(&placed, &ring, |m| st.members.is_held(m)),
+                Some(Move::Assign { .. })
+            ),
+            "a live member's object was reassigned"
+        );
+
+        // A read sent before the watch showed the Lease go is older than the watch: unused.
+        let k = labelled(&mut st, "c", "m3");
+        st.on_lease(Ok(Event::Apply(lease("m3", true))), "c");
+        st.on_lease(Ok(Event::Delete(lease("m3", true))), "c");
+        st.looked_up(("m3".into(), 1, Ok(Some(lease("m3", true)))), &mut retry, "c");
+        assert!(!st.members.knows("m3") && !st.absent.contains("m3"));
+        assert_eq!(owner_of(&st, &k).as_deref(), Some("m3"), "read again");
+
+        // A failed read is tried again later; a Lease of that name not labelled as this
+        // group's member is not a member's.
+        let k = labelled(&mut st, "d", "m4");
+        st.dirty.clear();
+        st.waiting.entry("m4".into()).or_default().insert(k.clone());
+        st.looked_up(
+            (
+                "m4".into(),
+                0,
+                Err(kube::Error::Api(
+                    kube::core::Status::failure("etcdserver: request timed out", "InternalError")
+                        .with_code(500)
+                        .boxed(),
+                )),
+            ),
+            &mut retry,
+            "c",
+        );
+        assert!(retry.iter().any(|(_, r)| *r == k) && !st.dirty.contains(&k));
+        st.looked_up(("m4".into(), 0, Ok(Some(lease("m4", false)))), &mut retry, "c");
+        assert!(st.absent.contains("m4") && !st.members.knows("m4"));
+    }
+
+    #[test]
+    fn a_relist_of_the_leases_forgets_members_whose_lease_went() {
+        let lease = |m: &str| lease(m, true);
+        let mut st = State::default();
+        let relist = |st: &mut State, ms: &[&str]| {
+            st.on_lease(Ok(Event::Init), "c");
+            for m in ms {
+                st.on_lease(Ok(Event::InitApply(lease(m))), "c");
+            }
+            st.on_lease(Ok(Event::InitDone), "c");
+        };
+        relist(&mut st, &["m1", "m2"]);
+        assert_eq!(st.members.held(), ["m1", "m2"]);
+        relist(&mut st, &["m2"]);
+        assert_eq!(st.members.held(), ["m2"]);
+        assert!(!st.leases.contains_key("m1"));
+    }
 }

@@ -91,13 +91,23 @@ fn rules(r: &Rule) -> Option<Vec<RuleWithOperations>> {
 /// Keeps the operator's own namespace out, so a broken webhook can never block fixing it.
 /// (The apiserver applies it to namespaced objects and Namespaces only; other cluster-scoped
 /// objects are always sent.)
-fn namespace_selector(own_namespace: &str) -> Option<LabelSelector> {
+/// A webhook limited to some namespaces ([`Webhooks::in_namespaces`]) gets those, too.
+fn namespace_selector(own_namespace: &str, only: Option<&Vec<String>>) -> Option<LabelSelector> {
+    let name = "kubernetes.io/metadata.name";
+    let mut match_expressions = vec![LabelSelectorRequirement {
+        key: name.into(),
+        operator: "NotIn".into(),
+        values: Some(vec![own_namespace.into()]),
+    }];
+    if let Some(only) = only {
+        match_expressions.push(LabelSelectorRequirement {
+            key: name.into(),
+            operator: "In".into(),
+            values: Some(only.clone()),
+        });
+    }
     Some(LabelSelector {
-        match_expressions: Some(vec![LabelSelectorRequirement {
-            key: "kubernetes.io/metadata.name".into(),
-            operator: "NotIn".into(),
-            values: Some(vec![own_namespace.into()]),
-        }]),
+        match_expressions: Some(match_expressions),
         ..Default::default()
     })
 }
@@ -131,7 +141,7 @@ pub fn configurations(
                     admission_review_versions: versions.clone(),
                     timeout_seconds: Some(5),
                     match_policy: Some("Equivalent".into()),
-                    namespace_selector: namespace_selector(own_namespace),
+                    namespace_selector: namespace_selector(own_namespace, webhooks.scoped.get(r.path)),
                     reinvocation_policy: Some("Never".into()),
                     ..Default::default()
                 })
@@ -153,7 +163,7 @@ pub fn configurations(
                     admission_review_versions: versions.clone(),
                     timeout_seconds: Some(5),
                     match_policy: Some("Equivalent".into()),
-                    namespace_selector: namespace_selector(own_namespace),
+                    namespace_selector: namespace_selector(own_namespace, webhooks.scoped.get(r.path)),
                     ..Default::default()
                 })
                 .collect(),

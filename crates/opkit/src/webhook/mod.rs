@@ -147,6 +147,8 @@ pub struct Webhooks {
     pub(crate) mutating: Vec<Rule>,
     pub(crate) validating: Vec<Rule>,
     pub(crate) conversions: Vec<Conversion>,
+    /// Paths whose requests only come from some namespaces (a controller's scope).
+    pub(crate) scoped: HashMap<String, Vec<String>>,
     metrics: Option<crate::metrics::Metrics>,
 }
 
@@ -253,6 +255,14 @@ impl Webhooks {
         self.mutating.extend(other.mutating);
         self.validating.extend(other.validating);
         self.conversions.extend(other.conversions);
+        self.scoped.extend(other.scoped);
+        self
+    }
+
+    /// Has the apiserver send the webhook at `path` only the requests of `namespaces` (and
+    /// of cluster-scoped objects).
+    pub(crate) fn in_namespaces(mut self, path: &str, namespaces: Vec<String>) -> Self {
+        self.scoped.insert(path.to_string(), namespaces);
         self
     }
 
