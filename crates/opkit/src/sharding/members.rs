@@ -16,19 +16,33 @@ pub struct Members {
 struct Seen {
     spec: LeaseSpec,
     changed: Instant,
+    /// When it was last seen renewed by a holder (not when the sharder took it or it was
+    /// released): where a handover from it starts.
+    renewed: Instant,
 }
 
 impl Members {
     /// Records the Lease of `member` as seen at `now` (a watch event or a list).
     pub fn observe(&mut self, member: &str, spec: LeaseSpec, now: Instant) {
+        let held = spec.holder_identity.as_deref().is_some_and(|h| !h.is_empty());
         match self.seen.get_mut(member) {
             Some(s) if s.spec == spec => {}
             Some(s) => {
+                if held {
+                    s.renewed = now;
+                }
                 s.spec = spec;
                 s.changed = now;
             }
             None => {
-                self.seen.insert(member.to_string(), Seen { spec, changed: now });
+                self.seen.insert(
+                    member.to_string(),
+                    Seen {
+                        spec,
+                        changed: now,
+                        renewed: now,
+                    },
+                );
             }
         }
     }
@@ -78,9 +92,10 @@ impl Members {
             .collect()
     }
 
-    /// When `member`'s Lease was last seen to change (a renewal), if it is known.
+    /// When `member`'s Lease was last seen renewed by its holder, if it is known: a Lease
+    /// the sharder took, or one released, keeps the time of the renewal before.
     pub fn last_renewed(&self, member: &str) -> Option<Instant> {
-        self.seen.get(member).map(|s| s.changed)
+        self.seen.get(member).map(|s| s.renewed)
     }
 
     /// The members whose Lease names no holder (released, or taken by the sharder) and has
@@ -180,10 +195,12 @@ mod tests {
         m.observe("a", spec("a_1", 111), at(11));
         assert_eq!(m.expired(at(12)), ["b"]);
         assert_eq!(m.held(), ["a", "b"]);
-        // The sharder took b's Lease (holder cleared): off the ring.
+        // The sharder took b's Lease (holder cleared): off the ring. Its handover starts from
+        // its last renewal, not from the taking.
         m.observe("b", spec("", 100), at(12));
         assert!(m.expired(at(12)).is_empty());
         assert_eq!(m.held(), ["a"]);
+        assert_eq!(m.last_renewed("b"), Some(at(0)));
     }
 
     #[test]
