@@ -111,6 +111,14 @@ async fn member(client: &Client, ns: &str, identity: &str) -> anyhow::Result<Ope
     .await
 }
 
+/// A Memcached of size 0 called `name`, with `labels`.
+fn memcached(name: &str, labels: serde_json::Value) -> anyhow::Result<Memcached> {
+    Ok(serde_json::from_value(json!({
+        "apiVersion": "cache.example.com/v1", "kind": "Memcached",
+        "metadata": {"name": name, "labels": labels}, "spec": {"size": 0}
+    }))?)
+}
+
 /// Memcacheds by the member they are placed on (`""`: none yet), and how many are draining.
 async fn placement(mcs: &Api<Memcached>) -> anyhow::Result<(BTreeMap<String, usize>, usize)> {
     let (shard, drain) = (shard_label(memcached::NAME), drain_label(memcached::NAME));
@@ -188,11 +196,8 @@ async fn objects_are_spread_over_the_members_and_move_when_members_leave_and_joi
             let c = member(&client, &ns, "c_1").await?;
             let mut n = 30;
             for i in 0..n {
-                let m: Memcached = serde_json::from_value(json!({
-                    "apiVersion": "cache.example.com/v1", "kind": "Memcached",
-                    "metadata": {"name": format!("mc-{i}")}, "spec": {"size": 0}
-                }))?;
-                mcs.create(&PostParams::default(), &m).await?;
+                mcs.create(&PostParams::default(), &memcached(&format!("mc-{i}"), json!({}))?)
+                    .await?;
             }
             let by = settled_on(&mcs, &deploys, &[("a_1", &a), ("b_1", &b), ("c_1", &c)], n).await?;
             println!("placed on three members: {by:?}");
@@ -220,11 +225,8 @@ async fn objects_are_spread_over_the_members_and_move_when_members_leave_and_joi
                 a.metrics_of(memcached::NAME).describe_errors(),
                 c.metrics_of(memcached::NAME).describe_errors(),
             );
-            let m: Memcached = serde_json::from_value(json!({
-                "apiVersion": "cache.example.com/v1", "kind": "Memcached",
-                "metadata": {"name": "mc-late"}, "spec": {"size": 0}
-            }))?;
-            mcs.create(&PostParams::default(), &m).await?;
+            mcs.create(&PostParams::default(), &memcached("mc-late", json!({}))?)
+                .await?;
             n += 1;
             settled_on(&mcs, &deploys, &[("a_1", &a), ("c_1", &c)], n).await?;
 
@@ -356,20 +358,16 @@ async fn new_objects_are_placed_as_they_are_created_and_a_stranger_s_label_is_re
             .await?;
             let shard = shard_label(memcached::NAME);
             let names: Vec<String> = members.iter().map(|(id, _)| member_name(id)).collect();
-            let new = |name: String| -> anyhow::Result<Memcached> {
-                Ok(serde_json::from_value(json!({
-                    "apiVersion": "cache.example.com/v1", "kind": "Memcached",
-                    "metadata": {"name": name}, "spec": {"size": 0}
-                }))?)
-            };
             // a's webhook has its own watch of the members: until it sees b, it places every
             // object on a. Objects are made until one is placed on b.
             let mut n = 0;
             wait_for("the webhook to place an object on b", T, || {
                 n += 1;
-                let (mcs, name, new, b_name) = (mcs.clone(), format!("probe-{n}"), &new, &names[1]);
+                let (mcs, name, b_name) = (mcs.clone(), format!("probe-{n}"), &names[1]);
                 async move {
-                    let made = mcs.create(&PostParams::default(), &new(name)?).await?;
+                    let made = mcs
+                        .create(&PostParams::default(), &memcached(&name, json!({}))?)
+                        .await?;
                     let label = made.labels().get(&shard_label(memcached::NAME)).cloned();
                     ensure!(label.as_ref() == Some(b_name), "placed on {label:?}");
                     Ok(())
@@ -382,7 +380,7 @@ async fn new_objects_are_placed_as_they_are_created_and_a_stranger_s_label_is_re
             // (their views of the members differing for a moment) is drained, then assigned.
             for i in 0..20 {
                 let made = mcs
-                    .create(&PostParams::default(), &new(format!("mc-{i}"))?)
+                    .create(&PostParams::default(), &memcached(&format!("mc-{i}"), json!({}))?)
                     .await?;
                 n += 1;
                 let label = made.labels().get(&shard);
@@ -393,11 +391,7 @@ async fn new_objects_are_placed_as_they_are_created_and_a_stranger_s_label_is_re
             }
             // One labelled for a member that never was: the sharder reads its Lease (there is
             // none), and then places the object on a live member.
-            let m: Memcached = serde_json::from_value(json!({
-                "apiVersion": "cache.example.com/v1", "kind": "Memcached",
-                "metadata": {"name": "mc-stranger", "labels": {&shard: "stranger-0000000000"}},
-                "spec": {"size": 0}
-            }))?;
+            let m = memcached("mc-stranger", json!({&shard: "stranger-0000000000"}))?;
             mcs.create(&PostParams::default(), &m).await?;
             let by = settled_on(&mcs, &deploys, &members, n + 1).await?;
             println!("placed at creation: {by:?}");

@@ -788,16 +788,7 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
         if outcome != Some(Outcome::Succeeded) {
             failures.push(format!("At {name} ended {outcome:?}: {:?}", a.status));
         }
-        let created = audit
-            .iter()
-            .filter(|e| {
-                e.resource == "pods"
-                    && e.subresource.is_empty()
-                    && e.verb == "create"
-                    && e.code == 201
-                    && e.name == pod
-            })
-            .count();
+        let created = common::pod_creates(&audit, &pod, 201);
         let seen = lock(&uids).get(&pod).map_or(0, |u| u.len());
         if created != 1 || seen != 1 {
             failures.push(format!(

@@ -510,29 +510,10 @@ async fn sharded_replicas_share_the_objects_through_kills_freezes_and_joins() ->
             failures.push(format!("At {name} ended {outcome:?}"));
         }
         let pod = format!("{name}-pod");
-        let creates = audit
-            .iter()
-            .filter(|e| {
-                // Not the scheduler's `pods/binding` of the same name.
-                e.resource == "pods"
-                    && e.subresource.is_empty()
-                    && e.verb == "create"
-                    && e.code == 201
-                    && e.name == pod
-            })
-            .count();
+        let creates = common::pod_creates(&audit, &pod, 201);
         // A create refused because the Pod exists: its owner did not see it (a missed
         // adoption), which no fault in this test explains.
-        let refused = audit
-            .iter()
-            .filter(|e| {
-                e.resource == "pods"
-                    && e.subresource.is_empty()
-                    && e.verb == "create"
-                    && e.code == 409
-                    && e.name == pod
-            })
-            .count();
+        let refused = common::pod_creates(&audit, &pod, 409);
         if creates != 1 || refused != 0 {
             failures.push(format!(
                 "At {name}: its Pod created {creates} times, {refused} more refused"

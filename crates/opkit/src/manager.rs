@@ -223,6 +223,17 @@ struct Sharding {
     view_wanted: bool,
 }
 
+/// Runs `task` in the background until it ends or `shutdown` is cancelled.
+fn spawn_until(task: impl std::future::Future<Output = ()> + Send + 'static, shutdown: &CancellationToken) {
+    let shutdown = shutdown.clone();
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = task => {},
+            _ = shutdown.cancelled() => {},
+        }
+    });
+}
+
 /// Starts the sharder of one controller with the leader's client.
 type Sharder = Box<dyn Fn(Client) -> BoxFuture<'static, ()> + Send + Sync>;
 
@@ -534,13 +545,7 @@ impl Manager {
             if s.view_wanted {
                 let leases = kube::Api::namespaced(client.clone(), &s.cfg.lease.namespace);
                 let view = crate::sharding::admit::watch(leases, s.cfg.group.clone(), s.view.clone());
-                let shutdown = shutdown.clone();
-                tokio::spawn(async move {
-                    tokio::select! {
-                        _ = view => {},
-                        _ = shutdown.cancelled() => {},
-                    }
-                });
+                spawn_until(view, &shutdown);
             }
             let e = LeaderElector::new(
                 election_client.clone().unwrap_or(client.clone()),
@@ -580,13 +585,7 @@ impl Manager {
         let mut start = |controllers: Vec<Registered>| {
             // The watches first: the controllers' streams are fed by them.
             for driver in shared.take_drivers() {
-                let shutdown = shutdown.clone();
-                tokio::spawn(async move {
-                    tokio::select! {
-                        _ = driver => {},
-                        _ = shutdown.cancelled() => {},
-                    }
-                });
+                spawn_until(driver, &shutdown);
             }
             for c in controllers {
                 tracing::info!(controller = c.name, "starting controller");

@@ -265,6 +265,21 @@ pub struct Audited {
     pub done: String,
 }
 
+/// How many creates of the Pod `pod` in `audit` were answered with `code` (not the
+/// scheduler's `pods/binding` of the same name).
+pub fn pod_creates(audit: &[Audited], pod: &str, code: i64) -> usize {
+    audit
+        .iter()
+        .filter(|e| {
+            e.resource == "pods"
+                && e.subresource.is_empty()
+                && e.verb == "create"
+                && e.code == code
+                && e.name == pod
+        })
+        .count()
+}
+
 /// Every answered request in the audit log at `path`. A watch is logged when its answer starts
 /// (it may still be open), and again when it ends.
 pub fn read_audit(path: &Path) -> anyhow::Result<Vec<Audited>> {

@@ -23,7 +23,7 @@ use kube::core::admission::Operation;
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Resource, ResourceExt};
 
-use super::{GROUP_LABEL, MEMBER_LABEL, Members, Ring, ring, shard_label};
+use super::{GROUP_LABEL, Members, Ring, member_of, ring, shard_label};
 use crate::runtime::Watchable;
 use crate::webhook::{FailurePolicy, Review, Rule, RuleScope, Verdict, Webhooks};
 
@@ -45,12 +45,13 @@ impl View {
         *self.0.write().unwrap_or_else(std::sync::PoisonError::into_inner) = ring;
     }
 
-    fn members(&self) -> Vec<String> {
+    /// Whether the ring is of exactly `members` (sorted).
+    fn is_of(&self, members: &[String]) -> bool {
         self.0
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .members()
-            .to_vec()
+            == members
     }
 }
 
@@ -65,22 +66,21 @@ pub(crate) async fn watch(leases: Api<Lease>, group: String, view: View) {
     let mut listing = Members::default();
     while let Some(ev) = events.next().await {
         let now = std::time::Instant::now();
-        let member = |l: &Lease| l.labels().get(MEMBER_LABEL).cloned();
         match ev {
             Ok(watcher::Event::Apply(l)) => {
-                if let (Some(m), Some(spec)) = (member(&l), l.spec) {
+                if let (Some(m), Some(spec)) = (member_of(&l), l.spec) {
                     members.observe(&m, spec, now);
                 }
             }
             Ok(watcher::Event::Delete(l)) => {
-                if let Some(m) = member(&l) {
+                if let Some(m) = member_of(&l) {
                     members.remove(&m);
                 }
             }
             // A relist replaces what was known once it is complete.
             Ok(watcher::Event::Init) => listing = Members::default(),
             Ok(watcher::Event::InitApply(l)) => {
-                if let (Some(m), Some(spec)) = (member(&l), l.spec) {
+                if let (Some(m), Some(spec)) = (member_of(&l), l.spec) {
                     listing.observe(&m, spec, now);
                 }
                 continue;
@@ -92,7 +92,7 @@ pub(crate) async fn watch(leases: Api<Lease>, group: String, view: View) {
             }
         }
         let held = members.held();
-        if held != view.members() {
+        if !view.is_of(&held) {
             tracing::debug!(members = ?held, "placement: members changed");
             view.set(Ring::new(&held));
         }

@@ -26,6 +26,12 @@ pub const GROUP_LABEL: &str = "shard.opkit.dev/group";
 /// The label of a member Lease that names its member ([`member_name`]).
 pub const MEMBER_LABEL: &str = "shard.opkit.dev/member";
 
+/// The member a member Lease belongs to (its [`MEMBER_LABEL`]).
+pub(crate) fn member_of(l: &k8s_openapi::api::coordination::v1::Lease) -> Option<String> {
+    use kube::ResourceExt;
+    l.labels().get(MEMBER_LABEL).cloned()
+}
+
 /// How this replica takes part in sharding (`opkit run --sharding`).
 #[derive(Clone, Debug)]
 pub struct ShardingConfig {

@@ -19,7 +19,7 @@ use crate::runtime::Watchable;
 use crate::runtime::cache::api;
 
 use super::{
-    GROUP_LABEL, MEMBER_LABEL, Members, Move, Placed, Ring, adopt_annotation, decide, drain_label, ring,
+    GROUP_LABEL, Members, Move, Placed, Ring, adopt_annotation, decide, drain_label, member_of, ring,
     shard_label,
 };
 
@@ -34,7 +34,7 @@ const FORGET_AFTER: Duration = Duration::from_secs(60);
 /// every field costs. Its namespace and name are in its key ([`ring::key`]).
 struct Object {
     resource_version: Option<Box<str>>,
-    /// Interned ([`State::intern`]): every object of one member shares its name.
+    /// Interned ([`intern`]): every object of one member shares its name.
     owner: Option<Arc<str>>,
     draining: bool,
     /// Listed when the sharder started, without an owner: its children (if any) were made
@@ -279,8 +279,7 @@ pub(crate) async fn run<K>(
                     continue;
                 }
             }
-            st.members.remove(&m);
-            st.leases.remove(&m);
+            st.forget(&m);
         }
         if now.saturating_duration_since(pruned_at) >= FORGET_AFTER {
             pruned_at = now;
@@ -550,6 +549,13 @@ impl State {
         false
     }
 
+    /// Forgets member `m`, whose Lease is gone; a read of that Lease sent before is stale.
+    fn forget(&mut self, m: &str) {
+        *self.lease_events.entry(m.to_string()).or_default() += 1;
+        self.members.remove(m);
+        self.leases.remove(m);
+    }
+
     /// The member `o` is labelled for, if this sharder has neither seen its Lease nor found
     /// that there is none: it must read that Lease before deciding on `o`.
     fn unseen_owner(&self, o: &Object) -> Option<Arc<str>> {
@@ -618,19 +624,13 @@ impl State {
             }
             Ok(watcher::Event::Delete(l)) => {
                 if let Some(m) = member_of(&l) {
-                    *self.lease_events.entry(m.clone()).or_default() += 1;
-                    self.members.remove(&m);
-                    self.leases.remove(&m);
+                    self.forget(&m);
                 }
             }
-            Ok(watcher::Event::Init) => {
-                if self.leases_listed {
-                    self.lease_relisting = Some(HashSet::new());
-                }
-            }
+            // A list, or a relist after a lost watch: the Leases it does not list are gone.
+            Ok(watcher::Event::Init) => self.lease_relisting = Some(HashSet::new()),
             Ok(watcher::Event::InitDone) => {
                 self.leases_listed = true;
-                // Leases deleted while the watch was down: their members are gone.
                 if let Some(seen) = self.lease_relisting.take() {
                     for m in self
                         .leases
@@ -639,9 +639,7 @@ impl State {
                         .cloned()
                         .collect::<Vec<_>>()
                     {
-                        *self.lease_events.entry(m.clone()).or_default() += 1;
-                        self.members.remove(&m);
-                        self.leases.remove(&m);
+                        self.forget(&m);
                     }
                 }
             }
@@ -682,13 +680,10 @@ fn intern(names: &mut HashSet<Arc<str>>, name: &str) -> Arc<str> {
     n
 }
 
-fn member_of(l: &Lease) -> Option<String> {
-    l.labels().get(MEMBER_LABEL).cloned()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sharding::MEMBER_LABEL;
     use k8s_openapi::api::core::v1::ConfigMap;
     use watcher::Event;
 
@@ -774,6 +769,15 @@ mod tests {
         };
         st.on_lease(Ok(Event::Apply(lease("m1", true))), "c");
         let owner_of = |st: &State, key: &str| st.unseen_owner(&st.objects[key]).map(|m| m.to_string());
+        // What the sharder decides for `key`, labelled for `owner`, on the ring it now has.
+        let decided = |st: &State, key: &str, owner: &str| {
+            let placed = Placed {
+                key,
+                owner: Some(owner),
+                draining: false,
+            };
+            decide(&placed, &Ring::new(st.members.held()), |m| st.members.is_held(m))
+        };
         let mut retry = Vec::new();
 
         // No Lease: nobody can write for it, it moves at once.
@@ -783,16 +787,7 @@ mod tests {
         st.looked_up(("gone".into(), 0, Ok(None)), &mut retry, "c");
         assert_eq!(owner_of(&st, &k), None);
         assert!(st.dirty.contains(&k));
-        let ring = Ring::new(st.members.held());
-        let placed = Placed {
-            key: &k,
-            owner: Some("gone"),
-            draining: false,
-        };
-        assert_eq!(
-            decide(&placed, &ring, |m| st.members.is_held(m)),
-            Some(Move::Assign { to: "m1".into() })
-        );
+        assert_eq!(decided(&st, &k, "gone"), Some(Move::Assign { to: "m1".into() }));
 
         // A held member Lease the watch has not shown yet: a live member, never overridden.
         let k = labelled(&mut st, "b", "m2");
@@ -800,17 +795,8 @@ mod tests {
         st.looked_up(("m2".into(), 0, Ok(Some(lease("m2", true)))), &mut retry, "c");
         assert_eq!(owner_of(&st, &k), None);
         assert!(st.members.is_held("m2"));
-        let ring = Ring::new(st.members.held());
-        let placed = Placed {
-            key: &k,
-            owner: Some("m2"),
-            draining: false,
-        };
         assert!(
-            !matches!(
-                decide(&placed, &ring, |m| st.members.is_held(m)),
-                Some(Move::Assign { .. })
-            ),
+            !matches!(decided(&st, &k, "m2"), Some(Move::Assign { .. })),
             "a live member's object was reassigned"
         );
 
