@@ -3,53 +3,32 @@
 //! (server-side apply that skips no-op writes, orphan pruning, status through the subresource,
 //! Events, per-object backoff, synced caches), a manager with metrics, health probes and
 //! leader election, admission webhooks, and one [`Operator`] (name, version, [`Registry`]) from
-//! which the command line ([`cli::main`]), RBAC, the `config/` manifests and the OLM bundle are
+//! which the command line (`cli::main`), RBAC, the `config/` manifests and the OLM bundle are
 //! generated.
 //!
 //! Watching, caching, queueing and the reconcile loop itself are kube-runtime's `Controller`;
 //! opkit only wires them together the way an operator in production needs.
+//!
+//! # Features
+//! - `cli` (default): the operator's command line ([`cli`]: `run`, `crd`, `manifests`, `helm`,
+//!   `bundle`, `migrate-storage`) and its log subscriber. Implies `gen`.
+//! - `gen`: generation of CRDs, RBAC, `config/`, the Helm chart, the OLM bundle and monitoring
+//!   files (the `opkit-gen` crate).
+//! - `otel` (default): traces over OTLP/HTTP when `OTEL_EXPORTER_OTLP_ENDPOINT` is set, and the
+//!   trace id in the reconcile's log lines.
+//!
+//! An operator built with `default-features = false` compiles the runtime alone: no clap, no
+//! YAML, no OpenTelemetry. opkit picks no Kubernetes version: enable one of k8s-openapi's
+//! `v1_*` features in the binary.
 
 #![warn(missing_docs)]
 
-pub mod backoff;
-pub mod bundle;
+pub use opkit_runtime::*;
+
+#[cfg(feature = "gen")]
+pub use opkit_gen::{bundle, helm, manifests, monitoring};
+
+#[cfg(feature = "cli")]
 pub mod cli;
-pub mod conditions;
-mod context;
-pub mod conversion;
-pub mod diff;
-pub mod helm;
-mod https;
-pub mod leader;
-pub mod manager;
-pub mod manifests;
-pub mod metrics;
-pub mod migrate;
-pub mod monitoring;
-pub mod operator;
-pub mod rbac;
-pub mod reconciler;
-pub mod registry;
-pub mod runtime;
-mod scope;
-pub mod security;
-pub mod server;
-pub mod sharding;
+#[cfg(feature = "cli")]
 pub mod telemetry;
-mod tls;
-pub mod webhook;
-
-pub mod changed;
-pub mod client;
-pub use manager::{DEFAULT_CONCURRENCY, Manager, ManagerOptions, Tuning};
-pub use operator::{Operator, Running};
-pub use reconciler::{
-    Child, Cleanup, Deletion, Event, Invalid, OWNER_LABEL, Plan, Reconciler, Requeue, finalizer,
-};
-pub use registry::{Registration, Registry};
-pub use runtime::{Cache, KindScope, Watch, Watchable, Watches};
-pub use scope::Scope;
-
-pub use k8s_openapi;
-/// Re-exported so controllers and opkit agree on one version.
-pub use kube;

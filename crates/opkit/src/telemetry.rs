@@ -10,7 +10,9 @@
 //! supported by its client) and honours the SDK's standard variables: `OTEL_SERVICE_NAME`
 //! (default: the operator's name), `OTEL_EXPORTER_OTLP_HEADERS`, `OTEL_EXPORTER_OTLP_TIMEOUT`
 //! and the `_TRACES_` variants.
+#[cfg(feature = "otel")]
 use opentelemetry::trace::TracerProvider as _;
+#[cfg(feature = "otel")]
 use opentelemetry_sdk::trace::SdkTracerProvider;
 use tracing_subscriber::Layer;
 use tracing_subscriber::layer::SubscriberExt;
@@ -27,6 +29,7 @@ pub enum LogFormat {
 
 /// The trace exporter, if any: [`Telemetry::flush`] it before the process ends.
 pub struct Telemetry {
+    #[cfg(feature = "otel")]
     provider: Option<SdkTracerProvider>,
 }
 
@@ -34,7 +37,13 @@ impl Telemetry {
     /// Sends what is buffered and stops the exporter, for at most 5 s (a collector that does
     /// not answer must not hold the process past its grace period). Off the async workers: the
     /// SDK's shutdown blocks until its batching task, on this runtime, has answered.
-    pub async fn flush(mut self) {
+    pub async fn flush(self) {
+        #[cfg(feature = "otel")]
+        self.flush_traces().await;
+    }
+
+    #[cfg(feature = "otel")]
+    async fn flush_traces(mut self) {
         let Some(p) = self.provider.take() else { return };
         let shutdown = tokio::task::spawn_blocking(move || p.shutdown());
         match tokio::time::timeout(std::time::Duration::from_secs(5), shutdown).await {
@@ -68,32 +77,47 @@ pub fn init(format: LogFormat, service: &str) -> Telemetry {
         LogFormat::Text => fmt.boxed(),
     }
     .with_filter(filter);
-    let (provider, error) = if endpoint_set() {
-        match exporter(service) {
-            Ok(p) => (Some(p), None),
-            Err(e) => (None, Some(e)),
+    #[cfg(feature = "otel")]
+    {
+        let (provider, error) = if endpoint_set() {
+            match exporter(service) {
+                Ok(p) => (Some(p), None),
+                Err(e) => (None, Some(e)),
+            }
+        } else {
+            (None, None)
+        };
+        let traces = provider.as_ref().map(|p| {
+            tracing_opentelemetry::layer()
+                .with_tracer(p.tracer("opkit"))
+                .with_filter(
+                    tracing_subscriber::filter::Targets::new().with_target("opkit", tracing::Level::DEBUG),
+                )
+                // Spans only: log events stay in the logs.
+                .with_filter(tracing_subscriber::filter::filter_fn(|meta| meta.is_span()))
+        });
+        let _ = tracing_subscriber::registry().with(fmt).with(traces).try_init();
+        if let Some(e) = error {
+            tracing::error!(error = %e, "cannot export traces (OTEL_EXPORTER_OTLP_ENDPOINT); running without");
+        } else if provider.is_some() {
+            tracing::info!("exporting traces over OTLP/HTTP");
         }
-    } else {
-        (None, None)
-    };
-    let traces = provider.as_ref().map(|p| {
-        tracing_opentelemetry::layer()
-            .with_tracer(p.tracer("opkit"))
-            .with_filter(
-                tracing_subscriber::filter::Targets::new().with_target("opkit", tracing::Level::DEBUG),
-            )
-            // Spans only: log events stay in the logs.
-            .with_filter(tracing_subscriber::filter::filter_fn(|meta| meta.is_span()))
-    });
-    let _ = tracing_subscriber::registry().with(fmt).with(traces).try_init();
-    if let Some(e) = error {
-        tracing::error!(error = %e, "cannot export traces (OTEL_EXPORTER_OTLP_ENDPOINT); running without");
-    } else if provider.is_some() {
-        tracing::info!("exporting traces over OTLP/HTTP");
+        Telemetry { provider }
     }
-    Telemetry { provider }
+    #[cfg(not(feature = "otel"))]
+    {
+        let _ = service;
+        let _ = tracing_subscriber::registry().with(fmt).try_init();
+        if endpoint_set() {
+            tracing::warn!(
+                "OTEL_EXPORTER_OTLP_ENDPOINT is set, but this operator was built without opkit's `otel` feature: no traces"
+            );
+        }
+        Telemetry {}
+    }
 }
 
+#[cfg(feature = "otel")]
 fn exporter(service: &str) -> Result<SdkTracerProvider, String> {
     use opentelemetry_otlp::WithExportConfig as _;
     let exporter = opentelemetry_otlp::SpanExporter::builder()
@@ -114,19 +138,4 @@ fn exporter(service: &str) -> Result<SdkTracerProvider, String> {
         .with_span_processor(batch)
         .with_resource(resource)
         .build())
-}
-
-/// Records the OpenTelemetry trace id of `span` in its `trace_id` field (declared empty), so
-/// that the log lines inside it carry the id a trace backend shows; nothing without traces.
-pub(crate) fn record_trace_id(span: &tracing::Span) {
-    use opentelemetry::trace::TraceContextExt as _;
-    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
-    if span.is_disabled() {
-        return;
-    }
-    let cx = span.context();
-    let sc = cx.span().span_context().clone();
-    if sc.is_valid() {
-        span.record("trace_id", tracing::field::display(sc.trace_id()));
-    }
 }

@@ -20,10 +20,10 @@ use kube::ResourceExt;
 use serde_json::json;
 use std::collections::BTreeMap;
 
-use crate::operator::Operator;
-use crate::rbac::rule;
-use crate::security::{restricted_container, restricted_pod};
-use crate::webhook::{Endpoint, configurations, service_name};
+use opkit_runtime::operator::Operator;
+use opkit_runtime::rbac::rule;
+use opkit_runtime::security::{restricted_container, restricted_pod};
+use opkit_runtime::webhook::{Endpoint, configurations, service_name};
 
 /// The distroless `nonroot` user and group; at least 10000, so never a host user's ID.
 pub const RUN_AS: i64 = 65532;
@@ -230,7 +230,7 @@ pub fn cluster_rules<S>(op: &Operator<S>, webhook_configurations: bool) -> anyho
 
 /// The operator's webhooks, for what the manifests say of them: the handlers are never
 /// called here, only their rules and conversions are read, so the client is offline.
-pub fn webhooks<S>(op: &Operator<S>) -> anyhow::Result<crate::webhook::Webhooks> {
+pub fn webhooks<S>(op: &Operator<S>) -> anyhow::Result<opkit_runtime::webhook::Webhooks> {
     let offline = kube::Client::try_from(kube::Config::new("https://127.0.0.1:1".parse()?))?;
     Ok(op.registry.webhooks(&offline))
 }
@@ -241,7 +241,7 @@ pub fn crds<S>(
 ) -> anyhow::Result<
     Vec<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition>,
 > {
-    Ok(crate::webhook::with_conversions(
+    Ok(opkit_runtime::webhook::with_conversions(
         op.registry.crds(),
         op.name,
         &webhooks(op)?,
@@ -257,7 +257,7 @@ pub fn crds<S>(
 pub fn platform_rules<S>(op: &Operator<S>, webhook_configurations: bool) -> anyhow::Result<Vec<PolicyRule>> {
     let mut rules = Vec::new();
     if webhook_configurations {
-        rules.extend(crate::webhook::rbac_rules(op.name, &webhooks(op)?));
+        rules.extend(opkit_runtime::webhook::rbac_rules(op.name, &webhooks(op)?));
     }
     rules.push(crd_read_rule(op));
     rules.extend(metrics_auth_rules());
@@ -352,7 +352,7 @@ pub fn user_roles<S>(op: &Operator<S>) -> Vec<(String, ClusterRole)> {
     out
 }
 
-/// Exactly what [`crate::leader`] uses, in the operator's namespace: read, watch (by name) and
+/// Exactly what [`opkit_runtime::leader`] uses, in the operator's namespace: read, watch (by name) and
 /// update the Lease `lease` only, create it once (a create cannot be limited by name). A
 /// replica started with another `--leader-election-id` needs its own rule. `--sharding`
 /// needs [`sharding_rules`] too.
@@ -437,7 +437,7 @@ pub fn sharding_cluster_rules<S>(op: &Operator<S>) -> Vec<PolicyRule> {
             }
         }
     }
-    crate::rbac::merge([out])
+    opkit_runtime::rbac::merge([out])
 }
 
 /// [`sharding_cluster_rules`] for the manager's ServiceAccount, cluster-wide (the objects
@@ -605,7 +605,7 @@ pub fn manager_role_binding<S>(op: &Operator<S>, namespace: &str) -> RoleBinding
 /// The operator's own namespace: its Lease and the webhook certificate its replicas share.
 pub fn own_namespace_role<S>(op: &Operator<S>) -> (Role, RoleBinding) {
     let mut rules = leader_rules(&op.lease());
-    rules.extend(crate::webhook::secret_rules(op.name));
+    rules.extend(opkit_runtime::webhook::secret_rules(op.name));
     role_in_own_namespace(op, "leader-election", rules)
 }
 

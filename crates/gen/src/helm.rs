@@ -16,7 +16,7 @@ use anyhow::{Context, bail, ensure};
 use kube::ResourceExt;
 
 use crate::manifests::{self, to_yaml};
-use crate::operator::Operator;
+use opkit_runtime::operator::Operator;
 
 /// Where `make helm` writes the chart.
 pub const DIR: &str = "dist/chart";
@@ -75,7 +75,7 @@ pub fn chart<S>(op: &Operator<S>) -> anyhow::Result<Vec<(String, String)>> {
         Ok(serde_yaml::to_string(rules)?)
     };
     let controllers = yaml_rules(&op.registry.rbac())?;
-    let webhook_rules = yaml_rules(&crate::webhook::rbac_rules(op.name, &webhooks))?;
+    let webhook_rules = yaml_rules(&opkit_runtime::webhook::rbac_rules(op.name, &webhooks))?;
     let crd_rule = yaml_rules(&[manifests::crd_read_rule(op)])?;
     let metrics_rules = yaml_rules(&manifests::metrics_auth_rules())?;
     let labels = labels_yaml(op, "    ")?;

@@ -18,7 +18,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use crate::manifests;
-use crate::operator::Operator;
+use opkit_runtime::operator::Operator;
 
 /// Where the OLM mounts the serving certificate it makes for the webhooks.
 const OLM_CERT_DIR: &str = "/tmp/k8s-webhook-server/serving-certs";
@@ -274,7 +274,7 @@ fn webhook_definitions<S>(op: &Operator<S>) -> anyhow::Result<Vec<Value>> {
             "admissionReviewVersions": ["v1"],
             "sideEffects": "None",
             "conversionCRDs": converted,
-            "webhookPath": crate::webhook::CONVERT_PATH,
+            "webhookPath": opkit_runtime::webhook::CONVERT_PATH,
             "containerPort": 443,
             "targetPort": WEBHOOK_PORT,
             "deploymentName": op.manager(),

@@ -1,6 +1,6 @@
 //! An operator as a whole: its name, version and [`Registry`]. The command line
-//! ([`crate::cli`]), the generated manifests ([`crate::manifests`]) and the OLM bundle
-//! ([`crate::bundle`]) are all derived from it, so two operators built on opkit differ only in
+//! (`opkit::cli`), the generated manifests (`opkit::manifests`) and the OLM bundle
+//! (`opkit::bundle`) are all derived from it, so two operators built on opkit differ only in
 //! this value and their controllers.
 use crate::registry::Registry;
 

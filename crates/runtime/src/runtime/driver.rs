@@ -204,7 +204,7 @@ impl<R: Reconciler> Runner<R> {
 
     #[tracing::instrument(name = "reconcile", skip_all, fields(controller = self.reconciler.name(), namespace = obj.namespace(), object = obj.name_any(), trace_id = tracing::field::Empty))]
     async fn reconcile_synced(&self, obj: &R::Object) -> Result<(Action, &'static str), Error> {
-        crate::telemetry::record_trace_id(&tracing::Span::current());
+        crate::trace::record_trace_id(&tracing::Span::current());
         let adopted;
         let obj = match self.ctx.shard() {
             Some(shard) => {
