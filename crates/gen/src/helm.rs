@@ -72,7 +72,7 @@ pub fn chart<S>(op: &Operator<S>) -> anyhow::Result<Vec<(String, String)>> {
         if rules.is_empty() {
             return Ok(String::new());
         }
-        Ok(serde_yaml::to_string(rules)?)
+        Ok(crate::yaml::to_string(&rules)?)
     };
     let controllers = yaml_rules(&op.registry.rbac())?;
     let webhook_rules = yaml_rules(&opkit_runtime::webhook::rbac_rules(op.name, &webhooks))?;
@@ -262,7 +262,7 @@ fn chart_yaml<S>(op: &Operator<S>) -> String {
 fn values_yaml<S>(op: &Operator<S>) -> anyhow::Result<String> {
     let d = manifests::deployment(op);
     let container = manager_container(&d)?;
-    let resources = serde_yaml::to_string(&container.resources)?;
+    let resources = crate::yaml::to_string(&container.resources)?;
     let pull = container.image_pull_policy.clone().unwrap_or_default();
     let (repository, tag) = container
         .image
@@ -474,7 +474,7 @@ fn enabled(value: &str, body: &str) -> String {
 }
 
 fn labels_yaml<S>(op: &Operator<S>, indent: &str) -> anyhow::Result<String> {
-    let y = serde_yaml::to_string(&manifests::labels(op))?;
+    let y = crate::yaml::to_string(&manifests::labels(op))?;
     Ok(y.lines()
         .map(|l| {
             if l == "app.kubernetes.io/managed-by: kustomize" {

@@ -10,3 +10,4 @@ pub mod bundle;
 pub mod helm;
 pub mod manifests;
 pub mod monitoring;
+pub mod yaml;

@@ -529,7 +529,7 @@ pub fn main_with<S, A: Args, X: Subcommand>(
         Command::Run(args) => runtime.block_on(run(&op, *args, settings)),
         Command::Crd => {
             for crd in op.registry.crds() {
-                print!("---\n{}", serde_yaml::to_string(&crd)?);
+                print!("---\n{}", crate::yaml::to_string(&crd)?);
             }
             Ok(())
         }

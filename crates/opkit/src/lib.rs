@@ -26,7 +26,7 @@
 pub use opkit_runtime::*;
 
 #[cfg(feature = "gen")]
-pub use opkit_gen::{bundle, helm, manifests, monitoring};
+pub use opkit_gen::{bundle, helm, manifests, monitoring, yaml};
 
 #[cfg(feature = "cli")]
 pub mod cli;

@@ -1412,7 +1412,7 @@ mod tests {
             "schemars",
             "serde",
             "serde_json",
-            "serde_yaml",
+            "serde-saphyr",
             "json-patch",
             "anyhow",
             "clap",

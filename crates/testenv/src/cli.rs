@@ -165,7 +165,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 "kind": "Namespace",
                 "metadata": {"name": name, "annotations": crate::node::namespace_annotations()},
             });
-            print!("{}", serde_yaml::to_string(&ns)?);
+            print!("{}", serde_saphyr::to_string(&ns)?);
         }
         Cmd::DockerBuildx {
             img,

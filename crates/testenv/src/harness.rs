@@ -386,13 +386,13 @@ fn status_and_body(response: &str) -> std::io::Result<(u16, String)> {
 /// The kubeconfig at `path` (YAML) with its user authenticating with `token` instead, e.g. a
 /// ServiceAccount token, so only that account's RBAC applies.
 pub fn kubeconfig_with_token(path: &std::path::Path, token: &str) -> anyhow::Result<String> {
-    let mut kc: serde_yaml::Value = serde_yaml::from_str(&std::fs::read_to_string(path)?)?;
-    kc["users"][0]["user"] = serde_yaml::Value::Mapping(
-        [(serde_yaml::Value::from("token"), serde_yaml::Value::from(token))]
+    let mut kc: serde_json::Value = serde_saphyr::from_str(&std::fs::read_to_string(path)?)?;
+    kc["users"][0]["user"] = serde_json::Value::Object(
+        [("token".to_string(), serde_json::Value::from(token))]
             .into_iter()
             .collect(),
     );
-    Ok(serde_yaml::to_string(&kc)?)
+    Ok(serde_saphyr::to_string(&kc)?)
 }
 
 /// A certificate verifier that accepts any server: for endpoints whose real clients skip
