@@ -9,13 +9,11 @@ use std::time::Duration;
 use crate::telemetry::LogFormat;
 use anyhow::{Context, bail};
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::config::{KubeConfigOptions, Kubeconfig};
-use kube::runtime::wait::{Condition, conditions};
-use kube::{Api, Client, Config, ResourceExt};
+use kube::{Config, ResourceExt};
 
 use crate::operator::Operator;
-use crate::{Manager, ManagerOptions, Scope, bundle, manifests};
+use crate::{Connect, ManagerOptions, RunConfig, Scope, WebhookServing, bundle, manifests};
 
 #[derive(Parser)]
 struct Cli<A: Args, X: Subcommand> {
@@ -225,15 +223,6 @@ struct RunArgs<A: Args> {
     operator: A,
 }
 
-/// The namespace this process runs in, when it runs in a Pod.
-fn own_namespace() -> Option<String> {
-    std::env::var("POD_NAMESPACE").ok().or_else(|| {
-        std::fs::read_to_string("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
-            .ok()
-            .map(|s| s.trim().to_string())
-    })
-}
-
 fn leader_election<A: Args>(
     args: &RunArgs<A>,
     default_id: String,
@@ -254,7 +243,7 @@ fn leader_election<A: Args>(
     let ns = args
         .leader_election_namespace
         .clone()
-        .or_else(own_namespace)
+        .or_else(crate::operator::own_namespace)
         .unwrap_or_else(|| "default".into());
     let id = args.leader_election_id.clone().unwrap_or(default_id);
     let mut cfg = crate::leader::LeaderElectionConfig::new(ns, id);
@@ -291,34 +280,6 @@ async fn client_config<A: Args>(args: &RunArgs<A>) -> anyhow::Result<Config> {
     })
 }
 
-/// Waits until the operator's CRDs are Established, so the controllers' first list does not
-/// fail. An apiserver that cannot be reached yet (restarting, or the Pod network not up) is
-/// retried within the same minute instead of ending the process. Polled rather than watched:
-/// each read is bounded by the request timeout, so a connection that stopped answering does
-/// not hold the start for the watch's idle timeout.
-async fn wait_for_crds(client: &Client, names: &[String]) -> anyhow::Result<()> {
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    for name in names {
-        loop {
-            let established = crds.get_opt(name).await.map(|c| {
-                c.as_ref()
-                    .is_some_and(|c| conditions::is_crd_established().matches_object(Some(c)))
-            });
-            match established {
-                Ok(true) => break,
-                _ if tokio::time::Instant::now() >= deadline => bail!(
-                    "CRD {name} is not installed or not established (run `make install`, or `crd` piped to `kubectl apply -f -`)"
-                ),
-                Ok(false) => {}
-                Err(e) => tracing::warn!(crd = %name, error = %e, "waiting for the CRD; retrying"),
-            }
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
-    }
-    Ok(())
-}
-
 async fn run<S, A: Args>(
     op: &Operator<S>,
     args: RunArgs<A>,
@@ -335,14 +296,14 @@ async fn run_operator<S, A: Args>(
     args: RunArgs<A>,
     settings: impl FnOnce(&A) -> S,
 ) -> anyhow::Result<()> {
-    let registry = &op.registry;
-    let wanted = if args.controllers.is_empty() {
-        registry.names().iter().map(|s| s.to_string()).collect()
-    } else {
-        args.controllers.clone()
-    };
-    let selected = registry.select(&wanted).map_err(anyhow::Error::msg)?;
-    let opts = ManagerOptions {
+    let mut config = RunConfig::default();
+    config.controllers = args.controllers.clone();
+    config.scope = Scope::namespaces(args.namespaces.clone());
+    config.concurrency = args.concurrency;
+    config.tune = args.tune.clone();
+    config.request_timeout = Duration::from_secs(args.request_timeout);
+    config.sharding = args.sharding;
+    config.manager = ManagerOptions {
         metrics_addr: addr(&args.metrics_bind_address, "metrics-bind-address")?,
         health_addr: addr(&args.health_probe_bind_address, "health-probe-bind-address")?,
         shutdown_timeout: Duration::from_secs(args.shutdown_timeout),
@@ -353,75 +314,17 @@ async fn run_operator<S, A: Args>(
         metrics_secure: args.metrics_secure,
         metrics_cert_dir: args.metrics_cert_dir.clone(),
     };
-    let config = client_config(&args).await?;
-    let request_timeout = Duration::from_secs(args.request_timeout);
-    if request_timeout.is_zero() {
-        bail!("--request-timeout must be at least 1 second");
-    }
-    let scope = Scope::namespaces(args.namespaces.clone());
-    let mut manager = Manager::from_config(config.clone(), request_timeout)?
-        .with_scope(scope.clone())
-        .with_concurrency(args.concurrency);
-    for t in &args.tune {
-        manager.tune(t).map_err(anyhow::Error::msg)?;
-    }
-    // For what every replica does whether it leads or not (waiting for the CRDs, the webhook
-    // certificate and configurations); the controllers write through the gated client.
-    let client = manager.replica_client().clone();
-    if let Some(le) = &opts.leader_election {
-        let election = crate::leader::election_client_config(config, le);
-        manager = manager.with_election_client(Client::try_from(election)?);
-    }
-    if args.sharding {
-        let le = opts
-            .leader_election
-            .as_ref()
-            .context("--sharding needs --leader-elect: the leader places the objects on the members")?;
-        let cfg = crate::sharding::ShardingConfig::new(le);
-        tracing::info!(member = cfg.member(), group = cfg.group, "sharding on");
-        manager = manager.with_sharding(cfg)?;
+    if let Some(bind) = addr(&args.webhook_bind_address, "webhook-bind-address")? {
+        let mut serving = WebhookServing::on(bind);
+        serving.cert_dir = args.webhook_cert_dir.clone();
+        serving.url = args.webhook_url.clone();
+        serving.configure = args.manage_webhook_configurations;
+        serving.http2 = args.webhook_http2;
+        config.webhooks = Some(serving);
     }
     let settings = settings(&args.operator);
-    for r in &selected {
-        (r.add)(&mut manager, &settings);
-    }
-    manager.check_tuning().map_err(anyhow::Error::msg)?;
-    let crds: Vec<String> = crate::registry::crds(&selected)
-        .iter()
-        .map(|c| c.name_any())
-        .collect();
-    wait_for_crds(&client, &crds).await?;
-    let mut webhook_server = None;
-    if let Some(bind) = addr(&args.webhook_bind_address, "webhook-bind-address")? {
-        // Every kind's admission rules, whichever controllers run here: the configurations are
-        // shared by all replicas and must not depend on one process's `--controllers`.
-        // With --sharding, also the webhooks that place new objects on their members.
-        let hooks = registry
-            .webhooks(&client)
-            .merge(manager.sharding_webhooks())
-            .with_metrics(manager.metrics().clone());
-        let webhook_opts = crate::webhook::WebhookOptions {
-            project: op.name,
-            bind,
-            cert_dir: args.webhook_cert_dir.clone(),
-            url: args.webhook_url.clone(),
-            namespace: own_namespace().unwrap_or_else(|| op.namespace()),
-            configure: args.manage_webhook_configurations,
-            http2: args.webhook_http2,
-        };
-        webhook_server =
-            Some(crate::webhook::start(&client, &hooks, &webhook_opts, manager.shutdown_token()).await?);
-    }
-    tracing::info!(controllers = ?wanted, namespaces = ?scope.list(), "{} starting", op.name);
-    let stop = manager.shutdown_token();
-    let result = manager.run(opts).await;
-    // Whatever ended the manager, the webhook server serves its grace period and ends.
-    stop.cancel();
-    if let Some(server) = webhook_server {
-        let _ = server.await;
-    }
-    result?;
-    Ok(())
+    let kube_config = client_config(&args).await?;
+    Ok(op.run(Connect::Config(kube_config), config, &settings).await?)
 }
 
 fn write_manifests<S>(

@@ -37,7 +37,7 @@ pub mod webhook;
 pub mod changed;
 pub mod client;
 pub use manager::{DEFAULT_CONCURRENCY, Manager, ManagerOptions, Tuning};
-pub use operator::{Operator, Running};
+pub use operator::{Connect, Operator, RunConfig, RunError, Running, Started, WebhookServing};
 pub use reconciler::{
     Child, Cleanup, Deletion, Event, Invalid, OWNER_LABEL, Plan, Reconciler, Requeue, finalizer,
 };

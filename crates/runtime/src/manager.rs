@@ -265,7 +265,16 @@ impl Manager {
     /// attempt of a write, retries included, passes this manager's write gate, and requests
     /// other than watches wait at most `request_timeout` for an answer. What `opkit run` uses.
     pub fn from_config(config: kube::Config, request_timeout: std::time::Duration) -> kube::Result<Self> {
-        let (gate, metrics) = (WriteGate::new(), Metrics::default());
+        Self::from_config_with(config, request_timeout, Metrics::default())
+    }
+
+    /// [`Manager::from_config`], reporting to `metrics`.
+    pub(crate) fn from_config_with(
+        config: kube::Config,
+        request_timeout: std::time::Duration,
+        metrics: Metrics,
+    ) -> kube::Result<Self> {
+        let gate = WriteGate::new();
         // Never enforced: the same timeouts, no gate.
         let ungated = crate::client::build(config.clone(), &WriteGate::new(), request_timeout, &metrics)?;
         let config_for_members = config.clone();
@@ -326,6 +335,18 @@ impl Manager {
     /// while this replica's lease is certainly valid.
     pub fn write_gate(&self) -> &WriteGate {
         &self.gate
+    }
+
+    /// Reports to `metrics` (shared with whoever reads them) instead of its own.
+    pub(crate) fn with_metrics(mut self, metrics: Metrics) -> Self {
+        self.metrics = metrics;
+        self
+    }
+
+    /// Stops when `shutdown` is cancelled.
+    pub(crate) fn with_shutdown(mut self, shutdown: CancellationToken) -> Self {
+        self.shutdown = shutdown;
+        self
     }
 
     /// The namespaces controllers added from now on watch.

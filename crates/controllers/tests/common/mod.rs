@@ -9,8 +9,8 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomRe
 use kube::api::Api;
 use kube::{Client, Resource, ResourceExt};
 use opkit::metrics::{ControllerMetrics, Metrics};
-use opkit::{Manager, ManagerOptions, Scope};
-use opkit_controllers::{Settings, registry};
+use opkit::{Connect, Manager, ManagerOptions, RunConfig, Scope};
+use opkit_controllers::{Settings, operator, registry};
 use opkit_testenv::wait_for;
 use serde::de::DeserializeOwned;
 
@@ -89,7 +89,8 @@ pub async fn start(
     start_tuned(client, ns, name, opts, &[]).await
 }
 
-/// [`start`] with settings as `opkit run --tune` takes them (`NAME.KEY=VALUE`).
+/// [`start`] with settings as `opkit run --tune` takes them (`NAME.KEY=VALUE`): through
+/// [`opkit::Operator::start`], the assembly `opkit run` uses.
 pub async fn start_tuned(
     client: &Client,
     ns: &str,
@@ -97,13 +98,36 @@ pub async fn start_tuned(
     opts: ManagerOptions,
     tune: &[&str],
 ) -> anyhow::Result<Operator> {
-    start_with(client, ns, name, opts, |mut m| {
-        for t in tune {
-            m.tune(t).map_err(anyhow::Error::msg)?;
-        }
-        Ok(m)
+    let op = operator();
+    let entry = op
+        .registry
+        .select(&[name.to_string()])
+        .map_err(anyhow::Error::msg)?
+        .remove(0);
+    for crd in (entry.crds)() {
+        install_crd(client, crd).await?;
+    }
+    let mut config = RunConfig::default();
+    config.controllers = vec![name.to_string()];
+    config.scope = Scope::namespaces(vec![ns.to_string()]);
+    config.tune = tune.iter().map(|t| t.to_string()).collect();
+    config.manager = ManagerOptions {
+        handle_signals: false,
+        ..opts
+    };
+    let (metrics, stop) = (config.metrics.clone(), config.shutdown.clone());
+    let started = op
+        .start(Connect::Client(client.clone()), config, &Settings::default())
+        .await?;
+    let handle = tokio::spawn(async move {
+        started.wait().await.expect("operator failed");
+    });
+    Ok(Operator {
+        name,
+        metrics,
+        stop,
+        handle: Some(handle),
     })
-    .await
 }
 
 /// [`start`] with the manager set up by `configure` before the controller is added.
