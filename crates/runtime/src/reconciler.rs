@@ -138,6 +138,7 @@ pub fn finalizer(controller: &str) -> String {
 
 /// What a controller still has to do before an object it cleans up may go.
 #[derive(Debug)]
+#[non_exhaustive]
 pub struct Cleanup<S> {
     /// Objects to delete, in any namespace or none; one already gone counts as deleted.
     pub deletes: Vec<Deletion>,
@@ -233,6 +234,7 @@ pub const OWNER_LABEL: &str = "opkit.dev/owner-uid";
 /// What one reconcile should do, in the order opkit does it: children, orphan deletion,
 /// status, Events, the next look.
 #[derive(Debug)]
+#[non_exhaustive]
 pub struct Plan<S> {
     /// Objects to write; a no-op (nothing differs from the cache) costs no request.
     pub children: Vec<Child>,
@@ -515,6 +517,7 @@ fn fit_note(mut note: String) -> String {
 /// `status.conditions` (with `observedGeneration`), publishes one Warning Event when the
 /// condition changes, and waits for the next change of the object: no retries, no hot loop.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Invalid {
     /// Condition type, e.g. `Degraded` or `Scheduled`.
     pub condition: &'static str,

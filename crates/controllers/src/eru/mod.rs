@@ -346,14 +346,10 @@ pub fn plan(eru: &Eru, deployment: Option<&Deployment>, now: Timestamp) -> Resul
         ));
     }
     status.conditions = conditions::merge(&live.conditions, &want, eru.metadata.generation, &Time(now));
-    Ok(Plan {
-        children,
-        status: Some(status),
-        events,
-        requeue: requeue.unwrap_or(Requeue::OnChange),
-        delete: false,
-        in_progress: false,
-    })
+    let mut plan = Plan::status(status, requeue.unwrap_or(Requeue::OnChange));
+    plan.children = children;
+    plan.events = events;
+    Ok(plan)
 }
 
 /// The annotation loop: one reconcile per Deployment.

@@ -197,14 +197,7 @@ impl Reconciler for FooController {
             // Create, which (unlike an apply) cannot take over a Deployment of that name someone
             // else made in the meantime: it fails with a conflict, and the retry reads it.
             // No status yet: the new Deployment's own status brings the first one.
-            return Ok(Plan {
-                children: vec![Child::create(&desired, None)],
-                status: None,
-                events: Vec::new(),
-                requeue: hourly,
-                delete: false,
-                in_progress: false,
-            });
+            return Ok(Plan::nothing(hourly).child(Child::create(&desired, None)));
         };
         if !controlled_by(live, foo) {
             // Nothing to do until the Deployment or the Foo changes; the hourly look is a safety net.
@@ -212,14 +205,7 @@ impl Reconciler for FooController {
                 "Resource {:?} already exists and is not managed by Foo",
                 foo.spec.deployment_name
             );
-            return Ok(Plan {
-                children: Vec::new(),
-                status: None,
-                events: vec![Event::warning(ERR_RESOURCE_EXISTS, "Reconcile", note)],
-                requeue: hourly,
-                delete: false,
-                in_progress: false,
-            });
+            return Ok(Plan::nothing(hourly).event(Event::warning(ERR_RESOURCE_EXISTS, "Reconcile", note)));
         }
         // The cache drops the pod template, so compare what upstream compares: replicas.
         let same =
