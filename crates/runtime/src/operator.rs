@@ -209,6 +209,26 @@ impl<S> Operator<S> {
     /// Runs the operator until `config.shutdown` is cancelled (or SIGTERM, with
     /// `config.manager.handle_signals`): the one assembly behind `opkit run`, an operator
     /// without the command line, and the tests.
+    ///
+    /// ```no_run
+    /// use opkit_runtime::leader::LeaderElectionConfig;
+    /// use opkit_runtime::{Connect, Operator, Registry, RunConfig};
+    ///
+    /// # async fn main_() -> Result<(), Box<dyn std::error::Error>> {
+    /// // Normally your registry of controllers; settings are `()` here.
+    /// let operator: Operator<()> = Operator {
+    ///     name: "demo",
+    ///     version: "0.1.0",
+    ///     about: "a demo operator",
+    ///     registry: Registry::new(Vec::new()),
+    /// };
+    /// let mut config = RunConfig::default();
+    /// config.manager.leader_election = Some(LeaderElectionConfig::new("demo-system", operator.lease()));
+    /// let kube_config = opkit_runtime::kube::Config::infer().await?;
+    /// operator.run(Connect::Config(kube_config), config, &()).await?;
+    /// # Ok(())
+    /// # }
+    /// ```
     pub async fn run(&self, connect: Connect, config: RunConfig, settings: &S) -> Result<(), RunError> {
         self.start(connect, config, settings).await?.wait().await
     }
