@@ -519,7 +519,16 @@ fn packaged_crates(base: &Path) -> anyhow::Result<Vec<(String, PathBuf)>> {
     let target = base.join("package-target");
     let out = Command::new("cargo")
         .args(["package", "--no-verify", "--allow-dirty", "--locked", "-q"])
-        .args(["-p", "opkit", "-p", "opkit-testenv"])
+        .args([
+            "-p",
+            "opkit",
+            "-p",
+            "opkit-runtime",
+            "-p",
+            "opkit-gen",
+            "-p",
+            "opkit-testenv",
+        ])
         .arg("--target-dir")
         .arg(&target)
         .current_dir(&repo)
@@ -534,7 +543,7 @@ fn packaged_crates(base: &Path) -> anyhow::Result<Vec<(String, PathBuf)>> {
     std::fs::create_dir_all(&unpacked)?;
     let version = env!("CARGO_PKG_VERSION");
     let mut crates = Vec::new();
-    for name in ["opkit", "opkit-testenv"] {
+    for name in ["opkit", "opkit-runtime", "opkit-gen", "opkit-testenv"] {
         let file = target.join(format!("package/{name}-{version}.crate"));
         let out = Command::new("tar")
             .arg("xzf")
