@@ -34,9 +34,10 @@ fmt: ## Format the code
 # alone. A package carries no [profile]; without debug info its dependencies are those `make
 # test` compiles, built once.
 .PHONY: lint
-lint: ## Check formatting, clippy with warnings denied, that opkit builds without its default features, the docs, and that the published crates package and build
+lint: ## Check formatting, clippy with warnings denied, that the runtime imports only downward, that opkit builds without its default features, the docs, and that the published crates package and build
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets -- -D warnings
+	cargo test -q -p opkit-runtime --test layers
 	cargo check -q -p opkit --no-default-features
 	RUSTDOCFLAGS="-D warnings" cargo doc --no-deps -q -p opkit -p opkit-runtime -p opkit-gen -p opkit-testenv -p opkit-scaffold
 	CARGO_PROFILE_DEV_DEBUG=false cargo package --locked --allow-dirty -q -p opkit -p opkit-runtime -p opkit-gen -p opkit-testenv -p opkit-scaffold

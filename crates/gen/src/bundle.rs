@@ -18,7 +18,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use crate::manifests;
-use opkit_runtime::operator::Operator;
+use opkit_runtime::Operator;
 
 /// Where the OLM mounts the serving certificate it makes for the webhooks.
 const OLM_CERT_DIR: &str = "/tmp/k8s-webhook-server/serving-certs";

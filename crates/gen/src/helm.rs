@@ -16,7 +16,7 @@ use anyhow::{Context, bail, ensure};
 use kube::ResourceExt;
 
 use crate::manifests::{self, to_yaml};
-use opkit_runtime::operator::Operator;
+use opkit_runtime::Operator;
 
 /// Where `make helm` writes the chart.
 pub const DIR: &str = "dist/chart";

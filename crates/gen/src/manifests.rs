@@ -20,7 +20,7 @@ use kube::ResourceExt;
 use serde_json::json;
 use std::collections::BTreeMap;
 
-use opkit_runtime::operator::Operator;
+use opkit_runtime::Operator;
 use opkit_runtime::rbac::rule;
 use opkit_runtime::security::{restricted_container, restricted_pod};
 use opkit_runtime::webhook::{Endpoint, configurations, service_name};

@@ -5,7 +5,7 @@
 //! dashboards also work for the Go operators an SRE already runs.
 use serde_json::{Value, json};
 
-use opkit_runtime::operator::Operator;
+use opkit_runtime::Operator;
 
 /// The `job` label Prometheus gives the operator's metrics when a ServiceMonitor selects its
 /// metrics Service: the Service's name.
@@ -605,7 +605,7 @@ mod tests {
             name: "demo",
             version: "0.1.0",
             about: "",
-            registry: opkit_runtime::registry::Registry::new(Vec::new()),
+            registry: opkit_runtime::Registry::new(Vec::new()),
         };
         let exprs = expressions(&op, "1m");
         assert!(exprs.len() > 30, "{}", exprs.len());

@@ -12,7 +12,7 @@ use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Config, ResourceExt};
 
-use crate::operator::Operator;
+use crate::Operator;
 use crate::{Connect, ManagerOptions, RunConfig, Scope, WebhookServing, bundle, manifests};
 
 #[derive(Parser)]
@@ -243,7 +243,7 @@ fn leader_election<A: Args>(
     let ns = args
         .leader_election_namespace
         .clone()
-        .or_else(crate::operator::own_namespace)
+        .or_else(crate::own_namespace)
         .unwrap_or_else(|| "default".into());
     let id = args.leader_election_id.clone().unwrap_or(default_id);
     let mut cfg = crate::leader::LeaderElectionConfig::new(ns, id);

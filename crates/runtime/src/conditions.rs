@@ -100,6 +100,12 @@ pub fn find<'c>(conditions: &'c [Condition], type_: &str) -> Option<&'c Conditio
     conditions.iter().find(|c| c.type_ == type_)
 }
 
+/// Condition a failing cleanup shows (`True`, reason [`CLEANUP_FAILED`]) on an object that is
+/// being deleted.
+pub const DELETING: &str = "Deleting";
+/// Reason of the [`DELETING`] condition and of the Warning Event when a cleanup step fails.
+pub const CLEANUP_FAILED: &str = "CleanupFailed";
+
 #[cfg(test)]
 mod tests {
     use super::*;

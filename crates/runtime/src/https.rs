@@ -558,7 +558,7 @@ pub(crate) mod tests {
 
     /// A server answering `GET /` with `ok`, within `limits`, on a free port.
     async fn server(limits: Limits) -> (String, u16, CancellationToken) {
-        let cert = crate::webhook::self_signed(&["127.0.0.1".into()]).unwrap();
+        let cert = crate::tls::self_signed(&["127.0.0.1".into()]).unwrap();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let shutdown = CancellationToken::new();

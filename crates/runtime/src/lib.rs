@@ -12,38 +12,45 @@
 #![warn(missing_docs)]
 
 pub mod backoff;
+mod cache;
 pub mod conditions;
-mod context;
 pub mod conversion;
 pub mod diff;
 mod https;
+mod kind;
 pub mod leader;
-pub mod manager;
+mod manager;
 pub mod metrics;
 pub mod migrate;
-pub mod operator;
+mod operator;
+mod plan;
 pub mod rbac;
-pub mod reconciler;
-pub mod registry;
-pub mod runtime;
+mod reconciler;
+mod registry;
+mod runtime;
 mod scope;
 pub mod security;
 pub mod server;
 pub mod sharding;
 mod tls;
 mod trace;
+mod tuning;
 pub mod webhook;
 
 pub mod changed;
 pub mod client;
-pub use manager::{DEFAULT_CONCURRENCY, Manager, ManagerOptions, Tuning};
-pub use operator::{Connect, Operator, RunConfig, RunError, Running, Started, WebhookServing};
-pub use reconciler::{
-    Child, Cleanup, Deletion, Event, Invalid, OWNER_LABEL, Plan, Reconciler, Requeue, finalizer,
+pub use cache::{Cache, Watch};
+pub use kind::{KindScope, Watchable};
+pub use manager::{Manager, ManagerError, ManagerOptions};
+pub use operator::{
+    Connect, Operator, RunConfig, RunError, Running, Started, WebhookServing, install_crd, own_namespace,
 };
+pub use plan::{Child, Cleanup, Deletion, Event, Invalid, OWNER_LABEL, Plan, Requeue, finalizer};
+pub use reconciler::Reconciler;
 pub use registry::{Registration, Registry};
-pub use runtime::{Cache, KindScope, Watch, Watchable, Watches};
+pub use runtime::Watches;
 pub use scope::Scope;
+pub use tuning::{DEFAULT_CONCURRENCY, Tuning};
 
 pub use k8s_openapi;
 /// Re-exported so controllers and opkit agree on one version.

@@ -10,101 +10,14 @@ use futures::{FutureExt, StreamExt};
 use kube::Client;
 use tokio_util::sync::CancellationToken;
 
-use crate::context::{Common, ControllerContext};
 use crate::leader::{LeaderElectionConfig, LeaderElector, LeaderError, WriteGate};
 use crate::metrics::Metrics;
 use crate::reconciler::Reconciler;
-use crate::runtime::watches::SharedWatches;
-use crate::runtime::{self, Synced};
+use crate::runtime::context::{Common, ControllerContext};
+use crate::runtime::{self, SharedWatches, Synced};
 use crate::scope::Scope;
 use crate::server;
-
-/// Reconciles running at once per controller. Reconciles wait on the apiserver, not the CPU, so
-/// one (controller-runtime's default) leaves most of the time idle, while no limit
-/// (kube-runtime's default) lets a burst of thousands of objects hit the apiserver at once.
-/// Measured with 1000 Foos (docs/benchmark.md): 4 took 2.8x the direct-client floor to create
-/// the Deployments, 16 took 1.3x, unlimited 0.8x with more memory and some retried writes.
-pub const DEFAULT_CONCURRENCY: u16 = 16;
-
-/// How one controller runs. The manager's defaults, then the controller's own
-/// ([`Reconciler::tuning`]), then the command line (`opkit run --tune NAME.KEY=VALUE`) decide.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Tuning {
-    /// Reconciles running at once over all its namespaces (0: no limit); key `concurrency`.
-    pub concurrency: u16,
-    /// First retry delay after a failure, doubled per failure; key `backoff-base`.
-    pub backoff_base: Duration,
-    /// Longest retry delay; key `backoff-max`.
-    pub backoff_max: Duration,
-    /// A reconcile running longer is cancelled, counted (category `timeout`) and retried with
-    /// backoff, so one hung request cannot hold a slot forever; key `timeout`.
-    pub timeout: Duration,
-    /// How long a status marked in progress ([`crate::Plan::in_progress`]) is held back
-    /// before it is written anyway (a slow rollout is shown), and the least time between two
-    /// such writes; key `progress-delay`.
-    pub progress_delay: Duration,
-}
-
-impl Default for Tuning {
-    fn default() -> Self {
-        Tuning {
-            concurrency: DEFAULT_CONCURRENCY,
-            backoff_base: Duration::from_millis(500),
-            backoff_max: Duration::from_secs(300),
-            timeout: Duration::from_secs(60),
-            progress_delay: Duration::from_secs(30),
-        }
-    }
-}
-
-impl Tuning {
-    /// Sets `key` (`concurrency`, `backoff-base`, `backoff-max`, `timeout`,
-    /// `progress-delay`) from `value`
-    /// (a count, or a duration such as `500ms`, `30s`, `5m`).
-    pub fn set(&mut self, key: &str, value: &str) -> Result<(), String> {
-        let duration = || {
-            parse_duration(value).ok_or_else(|| format!("{key}: not a duration (500ms, 30s, 5m): {value:?}"))
-        };
-        match key {
-            "concurrency" => {
-                self.concurrency = value
-                    .parse()
-                    .map_err(|_| format!("concurrency: not a count: {value:?}"))?
-            }
-            "backoff-base" => self.backoff_base = duration()?,
-            "backoff-max" => self.backoff_max = duration()?,
-            "timeout" => self.timeout = duration()?,
-            "progress-delay" => self.progress_delay = duration()?,
-            _ => {
-                return Err(format!(
-                    "unknown setting {key:?}; known: concurrency, backoff-base, backoff-max, timeout, progress-delay"
-                ));
-            }
-        }
-        if self.backoff_base > self.backoff_max {
-            return Err(format!(
-                "backoff-base ({:?}) is longer than backoff-max ({:?})",
-                self.backoff_base, self.backoff_max
-            ));
-        }
-        if self.timeout.is_zero() {
-            return Err("timeout must be longer than 0".into());
-        }
-        Ok(())
-    }
-}
-
-fn parse_duration(s: &str) -> Option<Duration> {
-    let (n, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit())?);
-    let n: u64 = n.parse().ok()?;
-    match unit {
-        "ms" => Some(Duration::from_millis(n)),
-        "s" => Some(Duration::from_secs(n)),
-        "m" => Some(Duration::from_secs(n * 60)),
-        "h" => Some(Duration::from_secs(n * 3600)),
-        _ => None,
-    }
-}
+use crate::tuning::Tuning;
 
 /// Where to serve the manager's HTTP endpoints and how long shutdown may take.
 #[derive(Clone, Debug)]
@@ -162,20 +75,14 @@ impl Default for ManagerOptions {
 #[derive(Debug, thiserror::Error)]
 #[allow(missing_docs)] // every variant says what failed in its message
 pub enum ManagerError {
-    #[error("binding {what} on {addr}: {source}")]
-    Bind {
-        what: &'static str,
-        addr: SocketAddr,
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Serve(#[from] server::ServeError),
     #[error("controller {0} stopped unexpectedly")]
     ControllerExited(&'static str),
     #[error("installing signal handlers: {0}")]
     Signals(std::io::Error),
     #[error(transparent)]
     Leader(#[from] LeaderError),
-    #[error("serving /metrics over HTTPS: {0}")]
-    MetricsTls(String),
 }
 
 pub(crate) struct Registered {
@@ -239,7 +146,7 @@ type Sharder = Box<dyn Fn(Client) -> BoxFuture<'static, ()> + Send + Sync>;
 
 impl Manager {
     /// A manager whose controllers talk to the cluster through `client`, watching every
-    /// namespace with [`DEFAULT_CONCURRENCY`].
+    /// namespace with [`crate::DEFAULT_CONCURRENCY`].
     pub fn new(client: Client) -> Self {
         Manager {
             client,
@@ -442,7 +349,7 @@ impl Manager {
                 gate: s.gate.clone(),
                 leading: s.leading.subscribe(),
                 shared: self.shared.clone(),
-                shard: Some(crate::context::Shard {
+                shard: Some(crate::runtime::context::Shard {
                     label: crate::sharding::shard_label(name),
                     member: s.member.clone(),
                     drain: crate::sharding::drain_label(name),
@@ -535,7 +442,18 @@ impl Manager {
             .then(|| server::MetricsAuth::new(ungated_client.unwrap_or(client.clone())));
         let readiness: Vec<(&'static str, Arc<AtomicBool>)> =
             controllers.iter().map(|c| (c.name, c.ready.clone())).collect();
-        let http = server::serve(&opts, metrics.clone(), auth, readiness, shutdown.clone()).await?;
+        let http = server::serve(
+            server::Endpoints {
+                metrics: opts.metrics_addr,
+                health: opts.health_addr,
+                metrics_cert_dir: opts.metrics_cert_dir.as_deref(),
+            },
+            metrics.clone(),
+            auth,
+            readiness,
+            shutdown.clone(),
+        )
+        .await?;
 
         let signals = if opts.handle_signals {
             let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
@@ -806,7 +724,7 @@ async fn run_sharders(
         let all = futures::future::join_all(sharders.iter().map(|f| f(client.clone())));
         tokio::select! {
             _ = all => return,
-            _ = crate::context::term_ended(term) => {},
+            _ = crate::runtime::context::term_ended(term) => {},
             _ = shutdown.cancelled() => return,
         }
     }
@@ -856,34 +774,6 @@ fn stop(signals: Option<tokio::task::JoinHandle<()>>, http: Vec<tokio::task::Joi
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn settings_parse_and_refuse_what_does_not_hold_together() {
-        let mut t = Tuning::default();
-        t.set("concurrency", "4").unwrap();
-        t.set("timeout", "90s").unwrap();
-        t.set("backoff-base", "250ms").unwrap();
-        t.set("backoff-max", "2m").unwrap();
-        t.set("progress-delay", "10s").unwrap();
-        assert_eq!(
-            t,
-            Tuning {
-                concurrency: 4,
-                backoff_base: Duration::from_millis(250),
-                backoff_max: Duration::from_secs(120),
-                timeout: Duration::from_secs(90),
-                progress_delay: Duration::from_secs(10),
-            }
-        );
-        assert!(t.set("timeout", "soon").unwrap_err().contains("not a duration"));
-        assert!(t.set("timeout", "0s").unwrap_err().contains("longer than 0"));
-        assert!(
-            t.set("backoff-base", "5m")
-                .unwrap_err()
-                .contains("longer than backoff-max")
-        );
-        assert!(t.set("colour", "blue").unwrap_err().contains("unknown setting"));
-    }
 
     #[tokio::test]
     async fn tune_takes_name_key_value_only() {

@@ -77,7 +77,7 @@ impl<S> Registry<S> {
 }
 
 /// The CRDs of `entries`, once each.
-pub fn crds<S>(entries: &[&Registration<S>]) -> Vec<CustomResourceDefinition> {
+pub(crate) fn crds<S>(entries: &[&Registration<S>]) -> Vec<CustomResourceDefinition> {
     let mut out: Vec<CustomResourceDefinition> = Vec::new();
     for crd in entries.iter().flat_map(|e| (e.crds)()) {
         if !out.iter().any(|c| c.metadata.name == crd.metadata.name) {
@@ -88,7 +88,7 @@ pub fn crds<S>(entries: &[&Registration<S>]) -> Vec<CustomResourceDefinition> {
 }
 
 /// The webhooks of `entries`.
-pub fn webhooks<S>(entries: &[&Registration<S>], client: &Client) -> Webhooks {
+pub(crate) fn webhooks<S>(entries: &[&Registration<S>], client: &Client) -> Webhooks {
     entries
         .iter()
         .fold(Webhooks::new(), |w, e| (e.webhooks)(w, client))

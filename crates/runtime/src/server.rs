@@ -23,7 +23,6 @@ use kube::api::{Api, PostParams};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::manager::{ManagerError, ManagerOptions};
 use crate::metrics::Metrics;
 
 type Readiness = Arc<Vec<(&'static str, Arc<AtomicBool>)>>;
@@ -178,9 +177,9 @@ fn spawn_tls(
     shutdown: CancellationToken,
 ) -> Result<JoinHandle<()>, String> {
     let certs = match cert_dir {
-        Some(dir) => crate::webhook::CertSource::Dir(dir.to_path_buf()),
-        None => crate::webhook::CertSource::Generated(
-            crate::webhook::self_signed(&["localhost".into()]).map_err(|e| e.to_string())?,
+        Some(dir) => crate::tls::CertSource::Dir(dir.to_path_buf()),
+        None => crate::tls::CertSource::Generated(
+            crate::tls::self_signed(&["localhost".into()]).map_err(|e| e.to_string())?,
         ),
     };
     let acceptor = crate::tls::acceptor(&certs, false, "metrics", &shutdown)?;
@@ -200,10 +199,34 @@ fn spawn_tls(
     ))
 }
 
-async fn bind(what: &'static str, addr: SocketAddr) -> Result<tokio::net::TcpListener, ManagerError> {
+/// Why the manager's endpoints could not be served.
+#[derive(Debug, thiserror::Error)]
+#[allow(missing_docs)] // every variant says what failed in its message
+pub enum ServeError {
+    #[error("binding {what} on {addr}: {source}")]
+    Bind {
+        what: &'static str,
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("serving /metrics over HTTPS: {0}")]
+    MetricsTls(String),
+}
+
+/// Where the manager's endpoints listen.
+pub(crate) struct Endpoints<'a> {
+    /// `/metrics`; `None` disables it.
+    pub metrics: Option<SocketAddr>,
+    /// `/healthz` and `/readyz`; `None` disables them.
+    pub health: Option<SocketAddr>,
+    /// The certificate of `/metrics` over HTTPS; `None` makes one.
+    pub metrics_cert_dir: Option<&'a std::path::Path>,
+}
+
+async fn bind(what: &'static str, addr: SocketAddr) -> Result<tokio::net::TcpListener, ServeError> {
     tokio::net::TcpListener::bind(addr)
         .await
-        .map_err(|source| ManagerError::Bind { what, addr, source })
+        .map_err(|source| ServeError::Bind { what, addr, source })
 }
 
 fn spawn(listener: tokio::net::TcpListener, app: Router, shutdown: CancellationToken) -> JoinHandle<()> {
@@ -218,14 +241,14 @@ fn spawn(listener: tokio::net::TcpListener, app: Router, shutdown: CancellationT
 }
 
 pub(crate) async fn serve(
-    opts: &ManagerOptions,
+    at: Endpoints<'_>,
     metrics_state: Metrics,
     auth: Option<MetricsAuth>,
     readiness: Vec<(&'static str, Arc<AtomicBool>)>,
     shutdown: CancellationToken,
-) -> Result<Vec<JoinHandle<()>>, ManagerError> {
+) -> Result<Vec<JoinHandle<()>>, ServeError> {
     let mut handles = Vec::new();
-    if let Some(addr) = opts.metrics_addr {
+    if let Some(addr) = at.metrics {
         let l = bind("metrics", addr).await?;
         let app = Router::new()
             .route("/metrics", get(metrics))
@@ -233,8 +256,8 @@ pub(crate) async fn serve(
         match auth {
             Some(auth) => {
                 let app = app.layer(axum::middleware::from_fn_with_state(auth, authorize));
-                let h = spawn_tls(l, app, opts.metrics_cert_dir.as_deref(), shutdown.clone())
-                    .map_err(ManagerError::MetricsTls)?;
+                let h = spawn_tls(l, app, at.metrics_cert_dir, shutdown.clone())
+                    .map_err(ServeError::MetricsTls)?;
                 tracing::info!(%addr, "serving /metrics over HTTPS to authorized readers");
                 handles.push(h);
             }
@@ -244,7 +267,7 @@ pub(crate) async fn serve(
             }
         }
     }
-    if let Some(addr) = opts.health_addr {
+    if let Some(addr) = at.health {
         let l = bind("health probes", addr).await?;
         let app = Router::new()
             .route("/healthz", get(|| async { "ok" }))

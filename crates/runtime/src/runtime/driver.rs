@@ -15,17 +15,14 @@ use tracing::Instrument;
 
 use super::Error;
 use super::hold::Hold;
-use super::watches::{Adopter, Pruner, Synced, Watches};
+use super::shared::Synced;
+use super::watches::{Adopter, Pruner, Watches};
 use super::write::Writer;
 use crate::conditions::Desired;
-use crate::context::ControllerContext;
-use crate::reconciler::{Cleanup, Deletion, Event, Invalid, Plan, Reconciler, Requeue, finalizer};
-
-/// Condition a failing cleanup shows (`True`, reason [`CLEANUP_FAILED`]) on an object that is
-/// being deleted.
-pub const DELETING: &str = "Deleting";
-/// Reason of the [`DELETING`] condition and of the Warning Event when a cleanup step fails.
-pub const CLEANUP_FAILED: &str = "CleanupFailed";
+use crate::conditions::{CLEANUP_FAILED, DELETING};
+use crate::plan::{Cleanup, Deletion, Event, Invalid, Plan, Requeue, finalizer};
+use crate::reconciler::Reconciler;
+use crate::runtime::context::ControllerContext;
 
 /// How long a reconcile whose write the gate refused waits for the elector to announce the
 /// end of its term (both follow from one missed renewal) before it counts as failed.
@@ -73,7 +70,7 @@ pub(crate) fn run<R: Reconciler>(
     let concurrency = ctx.tuning().concurrency;
     ctx.metrics().max_concurrent(concurrency);
     let limit = (concurrency > 0).then(|| Arc::new(Semaphore::new(concurrency.into())));
-    let namespaces = if super::cache::namespaced::<R::Object>() {
+    let namespaces = if crate::kind::namespaced::<R::Object>() {
         namespaces
     } else {
         vec![None]
@@ -82,7 +79,7 @@ pub(crate) fn run<R: Reconciler>(
     let finalizer = reconciler.cleans_up().then(|| finalizer(reconciler.name()));
     let mut runs = Vec::new();
     for ns in namespaces {
-        let mut w = Watches::new(reconciler.clone(), &ctx, ns, synced.clone(), concurrency);
+        let mut w = Watches::new(reconciler.primary(), &ctx, ns, synced.clone(), concurrency);
         let cache = reconciler.watch(&mut w);
         let Watches {
             controller,
@@ -148,7 +145,7 @@ impl<R: Reconciler> Runner<R> {
         let term = self.ctx.term();
         tokio::select! {
             biased;
-            _ = crate::context::term_ended(term) => {
+            _ = crate::runtime::context::term_ended(term) => {
                 tracing::debug!(object = %obj.name_any(), "leadership lost: reconcile dropped");
                 Ok(Action::requeue(Duration::ZERO))
             }
@@ -282,7 +279,7 @@ impl<R: Reconciler> Runner<R> {
     async fn shard_check(
         &self,
         obj: &R::Object,
-        shard: &crate::context::Shard,
+        shard: &crate::runtime::context::Shard,
     ) -> Result<Option<&'static str>, Error> {
         if obj.labels().get(&shard.label) != Some(&shard.member) {
             return Ok(Some("not_placed_here"));
@@ -307,7 +304,11 @@ impl<R: Reconciler> Runner<R> {
     /// Takes the children of an object moved here over from its previous owner, before
     /// anything is planned from this member's caches; then takes the sharder's note off.
     /// Returns the object as that last write left it.
-    async fn adopt(&self, obj: &R::Object, shard: &crate::context::Shard) -> Result<R::Object, Error> {
+    async fn adopt(
+        &self,
+        obj: &R::Object,
+        shard: &crate::runtime::context::Shard,
+    ) -> Result<R::Object, Error> {
         let uid = obj.uid().unwrap_or_default();
         for adopter in &self.adopters {
             adopter(uid.clone()).await?;

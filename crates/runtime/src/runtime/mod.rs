@@ -11,16 +11,15 @@
 //! kube-runtime's `Controller` waits only for the primary store, and `Store::wait_until_ready`
 //! wakes just one of several concurrent waiters. So opkit never waits on a store: it watches
 //! every stream it builds for the watcher's `InitDone` and keeps its own count.
-pub mod cache;
+pub(crate) mod context;
 mod driver;
 mod hold;
+mod shared;
 pub mod watches;
 mod write;
 
-pub use cache::{Cache, KindScope, Watch, Watchable};
 pub(crate) use driver::run;
-pub use driver::{CLEANUP_FAILED, DELETING};
-pub(crate) use watches::Synced;
+pub(crate) use shared::{SharedWatches, Synced};
 pub use watches::Watches;
 
 /// Errors of the steps opkit carries out; the category labels metrics and log lines.

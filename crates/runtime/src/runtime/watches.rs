@@ -3,10 +3,8 @@
 //! its filter ignores and for the echoes of opkit's own writes.
 use std::collections::HashMap;
 use std::fmt::Debug;
-use std::hash::Hash;
 
 use crate::changed::hash;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -16,129 +14,17 @@ use kube::runtime::controller::{Config as ControllerConfig, Controller};
 use kube::runtime::reflector::{self, ObjectRef};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
-use serde::Serialize;
 use serde::de::DeserializeOwned;
-use tokio::sync::watch;
 
-use super::cache::{Indexes, KeyFn, OWNER_INDEX, api, namespaced, observe_all};
-use super::{Cache, Watch, Watchable};
+use super::shared::{Echoes, ShareKey, Shared, SharedWatches, Synced};
 use crate::OWNER_LABEL;
-use crate::context::Shard;
-use crate::reconciler::{Deletion, Reconciler};
+use crate::cache::{Cache, Filter, Indexes, KeyFn, OWNER_INDEX, Watch, keep_applied, observe_all};
+use crate::kind::{Watchable, api, namespaced};
+use crate::plan::Deletion;
+use crate::runtime::context::Shard;
 
 /// The index of the primary cache by uid, so that [`OWNER_LABEL`] leads back to its owner.
 const UID_INDEX: &str = "opkit.dev/uid";
-
-/// Counts the watch streams of one controller that have not yet delivered their initial list.
-#[derive(Clone)]
-pub(crate) struct Synced {
-    pending: Arc<AtomicUsize>,
-    ready: Arc<AtomicBool>,
-    tx: Arc<watch::Sender<bool>>,
-}
-
-impl Synced {
-    pub(crate) fn new(ready: Arc<AtomicBool>) -> Self {
-        Synced {
-            pending: Arc::default(),
-            ready,
-            tx: Arc::new(watch::channel(false).0),
-        }
-    }
-
-    /// A new stream to wait for; call the returned closure on each of its events.
-    fn track<C>(
-        &self,
-    ) -> impl FnMut(&kube::Result<watcher::Event<C>, watcher::Error>) + Send + 'static + use<C> {
-        self.pending.fetch_add(1, Ordering::SeqCst);
-        let this = self.clone();
-        let mut seen = false;
-        move |ev| {
-            if !seen && matches!(ev, Ok(watcher::Event::InitDone)) {
-                seen = true;
-                if this.pending.fetch_sub(1, Ordering::SeqCst) == 1 {
-                    this.ready.store(true, Ordering::SeqCst);
-                    this.tx.send_replace(true);
-                }
-            }
-        }
-    }
-
-    /// Whether every stream has delivered its initial list.
-    pub(crate) fn is_synced(&self) -> bool {
-        *self.tx.borrow()
-    }
-
-    pub(crate) fn subscribe(&self) -> watch::Receiver<bool> {
-        self.tx.subscribe()
-    }
-}
-
-/// What part of an object a watch reacts to ([`Watch::on_change`]), as a hash.
-pub(crate) type Filter<C> = Arc<dyn Fn(&C) -> u64 + Send + Sync>;
-
-impl<C> Watch<C> {
-    /// Reconciles only when `key` of an object changes (or the object is created, recreated
-    /// or deleted): controller-runtime's predicates. The cache still follows every change.
-    /// [`crate::changed`] has the usual keys; combine them in a tuple, e.g.
-    /// `.on_change(|d: &Deployment| (changed::generation(d), changed::labels(d)))`.
-    pub fn on_change<H: Hash>(mut self, key: impl Fn(&C) -> H + Send + Sync + 'static) -> Self {
-        self.filter = Some(Arc::new(move |c: &C| hash(&key(c))));
-        self
-    }
-}
-
-/// The resourceVersions opkit's own writes produced, until their watch events arrive: those
-/// events only echo what a plan already decided, so they update the caches but trigger no
-/// reconcile. An echo that arrives before its write is recorded simply triggers as any
-/// change does.
-#[derive(Clone, Default)]
-pub(crate) struct Echoes {
-    written: Arc<Mutex<Written>>,
-}
-
-#[derive(Default)]
-struct Written {
-    by_key: HashMap<String, (String, Instant)>,
-    /// Size after the last sweep: the next sweep waits until it has doubled, so recording
-    /// stays O(1) on average with tens of thousands of writes in flight.
-    swept_at: usize,
-}
-
-/// Echoes not seen for this long are forgotten (their event was lost or merged into a relist).
-const ECHO_TTL: Duration = Duration::from_secs(120);
-
-fn echo_key(kind: &str, namespace: Option<&str>, name: &str) -> String {
-    format!("{kind}/{}/{name}", namespace.unwrap_or(""))
-}
-
-impl Echoes {
-    /// Remembers that this process wrote `resource_version` of the object.
-    pub(crate) fn record(&self, kind: &str, namespace: Option<&str>, name: &str, resource_version: String) {
-        let mut w = self.written.lock().unwrap_or_else(|p| p.into_inner());
-        if w.by_key.len() > 4096 && w.by_key.len() >= 2 * w.swept_at {
-            w.by_key.retain(|_, (_, at)| at.elapsed() < ECHO_TTL);
-            w.swept_at = w.by_key.len();
-        }
-        w.by_key.insert(
-            echo_key(kind, namespace, name),
-            (resource_version, Instant::now()),
-        );
-    }
-
-    /// Whether `obj` is exactly what this process last wrote of it (and forgets that write).
-    fn is_echo<C: Resource<DynamicType = ()>>(&self, obj: &C) -> bool {
-        let key = echo_key(&C::kind(&()), obj.meta().namespace.as_deref(), &obj.name_any());
-        let mut w = self.written.lock().unwrap_or_else(|p| p.into_inner());
-        match (w.by_key.get(&key), obj.resource_version()) {
-            (Some((rv, _)), Some(seen)) if *rv == seen => {
-                w.by_key.remove(&key);
-                true
-            }
-            _ => false,
-        }
-    }
-}
 
 /// Decides per watch event whether it triggers a reconcile: not an echo, and (with a filter)
 /// a change of what the filter hashes. Deletions always trigger.
@@ -191,7 +77,7 @@ fn owner_uids<C: Resource>(obj: &C) -> Vec<String> {
     uids
 }
 
-/// What a [`Reconciler`] declares its watches on, once per watched namespace (once in all
+/// What a [`crate::Reconciler`] declares its watches on, once per watched namespace (once in all
 /// for a cluster-scoped primary kind).
 pub struct Watches<K>
 where
@@ -217,7 +103,7 @@ where
 #[derive(Clone)]
 struct Enqueue<K: Resource<DynamicType = ()> + Clone + 'static> {
     queue: crate::metrics::Queue,
-    ctx: crate::context::ControllerContext,
+    ctx: crate::runtime::context::ControllerContext,
     store: reflector::Store<K>,
 }
 
@@ -240,52 +126,15 @@ pub(crate) fn queue_key(namespace: Option<&str>, name: &str) -> String {
     format!("{}/{name}", namespace.unwrap_or(""))
 }
 
-/// The watches of one manager, by what they watch: controllers that declare the same watch
-/// get one reflector and one store between them, each with its own feed of the events (its
-/// own filter, echoes and sync count).
-#[derive(Clone, Default)]
-pub(crate) struct SharedWatches {
-    inner: Arc<Mutex<SharedInner>>,
-}
-
-#[derive(Default)]
-struct SharedInner {
-    entries: HashMap<ShareKey, Box<dyn std::any::Any + Send>>,
-    /// The reflectors to run, each feeding its store, indexes and subscribers.
-    drivers: Vec<BoxFuture<'static, ()>>,
-}
-
-/// What makes two watches the same: kind, namespace, selector and projection.
-#[derive(Hash, PartialEq, Eq)]
-struct ShareKey {
-    kind: std::any::TypeId,
-    namespace: Option<String>,
-    labels: Option<String>,
-    fields: Option<String>,
-    trim: usize,
-    applied: Option<String>,
-}
-
-struct Shared<C: Resource<DynamicType = ()> + Clone + 'static> {
-    cache: Cache<C>,
-    subscribers: Arc<Mutex<Vec<futures::channel::mpsc::UnboundedSender<watcher::Event<C>>>>>,
-}
-
-impl SharedWatches {
-    /// The reflectors declared so far, to run until shutdown.
-    pub(crate) fn take_drivers(&self) -> Vec<BoxFuture<'static, ()>> {
-        std::mem::take(&mut self.inner.lock().unwrap_or_else(|p| p.into_inner()).drivers)
-    }
-}
-
 impl<K> Watches<K>
 where
     K: Watchable,
 {
-    /// The primary watch of `reconciler` in `namespace`, ready for the reconciler's own.
-    pub(crate) fn new<R: Reconciler<Object = K>>(
-        reconciler: Arc<R>,
-        ctx: &crate::context::ControllerContext,
+    /// The primary watch (`watch`, from [`crate::Reconciler::primary`]) in `namespace`, ready
+    /// for the reconciler's own.
+    pub(crate) fn new(
+        mut watch: Watch<K>,
+        ctx: &crate::runtime::context::ControllerContext,
         namespace: Option<String>,
         synced: Synced,
         concurrency: u16,
@@ -309,7 +158,6 @@ where
                 store: reflector::store().0,
             },
         };
-        let mut watch = reconciler.primary();
         if let Some(shard) = ctx.shard() {
             // A member watches, caches and reconciles only the objects placed on it.
             watch.labels = Some(mine(watch.labels.take(), shard));
@@ -433,7 +281,8 @@ where
                 })
                 .boxed();
                 // Reported under the controller that declared it first.
-                cache.report(&self.metrics);
+                let measured = cache.clone();
+                self.metrics.cache(&C::kind(&()), move || measured.measure());
                 shared.drivers.push(driver);
                 shared.entries.insert(
                     key,
@@ -594,7 +443,7 @@ const ADOPT_WAIT: Duration = Duration::from_secs(30);
 
 async fn adopt<C: Watchable>(
     cache: &Cache<C>,
-    ctx: &crate::context::ControllerContext,
+    ctx: &crate::runtime::context::ControllerContext,
     shard: &Shard,
     namespace: Option<&str>,
     uid: &str,
@@ -662,19 +511,6 @@ fn not_older(cached: Option<&str>, wanted: &str) -> bool {
     match (cached.and_then(|c| c.parse::<u64>().ok()), wanted.parse::<u64>()) {
         (Some(c), Ok(w)) => c >= w,
         _ => cached == Some(wanted),
-    }
-}
-
-/// Replaces `obj` by what `manager` applied to it ([`crate::diff::applied_by`]); leaves it
-/// whole when the manager applied nothing or the projection does not make a valid object.
-pub(crate) fn keep_applied<C: Serialize + DeserializeOwned>(obj: &mut C, manager: &str) {
-    let Ok(value) = serde_json::to_value(&*obj) else {
-        return;
-    };
-    if let Some(projected) = crate::diff::applied_by(&value, manager)
-        && let Ok(trimmed) = serde_json::from_value(projected)
-    {
-        *obj = trimmed;
     }
 }
 

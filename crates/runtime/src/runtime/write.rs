@@ -10,12 +10,13 @@ use kube::{Resource, ResourceExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::cache::{api, namespaced};
-use super::{Error, Watchable};
+use super::Error;
 use crate::conditions::{self, Desired};
-use crate::context::ControllerContext;
 use crate::diff::is_subset;
-use crate::reconciler::{Child, Deletion, Mode};
+use crate::kind::Watchable;
+use crate::kind::{api, namespaced};
+use crate::plan::{Child, Deletion, Mode};
+use crate::runtime::context::ControllerContext;
 
 /// Carries out the writes of one controller.
 pub(crate) struct Writer {
@@ -288,7 +289,7 @@ impl Writer {
     pub(crate) async fn release<K: Watchable>(
         &self,
         obj: &K,
-        shard: &crate::context::Shard,
+        shard: &crate::runtime::context::Shard,
     ) -> Result<Option<String>, Error> {
         let mut labels = serde_json::Map::new();
         labels.insert(shard.label.clone(), serde_json::Value::Null);
@@ -318,7 +319,7 @@ impl Writer {
     pub(crate) async fn adopted<K: Watchable>(
         &self,
         obj: &K,
-        shard: &crate::context::Shard,
+        shard: &crate::runtime::context::Shard,
     ) -> Result<K, Error> {
         let mut annotations = serde_json::Map::new();
         annotations.insert(shard.adopt.clone(), serde_json::Value::Null);
@@ -349,7 +350,11 @@ impl Writer {
 }
 
 /// `body` with the labels that tie a child to its sharded owner.
-fn shard_labelled(body: &serde_json::Value, shard: &crate::context::Shard, uid: &str) -> serde_json::Value {
+fn shard_labelled(
+    body: &serde_json::Value,
+    shard: &crate::runtime::context::Shard,
+    uid: &str,
+) -> serde_json::Value {
     let mut body = body.clone();
     if let Some(meta) = body
         .as_object_mut()
@@ -457,7 +462,7 @@ mod tests {
 
     #[test]
     fn a_sharded_child_is_labelled_for_its_owner_and_its_own_labels_stay() {
-        let shard = crate::context::Shard {
+        let shard = crate::runtime::context::Shard {
             label: "shard.opkit.dev/memcached".into(),
             member: "m-1".into(),
             drain: String::new(),

@@ -24,7 +24,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Resource, ResourceExt};
 
 use super::{GROUP_LABEL, Members, Ring, member_of, ring, shard_label};
-use crate::runtime::Watchable;
+use crate::kind::Watchable;
 use crate::webhook::{FailurePolicy, Review, Rule, RuleScope, Verdict, Webhooks};
 
 /// The ring of the members this replica sees, shared by its placement webhooks.
@@ -113,7 +113,7 @@ pub(crate) fn webhook<K: Watchable>(controller: &'static str, view: View) -> Web
         resource: leak(K::plural(&()).into_owned()),
         operations: &["CREATE"],
         failure_policy: FailurePolicy::Ignore,
-        scope: if crate::runtime::cache::namespaced::<K>() {
+        scope: if crate::kind::namespaced::<K>() {
             RuleScope::Namespaced
         } else {
             RuleScope::Cluster

@@ -15,8 +15,7 @@ use kube::core::PartialObjectMeta;
 use kube::runtime::watcher;
 use kube::{Client, Resource, ResourceExt};
 
-use crate::runtime::Watchable;
-use crate::runtime::cache::api;
+use crate::kind::{Watchable, api};
 
 use super::{
     GROUP_LABEL, Members, Move, Placed, Ring, adopt_annotation, decide, drain_label, member_of, ring,
@@ -76,7 +75,7 @@ pub(crate) async fn run<K>(
     PartialObjectMeta<K>: Watchable,
 {
     // A cluster-scoped kind is watched once, whatever the namespaces (as `runtime::run` does).
-    let namespaces = if crate::runtime::cache::namespaced::<K>() {
+    let namespaces = if crate::kind::namespaced::<K>() {
         namespaces
     } else {
         vec![None]

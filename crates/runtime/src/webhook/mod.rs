@@ -7,7 +7,7 @@
 mod install;
 pub mod shared;
 
-pub use crate::tls::CertSource;
+pub use crate::tls::{CertSource, Certificate, self_signed, self_signed_until};
 pub use install::{
     Endpoint, WebhookOptions, configurations, crd_conversion, rbac_rules, secret_rules, service_name, start,
     with_conversions,
@@ -443,62 +443,6 @@ async fn review(h: Handler, body: Bytes) -> Response {
         Ok(body) => ([(axum::http::header::CONTENT_TYPE, "application/json")], body).into_response(),
         Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
     }
-}
-
-/// A serving certificate: PEM chain and key.
-#[derive(Clone)]
-pub struct Certificate {
-    /// The certificate chain, PEM.
-    pub cert_pem: String,
-    /// Its private key, PEM.
-    pub key_pem: String,
-    /// The CA that signed it, for the configurations' `caBundle`.
-    pub ca_pem: String,
-}
-
-/// Makes a CA and a serving certificate for `hosts` (DNS names or IP addresses), valid a year.
-pub fn self_signed(hosts: &[String]) -> Result<Certificate, rcgen::Error> {
-    let not_after = k8s_openapi::jiff::Timestamp::now()
-        .checked_add(shared::VALIDITY)
-        .map_err(|_| rcgen::Error::Time)?;
-    self_signed_until(hosts, not_after)
-}
-
-/// Makes a CA and a serving certificate for `hosts`, both valid from yesterday until the day
-/// of `not_after`.
-pub fn self_signed_until(
-    hosts: &[String],
-    not_after: k8s_openapi::jiff::Timestamp,
-) -> Result<Certificate, rcgen::Error> {
-    use k8s_openapi::jiff::tz::TimeZone;
-    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
-    let day = |t: k8s_openapi::jiff::Timestamp| {
-        let d = t.to_zoned(TimeZone::UTC).date();
-        rcgen::date_time_ymd(i32::from(d.year()), d.month() as u8, d.day() as u8)
-    };
-    let yesterday = k8s_openapi::jiff::Timestamp::now()
-        .checked_sub(k8s_openapi::jiff::SignedDuration::from_hours(24))
-        .map_err(|_| rcgen::Error::Time)?;
-    let ca_key = KeyPair::generate()?;
-    let mut ca = CertificateParams::new(Vec::<String>::new())?;
-    ca.distinguished_name.push(DnType::CommonName, "opkit-webhook-ca");
-    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-    ca.not_before = day(yesterday);
-    ca.not_after = day(not_after);
-    let ca_cert = ca.self_signed(&ca_key)?;
-    let issuer = rcgen::Issuer::new(ca, ca_key);
-    let key = KeyPair::generate()?;
-    let mut leaf = CertificateParams::new(hosts.to_vec())?;
-    leaf.distinguished_name.push(DnType::CommonName, "opkit-webhook");
-    leaf.not_before = day(yesterday);
-    leaf.not_after = day(not_after);
-    let cert = leaf.signed_by(&key, &issuer)?;
-    Ok(Certificate {
-        cert_pem: cert.pem(),
-        key_pem: key.serialize_pem(),
-        ca_pem: ca_cert.pem(),
-    })
 }
 
 /// What one client may cost the webhook server: it runs in the operator's process, whose

@@ -12,10 +12,8 @@ use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::Api;
 use kube::api::{ObjectMeta, PostParams};
 
-use super::{Certificate, self_signed_until};
+use crate::tls::{Certificate, VALIDITY, self_signed_until};
 
-/// How long a generated certificate is valid.
-pub const VALIDITY: SignedDuration = SignedDuration::from_hours(365 * 24);
 /// A certificate with less than this left is replaced.
 pub const RENEW_BEFORE: SignedDuration = SignedDuration::from_hours(30 * 24);
 /// After a rotation, how long replicas keep serving the previous certificate while the

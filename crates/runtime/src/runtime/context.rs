@@ -6,13 +6,13 @@ use kube::runtime::events::{Event as KubeEvent, Recorder, Reporter};
 use kube::{Client, Resource};
 use tokio_util::sync::CancellationToken;
 
+use super::Error;
+use super::shared::{Echoes, SharedWatches};
 use crate::backoff::Backoff;
 use crate::leader::WriteGate;
-use crate::manager::Tuning;
 use crate::metrics::ControllerMetrics;
-use crate::reconciler::Event;
-use crate::runtime::Error;
-use crate::runtime::watches::{Echoes, SharedWatches};
+use crate::plan::Event;
+use crate::tuning::Tuning;
 
 /// Everything one controller's runtime needs from its manager. Cheap to clone.
 #[derive(Clone)]

@@ -1,16 +1,17 @@
-//! What a controller reads: [`Cache`]s of watched kinds, the [`Watch`] options that decide what
-//! they hold (selector, trim, projection, named indexes), and which kinds can be watched
-//! ([`Watchable`], namespaced or cluster-scoped).
+//! What a controller reads: [`Cache`]s of watched kinds, and the [`Watch`] options that decide
+//! what they hold (selector, trim, projection, named indexes) and which changes trigger a
+//! reconcile.
 use std::collections::{HashMap, HashSet};
-use std::fmt::Debug;
+use std::hash::Hash;
 use std::sync::{Arc, RwLock};
 
-use k8s_openapi::{ClusterResourceScope, NamespaceResourceScope};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::watcher;
-use kube::{Api, Client, Resource, ResourceExt};
+use kube::{Resource, ResourceExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+
+use crate::changed::hash;
 
 /// The index every pruned watch keeps: cached objects by the uid of the primary object that
 /// controls them (owner reference) or names itself in [`crate::OWNER_LABEL`], so that pruning
@@ -174,7 +175,7 @@ impl<C: Resource<DynamicType = ()> + Clone + 'static> Cache<C> {
         }
         for mut o in objects {
             if let Some(manager) = &watch.applied {
-                crate::runtime::watches::keep_applied(&mut o, manager);
+                keep_applied(&mut o, manager);
             }
             o.managed_fields_mut().clear();
             (watch.trim)(&mut o);
@@ -188,7 +189,7 @@ impl<C: Resource<DynamicType = ()> + Clone + 'static> Cache<C> {
     /// (objects, estimated bytes): the JSON size of a sample of the cached objects, scaled to
     /// all of them. JSON is not the in-memory layout, but it moves with what is cached, so a
     /// trim or a label selector shows up in it.
-    fn measure(&self) -> (usize, usize)
+    pub(crate) fn measure(&self) -> (usize, usize)
     where
         C: Serialize,
     {
@@ -205,15 +206,6 @@ impl<C: Resource<DynamicType = ()> + Clone + 'static> Cache<C> {
             k => sample.iter().sum::<usize>() * all.len() / k,
         };
         (all.len(), bytes)
-    }
-
-    /// Reports this cache in the controller's cache metrics.
-    pub(crate) fn report(&self, metrics: &crate::metrics::ControllerMetrics)
-    where
-        C: Serialize + Send + Sync,
-    {
-        let cache = self.clone();
-        metrics.cache(&C::kind(&()), move || cache.measure());
     }
 
     /// The cached objects that the index `name` ([`Watch::index`]) keys under `key`, without
@@ -277,7 +269,7 @@ pub struct Watch<C> {
     /// with the controller's when the watch is built.
     pub(crate) applied: Option<String>,
     pub(crate) indexes: Vec<(&'static str, KeyFn<C>)>,
-    pub(crate) filter: Option<crate::runtime::watches::Filter<C>>,
+    pub(crate) filter: Option<Filter<C>>,
 }
 
 impl<C> Watch<C> {
@@ -353,70 +345,31 @@ impl<C> Watch<C> {
     }
 }
 
-/// Namespaced or cluster-scoped: how opkit reaches objects of a kind.
-pub trait KindScope {
-    /// Whether objects of the kind live in namespaces.
-    const NAMESPACED: bool;
+/// What part of an object a watch reacts to ([`Watch::on_change`]), as a hash.
+pub(crate) type Filter<C> = Arc<dyn Fn(&C) -> u64 + Send + Sync>;
 
-    /// The API of kind `K` in `namespace` (`None`: every namespace; ignored for a
-    /// cluster-scoped kind).
-    fn api<K: Resource<Scope = Self, DynamicType = ()>>(client: Client, namespace: Option<&str>) -> Api<K>;
-}
-
-impl KindScope for NamespaceResourceScope {
-    const NAMESPACED: bool = true;
-
-    fn api<K: Resource<Scope = Self, DynamicType = ()>>(client: Client, namespace: Option<&str>) -> Api<K> {
-        match namespace {
-            Some(ns) => Api::namespaced(client, ns),
-            None => Api::all(client),
-        }
+impl<C> Watch<C> {
+    /// Reconciles only when `key` of an object changes (or the object is created, recreated
+    /// or deleted): controller-runtime's predicates. The cache still follows every change.
+    /// [`crate::changed`] has the usual keys; combine them in a tuple, e.g.
+    /// `.on_change(|d: &Deployment| (changed::generation(d), changed::labels(d)))`.
+    pub fn on_change<H: Hash>(mut self, key: impl Fn(&C) -> H + Send + Sync + 'static) -> Self {
+        self.filter = Some(Arc::new(move |c: &C| hash(&key(c))));
+        self
     }
 }
 
-impl KindScope for ClusterResourceScope {
-    const NAMESPACED: bool = false;
-
-    fn api<K: Resource<Scope = Self, DynamicType = ()>>(client: Client, _: Option<&str>) -> Api<K> {
-        Api::all(client)
+/// Replaces `obj` by what `manager` applied to it ([`crate::diff::applied_by`]); leaves it
+/// whole when the manager applied nothing or the projection does not make a valid object.
+pub(crate) fn keep_applied<C: Serialize + DeserializeOwned>(obj: &mut C, manager: &str) {
+    let Ok(value) = serde_json::to_value(&*obj) else {
+        return;
+    };
+    if let Some(projected) = crate::diff::applied_by(&value, manager)
+        && let Ok(trimmed) = serde_json::from_value(projected)
+    {
+        *obj = trimmed;
     }
-}
-
-/// A kind opkit can watch and cache — namespaced (Pods, Deployments, most custom kinds) or
-/// cluster-scoped (Namespaces, Nodes, cluster-scoped custom kinds): what every watch, cache,
-/// child and primary needs.
-pub trait Watchable:
-    Resource<DynamicType = (), Scope: KindScope>
-    + Clone
-    + Debug
-    + DeserializeOwned
-    + Serialize
-    + Send
-    + Sync
-    + 'static
-{
-}
-
-impl<T> Watchable for T where
-    T: Resource<DynamicType = (), Scope: KindScope>
-        + Clone
-        + Debug
-        + DeserializeOwned
-        + Serialize
-        + Send
-        + Sync
-        + 'static
-{
-}
-
-/// The API of `C` in `namespace` (`None`: all; cluster-scoped kinds ignore it).
-pub(crate) fn api<C: Watchable>(client: &Client, namespace: Option<&str>) -> Api<C> {
-    <C::Scope as KindScope>::api(client.clone(), namespace)
-}
-
-/// Whether objects of `C` live in namespaces.
-pub(crate) fn namespaced<C: Watchable>() -> bool {
-    <C::Scope as KindScope>::NAMESPACED
 }
 
 #[cfg(test)]

@@ -1,0 +1,462 @@
+//! What a plan says: the children to apply or delete, the status to write, the Events to
+//! publish, when to look again ([`Plan`]); what deleting an object still requires
+//! ([`Cleanup`]); and why an object cannot be planned for ([`Invalid`]).
+use std::fmt::Debug;
+use std::time::Duration;
+
+use kube::core::ApiResource;
+use kube::runtime::events::EventType;
+use kube::{Resource, ResourceExt};
+use serde::Serialize;
+
+use crate::kind::KindScope;
+
+/// The finalizer opkit keeps on the objects of a controller that [`crate::Reconciler::cleans_up`]:
+/// `opkit.dev/<controller name>`. To delete such an object after its controller was removed
+/// for good, remove the finalizer by hand:
+/// `kubectl patch KIND NAME --type json -p '[{"op":"remove","path":"/metadata/finalizers"}]'`
+/// (that removes every finalizer of the object; nothing cleans up after it then).
+pub fn finalizer(controller: &str) -> String {
+    format!("opkit.dev/{controller}")
+}
+
+/// What a controller still has to do before an object it cleans up may go.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct Cleanup<S> {
+    /// Objects to delete, in any namespace or none; one already gone counts as deleted.
+    pub deletes: Vec<Deletion>,
+    /// Steps outside the cluster to run, in order, after the deletions ([`crate::Reconciler::call`]).
+    pub calls: Vec<&'static str>,
+    /// Whether everything is gone: once the deletions and steps of this cleanup succeeded,
+    /// opkit removes the finalizer and the object goes. While not done, opkit looks again
+    /// when something watched changes, and after a growing delay.
+    pub done: bool,
+    /// A status to write while the cleanup goes on (e.g. what is left).
+    pub status: Option<S>,
+    /// Events to publish.
+    pub events: Vec<Event>,
+}
+
+impl<S> Cleanup<S> {
+    /// Nothing (left) to do.
+    pub fn done() -> Self {
+        Cleanup {
+            deletes: Vec::new(),
+            calls: Vec::new(),
+            done: true,
+            status: None,
+            events: Vec::new(),
+        }
+    }
+
+    /// Still waiting for something to go.
+    pub fn pending() -> Self {
+        Cleanup {
+            done: false,
+            ..Self::done()
+        }
+    }
+
+    /// Adds an object to delete.
+    pub fn delete(mut self, d: Deletion) -> Self {
+        self.deletes.push(d);
+        self
+    }
+
+    /// Adds a step outside the cluster.
+    pub fn call(mut self, step: &'static str) -> Self {
+        self.calls.push(step);
+        self
+    }
+
+    /// Adds an Event.
+    pub fn event(mut self, event: Event) -> Self {
+        self.events.push(event);
+        self
+    }
+}
+
+/// An object to delete: kind, namespace (none for a cluster-scoped kind), name, and the uid
+/// that was seen, so that an object recreated under the same name is never deleted by mistake.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Deletion {
+    pub(crate) resource: ApiResource,
+    pub(crate) namespace: Option<String>,
+    pub(crate) name: String,
+    pub(crate) uid: Option<String>,
+}
+
+impl Deletion {
+    /// Delete `obj` (as cached: its uid is a precondition).
+    pub fn of<C: Resource<DynamicType = (), Scope: KindScope>>(obj: &C) -> Self {
+        Deletion {
+            resource: ApiResource::erase::<C>(&()),
+            namespace: obj.namespace().filter(|_| <C::Scope as KindScope>::NAMESPACED),
+            name: obj.name_any(),
+            uid: obj.uid(),
+        }
+    }
+
+    /// The kind, namespace and name, for messages.
+    pub fn describe(&self) -> String {
+        match &self.namespace {
+            Some(ns) => format!("{} {ns}/{}", self.resource.kind, self.name),
+            None => format!("{} {}", self.resource.kind, self.name),
+        }
+    }
+}
+
+/// Label naming the uid of the primary object that controls a child which cannot carry an
+/// owner reference to it (a child in another namespace, or cluster-scoped under a namespaced
+/// primary): [`crate::Watches::owns`] maps the child back to its owner and
+/// [`crate::Watch::prune`] deletes it when the plan stops producing it. Kubernetes' garbage
+/// collector does not know this label: a controller that uses it should also
+/// [`crate::Reconciler::cleans_up`].
+pub const OWNER_LABEL: &str = "opkit.dev/owner-uid";
+
+/// What one reconcile should do, in the order opkit does it: children, orphan deletion,
+/// status, Events, the next look.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct Plan<S> {
+    /// Objects to write; a no-op (nothing differs from the cache) costs no request.
+    pub children: Vec<Child>,
+    /// The status to apply; skipped when the live status already has every field of it.
+    pub status: Option<S>,
+    /// Events to publish after the writes succeeded; the plan emits them on changes only.
+    pub events: Vec<Event>,
+    /// When to reconcile again if nothing changes.
+    pub requeue: Requeue,
+    /// Delete the object itself once the rest is done (a finished run past its time to
+    /// live); its owned children go with it through garbage collection.
+    pub delete: bool,
+    /// The status describes work still under way (see [`Plan::in_progress`]).
+    pub in_progress: bool,
+}
+
+impl<S> Plan<S> {
+    /// A plan that writes `status` (if it changed) and looks again as `requeue` says.
+    pub fn status(status: S, requeue: Requeue) -> Self {
+        Plan {
+            children: Vec::new(),
+            status: Some(status),
+            events: Vec::new(),
+            requeue,
+            delete: false,
+            in_progress: false,
+        }
+    }
+
+    /// A plan that writes nothing and looks again as `requeue` says: a step with nothing to
+    /// do, or a controller of objects it only reads. Spelled as a constructor so that plans
+    /// keep compiling when `Plan` gains a field.
+    pub fn nothing(requeue: Requeue) -> Self {
+        Plan {
+            children: Vec::new(),
+            status: None,
+            events: Vec::new(),
+            requeue,
+            delete: false,
+            in_progress: false,
+        }
+    }
+
+    /// A plan that deletes the object (its owned children follow) and writes nothing else.
+    pub fn delete() -> Self {
+        Plan {
+            children: Vec::new(),
+            status: None,
+            events: Vec::new(),
+            requeue: Requeue::OnChange,
+            delete: true,
+            in_progress: false,
+        }
+    }
+
+    /// Adds a child to write.
+    pub fn child(mut self, child: Child) -> Self {
+        self.children.push(child);
+        self
+    }
+
+    /// Adds an Event.
+    pub fn event(mut self, event: Event) -> Self {
+        self.events.push(event);
+        self
+    }
+
+    /// Marks the status as describing work still under way (a rollout, Pods starting) when
+    /// `yes`. opkit then holds it back: it is written only once the object has been in
+    /// progress for the controller's `progress-delay` ([`crate::Tuning::progress_delay`]), and
+    /// again at most once per delay, while the first status without the mark (settled) is
+    /// written at once. A change that settles quickly costs one status write instead of one
+    /// per step, and a slow one is still shown. Until then the stored status keeps the last
+    /// settled one, and `status.observedGeneration` below `metadata.generation` says the
+    /// change is in progress (the convention `kubectl wait` and kstatus read). Children and
+    /// Events are never held.
+    pub fn in_progress(mut self, yes: bool) -> Self {
+        self.in_progress = yes;
+        self
+    }
+}
+
+/// When a reconcile should run again by itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Requeue {
+    /// Only when something watched changes.
+    OnChange,
+    /// After this long (also earlier, on a change).
+    After(Duration),
+    /// As soon as the status this plan writes is stored: a step that must be recorded before
+    /// the next one is taken (an intent written before the Pod it announces is created).
+    /// opkit's own writes trigger no reconcile otherwise.
+    Again,
+}
+
+/// How a child is written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// Server-side apply with force: the controller owns every field it sets.
+    Apply,
+    /// Create only when absent, never take over an object of that name someone else made
+    /// (client-go's sample-controller contract); a conflict fails the reconcile.
+    Create,
+    /// Server-side apply of a few fields of an object someone else owns (e.g. one annotation
+    /// on a user's Deployment); never pruned.
+    Fields,
+}
+
+/// An object the plan wants written.
+#[derive(Clone, Debug)]
+pub struct Child {
+    pub(crate) resource: ApiResource,
+    pub(crate) namespace: Option<String>,
+    pub(crate) namespaced: bool,
+    pub(crate) name: String,
+    pub(crate) body: serde_json::Value,
+    pub(crate) mode: Mode,
+    pub(crate) needed: bool,
+    /// Whether the plan saw it in a cache: a sharded controller's caches hold only its own
+    /// children, so one absent there may still exist, made by someone else.
+    pub(crate) cached: bool,
+}
+
+impl Child {
+    fn new<C: Resource<DynamicType = (), Scope: KindScope> + Serialize>(
+        mode: Mode,
+        namespace: Option<String>,
+        name: String,
+        body: serde_json::Value,
+        live: Option<&C>,
+    ) -> Self {
+        let needed = match live.map(serde_json::to_value) {
+            Some(Ok(l)) => !crate::diff::is_subset(&body, &l),
+            _ => true,
+        };
+        Child {
+            resource: ApiResource::erase::<C>(&()),
+            namespace,
+            namespaced: <C::Scope as KindScope>::NAMESPACED,
+            name,
+            body,
+            mode,
+            needed,
+            cached: live.is_some(),
+        }
+    }
+
+    /// Server-side apply `desired` unless `live` (the cached object) already has all of it.
+    pub fn apply<C: Resource<DynamicType = (), Scope: KindScope> + Serialize>(
+        desired: &C,
+        live: Option<&C>,
+    ) -> Self {
+        Self::typed(Mode::Apply, desired, live)
+    }
+
+    /// Create `desired` unless `live` shows it exists; never take over an object of that name
+    /// someone else made (client-go's sample-controller contract): a conflict fails the
+    /// reconcile.
+    pub fn create<C: Resource<DynamicType = (), Scope: KindScope> + Serialize>(
+        desired: &C,
+        live: Option<&C>,
+    ) -> Self {
+        let mut c = Self::typed(Mode::Create, desired, live);
+        c.needed = live.is_none();
+        c
+    }
+
+    fn typed<C: Resource<DynamicType = (), Scope: KindScope> + Serialize>(
+        mode: Mode,
+        desired: &C,
+        live: Option<&C>,
+    ) -> Self {
+        let body = serde_json::to_value(desired).unwrap_or_default();
+        Self::new(mode, desired.namespace(), desired.name_any(), body, live)
+    }
+
+    /// Server-side apply only `fields` (a partial object with `spec`/`metadata` parts) of the
+    /// object `name` of kind `C` (`namespace` is ignored for a cluster-scoped kind), e.g. one
+    /// annotation on a user's Deployment; the rest stays the other owner's, and it is never
+    /// pruned.
+    pub fn fields<C: Resource<DynamicType = (), Scope: KindScope> + Serialize>(
+        namespace: &str,
+        name: &str,
+        mut fields: serde_json::Value,
+        live: Option<&C>,
+    ) -> Self {
+        if let Some(m) = fields.as_object_mut() {
+            m.insert("apiVersion".into(), C::api_version(&()).into());
+            m.insert("kind".into(), C::kind(&()).into());
+            let meta = m.entry("metadata").or_insert_with(|| serde_json::json!({}));
+            meta["name"] = name.into();
+        }
+        Self::new(Mode::Fields, Some(namespace.into()), name.into(), fields, live)
+    }
+
+    /// Overrides the comparison with the cache, for a child whose cached copy is trimmed of
+    /// fields the desired object sets (the plan then compares what it knows is kept).
+    pub fn needed(mut self, needed: bool) -> Self {
+        self.needed = needed;
+        self
+    }
+
+    /// Whether writing this child would change anything (false: opkit skips it).
+    pub fn is_needed(&self) -> bool {
+        self.needed
+    }
+
+    /// The child's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The kind and name, for messages.
+    pub fn describe(&self) -> String {
+        format!("{} {}", self.resource.kind, self.name)
+    }
+
+    /// Where the child lives: its own namespace, else `default` (the primary's) for a
+    /// namespaced kind; none for a cluster-scoped kind.
+    pub(crate) fn namespace<'a>(&'a self, default: Option<&'a str>) -> Option<&'a str> {
+        if !self.namespaced {
+            return None;
+        }
+        self.namespace.as_deref().or(default)
+    }
+}
+
+/// An Event about the primary object, shown by `kubectl describe`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Event {
+    /// Normal or Warning.
+    pub type_: EventType,
+    /// A CamelCase reason, e.g. `Created`.
+    pub reason: &'static str,
+    /// What the controller did or tried, e.g. `Reconcile`.
+    pub action: &'static str,
+    /// The message a person reads (cut to 1024 bytes, what the apiserver accepts).
+    pub note: String,
+}
+
+impl Event {
+    /// A Normal Event.
+    pub fn normal(reason: &'static str, action: &'static str, note: impl Into<String>) -> Self {
+        Event {
+            type_: EventType::Normal,
+            reason,
+            action,
+            note: fit_note(note.into()),
+        }
+    }
+
+    /// A Warning Event.
+    pub fn warning(reason: &'static str, action: &'static str, note: impl Into<String>) -> Self {
+        Event {
+            type_: EventType::Warning,
+            reason,
+            action,
+            note: fit_note(note.into()),
+        }
+    }
+}
+
+/// The apiserver refuses an Event whose note is longer than this many bytes.
+pub(crate) const MAX_NOTE: usize = 1024;
+
+/// Cuts a note (a container's termination message, say) to what an Event may hold, on a
+/// character boundary, marking the cut.
+fn fit_note(mut note: String) -> String {
+    const MARK: &str = "…";
+    if note.len() <= MAX_NOTE {
+        return note;
+    }
+    let mut end = MAX_NOTE - MARK.len();
+    while !note.is_char_boundary(end) {
+        end -= 1;
+    }
+    note.truncate(end);
+    note.push_str(MARK);
+    note
+}
+
+/// A spec the controller cannot act on. opkit records it as this condition in
+/// `status.conditions` (with `observedGeneration`), publishes one Warning Event when the
+/// condition changes, and waits for the next change of the object: no retries, no hot loop.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Invalid {
+    /// Condition type, e.g. `Degraded` or `Scheduled`.
+    pub condition: &'static str,
+    /// The condition's status: `true` for a `Degraded`-style type, `false` for `Ready`-style.
+    pub status: bool,
+    /// Condition reason and Event reason, e.g. `InvalidSpec`.
+    pub reason: &'static str,
+    /// What is wrong, naming the field.
+    pub message: String,
+    /// Other conditions the plan could still decide (e.g. whether a target exists), written
+    /// in the same status update.
+    pub also: Vec<crate::conditions::Desired<'static>>,
+}
+
+impl Invalid {
+    /// An invalid spec reported as condition `condition` at `status`, with `reason`.
+    pub fn new(
+        condition: &'static str,
+        status: bool,
+        reason: &'static str,
+        message: impl Into<String>,
+    ) -> Self {
+        Invalid {
+            condition,
+            status,
+            reason,
+            message: message.into(),
+            also: Vec::new(),
+        }
+    }
+
+    /// Adds another condition to write with it.
+    pub fn with(mut self, condition: crate::conditions::Desired<'static>) -> Self {
+        self.also.push(condition);
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn event_notes_fit_what_the_apiserver_accepts() {
+        assert_eq!(Event::normal("R", "A", "short").note, "short");
+        let exact = "x".repeat(MAX_NOTE);
+        assert_eq!(Event::normal("R", "A", exact.clone()).note, exact);
+        // Multi-byte characters straddling the limit are not split.
+        let long = "é".repeat(MAX_NOTE);
+        let note = Event::warning("R", "A", long).note;
+        assert!(note.len() <= MAX_NOTE, "{}", note.len());
+        assert!(note.ends_with('…'));
+        assert!(note.trim_end_matches('…').chars().all(|c| c == 'é'));
+    }
+}

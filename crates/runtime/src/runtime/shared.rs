@@ -1,0 +1,149 @@
+//! What the controllers of one manager share: the reflectors and stores of identical watches,
+//! the record of opkit's own writes whose watch events are only echoes, and the count of
+//! watch streams still waiting for their initial list.
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::future::BoxFuture;
+use kube::runtime::watcher;
+use kube::{Resource, ResourceExt};
+use tokio::sync::watch;
+
+use crate::cache::Cache;
+
+/// Counts the watch streams of one controller that have not yet delivered their initial list.
+#[derive(Clone)]
+pub(crate) struct Synced {
+    pending: Arc<AtomicUsize>,
+    ready: Arc<AtomicBool>,
+    tx: Arc<watch::Sender<bool>>,
+}
+
+impl Synced {
+    pub(crate) fn new(ready: Arc<AtomicBool>) -> Self {
+        Synced {
+            pending: Arc::default(),
+            ready,
+            tx: Arc::new(watch::channel(false).0),
+        }
+    }
+
+    /// A new stream to wait for; call the returned closure on each of its events.
+    pub(super) fn track<C>(
+        &self,
+    ) -> impl FnMut(&kube::Result<watcher::Event<C>, watcher::Error>) + Send + 'static + use<C> {
+        self.pending.fetch_add(1, Ordering::SeqCst);
+        let this = self.clone();
+        let mut seen = false;
+        move |ev| {
+            if !seen && matches!(ev, Ok(watcher::Event::InitDone)) {
+                seen = true;
+                if this.pending.fetch_sub(1, Ordering::SeqCst) == 1 {
+                    this.ready.store(true, Ordering::SeqCst);
+                    this.tx.send_replace(true);
+                }
+            }
+        }
+    }
+
+    /// Whether every stream has delivered its initial list.
+    pub(crate) fn is_synced(&self) -> bool {
+        *self.tx.borrow()
+    }
+
+    pub(crate) fn subscribe(&self) -> watch::Receiver<bool> {
+        self.tx.subscribe()
+    }
+}
+
+/// The resourceVersions opkit's own writes produced, until their watch events arrive: those
+/// events only echo what a plan already decided, so they update the caches but trigger no
+/// reconcile. An echo that arrives before its write is recorded simply triggers as any
+/// change does.
+#[derive(Clone, Default)]
+pub(crate) struct Echoes {
+    written: Arc<Mutex<Written>>,
+}
+
+#[derive(Default)]
+struct Written {
+    by_key: HashMap<String, (String, Instant)>,
+    /// Size after the last sweep: the next sweep waits until it has doubled, so recording
+    /// stays O(1) on average with tens of thousands of writes in flight.
+    swept_at: usize,
+}
+
+/// Echoes not seen for this long are forgotten (their event was lost or merged into a relist).
+const ECHO_TTL: Duration = Duration::from_secs(120);
+
+fn echo_key(kind: &str, namespace: Option<&str>, name: &str) -> String {
+    format!("{kind}/{}/{name}", namespace.unwrap_or(""))
+}
+
+impl Echoes {
+    /// Remembers that this process wrote `resource_version` of the object.
+    pub(crate) fn record(&self, kind: &str, namespace: Option<&str>, name: &str, resource_version: String) {
+        let mut w = self.written.lock().unwrap_or_else(|p| p.into_inner());
+        if w.by_key.len() > 4096 && w.by_key.len() >= 2 * w.swept_at {
+            w.by_key.retain(|_, (_, at)| at.elapsed() < ECHO_TTL);
+            w.swept_at = w.by_key.len();
+        }
+        w.by_key.insert(
+            echo_key(kind, namespace, name),
+            (resource_version, Instant::now()),
+        );
+    }
+
+    /// Whether `obj` is exactly what this process last wrote of it (and forgets that write).
+    pub(super) fn is_echo<C: Resource<DynamicType = ()>>(&self, obj: &C) -> bool {
+        let key = echo_key(&C::kind(&()), obj.meta().namespace.as_deref(), &obj.name_any());
+        let mut w = self.written.lock().unwrap_or_else(|p| p.into_inner());
+        match (w.by_key.get(&key), obj.resource_version()) {
+            (Some((rv, _)), Some(seen)) if *rv == seen => {
+                w.by_key.remove(&key);
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+/// The watches of one manager, by what they watch: controllers that declare the same watch
+/// get one reflector and one store between them, each with its own feed of the events (its
+/// own filter, echoes and sync count).
+#[derive(Clone, Default)]
+pub(crate) struct SharedWatches {
+    pub(super) inner: Arc<Mutex<SharedInner>>,
+}
+
+#[derive(Default)]
+pub(super) struct SharedInner {
+    pub(super) entries: HashMap<ShareKey, Box<dyn std::any::Any + Send>>,
+    /// The reflectors to run, each feeding its store, indexes and subscribers.
+    pub(super) drivers: Vec<BoxFuture<'static, ()>>,
+}
+
+/// What makes two watches the same: kind, namespace, selector and projection.
+#[derive(Hash, PartialEq, Eq)]
+pub(super) struct ShareKey {
+    pub(super) kind: std::any::TypeId,
+    pub(super) namespace: Option<String>,
+    pub(super) labels: Option<String>,
+    pub(super) fields: Option<String>,
+    pub(super) trim: usize,
+    pub(super) applied: Option<String>,
+}
+
+pub(super) struct Shared<C: Resource<DynamicType = ()> + Clone + 'static> {
+    pub(super) cache: Cache<C>,
+    pub(super) subscribers: Arc<Mutex<Vec<futures::channel::mpsc::UnboundedSender<watcher::Event<C>>>>>,
+}
+
+impl SharedWatches {
+    /// The reflectors declared so far, to run until shutdown.
+    pub(crate) fn take_drivers(&self) -> Vec<BoxFuture<'static, ()>> {
+        std::mem::take(&mut self.inner.lock().unwrap_or_else(|p| p.into_inner()).drivers)
+    }
+}
