@@ -11,7 +11,6 @@ use std::time::Duration;
 
 use anyhow::{anyhow, ensure};
 use k8s_openapi::api::core::v1::ConfigMap;
-use k8s_openapi::api::rbac::v1::PolicyRule;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
@@ -42,10 +41,6 @@ impl Reconciler for Probe {
 
     fn name(&self) -> &'static str {
         "probe"
-    }
-
-    fn rbac() -> Vec<PolicyRule> {
-        Vec::new()
     }
 
     fn tuning(&self, defaults: Tuning) -> Tuning {

@@ -9,7 +9,6 @@ use std::time::Duration;
 use anyhow::ensure;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::ConfigMap;
-use k8s_openapi::api::rbac::v1::PolicyRule;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
@@ -49,10 +48,6 @@ impl Reconciler for Probe {
         } else {
             "probe-sharded"
         }
-    }
-
-    fn rbac() -> Vec<PolicyRule> {
-        Vec::new()
     }
 
     fn singleton(&self) -> bool {

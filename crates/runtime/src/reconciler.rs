@@ -11,7 +11,6 @@
 //! through the subresource, Events, metrics, per-object backoff and synced caches for free.
 use std::future::Future;
 
-use k8s_openapi::api::rbac::v1::PolicyRule;
 use k8s_openapi::jiff::Timestamp;
 use kube::Client;
 use serde::Serialize;
@@ -38,15 +37,6 @@ pub trait Reconciler: Send + Sync + 'static {
 
     /// Name for `--controllers`, metrics labels, logs and the field manager `opkit-<name>`.
     fn name(&self) -> &'static str;
-
-    /// The API access the controller uses, for the generated RBAC, and nothing more: `list`
-    /// and `watch` for every watch, `patch` for the status subresource and for children (an
-    /// apply that makes a child also needs `create`), `delete` where children are pruned or
-    /// the object deletes itself, `get` only where `observe` reads through the client. The
-    /// operator's RBAC test fails on a verb no request uses.
-    fn rbac() -> Vec<PolicyRule>
-    where
-        Self: Sized;
 
     /// The controller's own settings (concurrency, backoff, timeout), starting from the
     /// manager's `defaults`; `opkit run --tune NAME.KEY=VALUE` still overrides them.

@@ -16,7 +16,10 @@ pub struct Registration<S> {
     pub name: &'static str,
     /// The CRDs it serves; `run` waits for them to be established.
     pub crds: fn() -> Vec<CustomResourceDefinition>,
-    /// Its API access, for the generated RBAC.
+    /// The API access its reconcilers use, for the generated RBAC, and nothing more: `list`
+    /// and `watch` for every watch, `patch` for the status subresource and for children (an
+    /// apply that makes a child also needs `create`), `delete` where children are pruned or
+    /// an object deletes itself, `get` only where `observe` reads through the client.
     pub rbac: fn() -> Vec<PolicyRule>,
     /// Its admission webhooks (none: `|w, _| w`).
     pub webhooks: fn(Webhooks, &Client) -> Webhooks,

@@ -102,10 +102,6 @@ impl Reconciler for AtController {
         NAME
     }
 
-    fn rbac() -> Vec<PolicyRule> {
-        rbac_rules()
-    }
-
     fn watch(&self, w: &mut Watches<At>) -> Cache<Pod> {
         w.owns(Watch::labels(&selector()).trim(trim_pod))
     }

@@ -143,10 +143,6 @@ impl Reconciler for ConfigMirrorController {
         NAME
     }
 
-    fn rbac() -> Vec<PolicyRule> {
-        rbac_rules()
-    }
-
     /// One reconcile writes a copy into every selected namespace, one request after another:
     /// fewer at once than the default keeps a burst of new mirrors from crowding out the other
     /// controllers' requests, and a longer timeout lets one mirror reach hundreds of namespaces.

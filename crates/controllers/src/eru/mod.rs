@@ -135,10 +135,6 @@ impl Reconciler for EruController {
         NAME
     }
 
-    fn rbac() -> Vec<PolicyRule> {
-        rbac_rules()
-    }
-
     fn watch(&self, w: &mut Watches<Eru>) -> Cache<Deployment> {
         let erus = w.primary();
         w.watches(Watch::all().trim(trim), move |d: Deployment| {
@@ -374,10 +370,6 @@ impl Reconciler for AnnotationController {
 
     fn name(&self) -> &'static str {
         ANNOTATIONS
-    }
-
-    fn rbac() -> Vec<PolicyRule> {
-        rbac_rules()
     }
 
     // The same watch as the schedule loop's: the two controllers share one Deployment cache.

@@ -161,10 +161,6 @@ impl Reconciler for FooController {
         NAME
     }
 
-    fn rbac() -> Vec<PolicyRule> {
-        rbac_rules()
-    }
-
     fn watch(&self, w: &mut Watches<Foo>) -> Cache<Deployment> {
         // Upstream's Deployments carry `app=nginx` and `controller`; so do ours, on the object too.
         w.owns(

@@ -145,10 +145,6 @@ impl Reconciler for MemcachedController {
         NAME
     }
 
-    fn rbac() -> Vec<PolicyRule> {
-        rbac_rules()
-    }
-
     fn watch(&self, w: &mut Watches<Memcached>) -> Caches {
         Caches {
             deployments: w.owns(Watch::labels(&selector()).applied().trim(trim_deployment).prune()),
