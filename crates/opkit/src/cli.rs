@@ -142,7 +142,9 @@ struct RunArgs<A: Args> {
     #[arg(long, default_value_t = crate::DEFAULT_CONCURRENCY)]
     concurrency: u16,
     /// One controller's setting, as `NAME.KEY=VALUE` (repeatable): `concurrency`,
-    /// `backoff-base`, `backoff-max` and `timeout`, e.g. `--tune memcached.timeout=30s`.
+    /// `backoff-base`, `backoff-max`, `timeout` and `progress-delay`, e.g. `--tune
+    /// memcached.timeout=30s`. NAME is a `--controllers` name (every reconciler it runs) or
+    /// one reconciler's name.
     #[arg(long = "tune", value_name = "NAME.KEY=VALUE")]
     tune: Vec<String>,
     /// Kubeconfig file (in-cluster config, then $KUBECONFIG, when absent).

@@ -87,6 +87,8 @@ pub enum ManagerError {
 
 pub(crate) struct Registered {
     pub name: &'static str,
+    /// The registration (`--controllers` name) that added it, when added through one.
+    group: Option<&'static str>,
     pub ready: Arc<AtomicBool>,
     synced: Synced,
     run: BoxFuture<'static, ()>,
@@ -100,6 +102,8 @@ pub struct Manager {
     scope: Scope,
     tuning: Tuning,
     overrides: Vec<(String, String, String)>,
+    /// The registration whose reconcilers are being added: `--tune` by its name reaches them.
+    group: Option<&'static str>,
     controllers: Vec<Registered>,
     gate: WriteGate,
     leading: tokio::sync::watch::Sender<bool>,
@@ -155,6 +159,7 @@ impl Manager {
             scope: Scope::all(),
             tuning: Tuning::default(),
             overrides: Vec::new(),
+            group: None,
             controllers: Vec::new(),
             gate: WriteGate::new(),
             leading: tokio::sync::watch::channel(false).0,
@@ -270,7 +275,9 @@ impl Manager {
     }
 
     /// Overrides one setting of one controller, as `NAME.KEY=VALUE` (`memcached.timeout=30s`);
-    /// applies to controllers added from now on, over their own [`Reconciler::tuning`].
+    /// applies to controllers added from now on, over their own [`Reconciler::tuning`]. `NAME`
+    /// is a reconciler's name or, for an operator's registrations, the `--controllers` name,
+    /// which reaches every reconciler it adds.
     pub fn tune(&mut self, setting: &str) -> Result<(), String> {
         let (target, value) = setting
             .split_once('=')
@@ -285,10 +292,20 @@ impl Manager {
         Ok(())
     }
 
+    /// Marks the reconcilers added from now on as added by the registration `name`.
+    pub(crate) fn adding_for(&mut self, name: Option<&'static str>) {
+        self.group = name;
+    }
+
     /// Fails naming an override (`--tune`) that no added controller takes: a typo would
     /// otherwise be silently ignored.
     pub fn check_tuning(&self) -> Result<(), String> {
-        let added: Vec<&str> = self.controllers.iter().map(|c| c.name).collect();
+        let mut added: Vec<&str> = self.controllers.iter().map(|c| c.name).collect();
+        for group in self.controllers.iter().filter_map(|c| c.group) {
+            if !added.contains(&group) {
+                added.push(group);
+            }
+        }
         match self
             .overrides
             .iter()
@@ -306,7 +323,7 @@ impl Manager {
     fn tuning_of<R: Reconciler>(&self, reconciler: &R) -> Result<Tuning, String> {
         let mut t = reconciler.tuning(self.tuning.clone());
         for (name, key, value) in &self.overrides {
-            if name == reconciler.name() {
+            if name == reconciler.name() || Some(name.as_str()) == self.group {
                 t.set(key, value)
                     .map_err(|e| format!("--tune {name}.{key}={value}: {e}"))?;
             }
@@ -405,6 +422,7 @@ impl Manager {
         let run = runtime::run(reconciler, ctx, namespaces, synced.clone());
         self.controllers.push(Registered {
             name,
+            group: self.group,
             ready,
             synced,
             run,
@@ -774,6 +792,59 @@ fn stop(signals: Option<tokio::task::JoinHandle<()>>, http: Vec<tokio::task::Joi
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A controller of ConfigMaps that plans nothing, known by its name.
+    struct Named(&'static str);
+
+    impl Reconciler for Named {
+        type Object = k8s_openapi::api::core::v1::ConfigMap;
+        type Cache = ();
+        type World = ();
+        type Status = ();
+
+        fn name(&self) -> &'static str {
+            self.0
+        }
+
+        fn watch(&self, _: &mut crate::Watches<Self::Object>) {}
+
+        async fn observe(&self, _: &Self::Object, _: &(), _: &Client) -> kube::Result<()> {
+            Ok(())
+        }
+
+        fn plan(
+            &self,
+            _: &Self::Object,
+            _: &(),
+            _: k8s_openapi::jiff::Timestamp,
+        ) -> Result<crate::Plan<()>, crate::Invalid> {
+            Ok(crate::Plan::nothing(crate::Requeue::OnChange))
+        }
+    }
+
+    #[tokio::test]
+    async fn tune_by_the_registration_name_reaches_each_of_its_reconcilers() {
+        let client =
+            kube::Client::try_from(kube::Config::new("http://127.0.0.1:1".parse().unwrap())).unwrap();
+        let mut m = Manager::new(client);
+        m.tune("eru.timeout=7s").unwrap();
+        m.tune("eru-annotations.concurrency=2").unwrap();
+        m.adding_for(Some("eru"));
+        let both = m.tuning_of(&Named("eru-annotations")).unwrap();
+        assert_eq!((both.timeout, both.concurrency), (Duration::from_secs(7), 2));
+        m.add(Named("eru")).add(Named("eru-annotations"));
+        m.adding_for(None);
+        let other = m.tuning_of(&Named("other")).unwrap();
+        assert_eq!(other, Tuning::default());
+        m.add(Named("other"));
+        assert!(m.check_tuning().is_ok());
+        m.tune("memcached.timeout=1s").unwrap();
+        assert!(
+            m.check_tuning()
+                .unwrap_err()
+                .contains("no controller \"memcached\"")
+        );
+    }
 
     #[tokio::test]
     async fn tune_takes_name_key_value_only() {

@@ -292,8 +292,10 @@ impl<S> Operator<S> {
             manager = manager.with_sharding(cfg).map_err(RunError::Client)?;
         }
         for r in &selected {
+            manager.adding_for(Some(r.name));
             (r.add)(&mut manager, settings);
         }
+        manager.adding_for(None);
         manager.check_tuning().map_err(RunError::Config)?;
         let crds: Vec<String> = crate::registry::crds(&selected)
             .iter()
