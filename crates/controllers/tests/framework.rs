@@ -15,13 +15,14 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use opkit::{
-    Cleanup, Invalid, Manager, ManagerOptions, Plan, Reconciler, Requeue, Scope, Tuning, Watch, Watches,
+    Cleanup, Invalid, ManagerOptions, Plan, Reconciler, Registration, Registry, Requeue, Tuning, Watch,
+    Watches,
 };
 use opkit_testenv::{free_port, https_get, shared, tls_trusted, wait_for};
 use serde_json::json;
 
 mod common;
-use common::T;
+use common::{Operator, Run, T};
 
 /// Hangs in `observe` once for a ConfigMap annotated `hang`; panics in `plan` once for one
 /// annotated `panic`; its cleanup step `release` fails while the ConfigMap is annotated
@@ -91,20 +92,31 @@ impl Reconciler for Probe {
     }
 }
 
-fn start(
-    client: &Client,
-    ns: &str,
-    probe: Probe,
-) -> (opkit::metrics::Metrics, tokio_util::sync::CancellationToken) {
-    let mut m = Manager::new(client.clone()).with_scope(Scope::namespaces(vec![ns.to_string()]));
-    m.add(probe);
-    let (metrics, stop) = (m.metrics().clone(), m.shutdown_token());
-    let opts = ManagerOptions {
-        handle_signals: false,
-        ..Default::default()
+/// The probe as an operator of its own.
+fn probe_operator() -> opkit::Operator<Probe> {
+    opkit::Operator {
+        name: "opkit",
+        version: "0.0.0",
+        about: "the framework probe",
+        registry: Registry::new(vec![Registration {
+            name: "probe",
+            crds: Vec::new,
+            rbac: Vec::new,
+            webhooks: |w, _| w,
+            add: |m, probe| {
+                m.add(probe.clone());
+            },
+        }]),
+    }
+}
+
+/// Runs `probe` in `ns` through `opkit run`'s assembly, with the manager's `opts`.
+async fn start(client: &Client, ns: &str, probe: Probe, opts: ManagerOptions) -> anyhow::Result<Operator> {
+    let run = Run {
+        opts,
+        ..Run::new(&["probe"])
     };
-    tokio::spawn(async move { m.run(opts).await });
-    (metrics, stop)
+    common::start_op(&probe_operator(), client, ns, run, &probe, |_| {}).await
 }
 
 async fn probe(client: &Client, ns: &str, name: &str, annotations: serde_json::Value) -> anyhow::Result<()> {
@@ -120,8 +132,7 @@ async fn probe(client: &Client, ns: &str, name: &str, annotations: serde_json::V
 async fn a_hung_reconcile_is_cancelled_counted_and_retried() {
     shared()
         .in_namespace("hung", |client, ns| async move {
-            let (metrics, stop) = start(&client, &ns, Probe::default());
-            let _stop = stop.drop_guard();
+            let metrics = start(&client, &ns, Probe::default(), ManagerOptions::default()).await?;
             probe(&client, &ns, "stuck", json!({"hang": ""})).await?;
             let api: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
             // The first reconcile adds the finalizer; the next (its watch event) hangs in observe
@@ -156,8 +167,7 @@ async fn a_reconcile_that_panics_is_counted_and_retried_and_the_manager_carries_
         .in_namespace("panic", |client, ns| async move {
             let reconciler = Probe::default();
             let planned = reconciler.planned.clone();
-            let (metrics, stop) = start(&client, &ns, reconciler);
-            let _stop = stop.drop_guard();
+            let metrics = start(&client, &ns, reconciler, ManagerOptions::default()).await?;
             probe(&client, &ns, "boom", json!({"panic": ""})).await?;
             probe(&client, &ns, "calm", json!({})).await?;
             let panics = r#"opkit_reconcile_panics_total{controller="probe"}"#;
@@ -202,8 +212,7 @@ async fn a_reconcile_that_panics_is_counted_and_retried_and_the_manager_carries_
 async fn a_failing_step_outside_the_cluster_keeps_the_finalizer_warns_and_is_retried() {
     shared()
         .in_namespace("release", |client, ns| async move {
-            let (metrics, stop) = start(&client, &ns, Probe::default());
-            let _stop = stop.drop_guard();
+            let metrics = start(&client, &ns, Probe::default(), ManagerOptions::default()).await?;
             probe(&client, &ns, "held", json!({"refuse-release": ""})).await?;
             let api: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
             wait_for("the finalizer", T, || async {
@@ -267,18 +276,13 @@ async fn secure_metrics_serve_the_mounted_certificate_and_its_renewal() {
             let first = opkit::webhook::self_signed(&["127.0.0.1".into()])?;
             write(&first)?;
             let port = free_port()?;
-            let mut m = Manager::new(client.clone()).with_scope(Scope::namespaces(vec![ns.clone()]));
-            m.add(Probe::default());
-            let stop = m.shutdown_token();
-            let _stop = stop.clone().drop_guard();
             let opts = ManagerOptions {
-                handle_signals: false,
                 metrics_addr: Some(([127, 0, 0, 1], port).into()),
                 metrics_secure: true,
                 metrics_cert_dir: Some(dir.clone()),
                 ..Default::default()
             };
-            tokio::spawn(async move { m.run(opts).await });
+            let _running = start(&client, &ns, Probe::default(), opts).await?;
             wait_for("the mounted certificate", Duration::from_secs(20), || async {
                 ensure!(
                     tls_trusted(port, first.ca_pem.as_bytes()).await?,

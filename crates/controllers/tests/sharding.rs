@@ -1,4 +1,4 @@
-//! Sharded controllers: three replicas with `with_sharding`, in one process. Every object is
+//! Sharded controllers: replicas started as `opkit run --sharding` starts them, in one process. Every object is
 //! placed on one member, each member caches only its own objects and their children, and
 //! objects move when a member leaves or joins, each handled by one member at a time, their
 //! children taken over by the new owner rather than written again.
@@ -13,16 +13,59 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
 use opkit::leader::LeaderElectionConfig;
-use opkit::sharding::{ShardingConfig, drain_label, member_name, shard_label};
-use opkit::{Invalid, ManagerOptions, Plan, Reconciler, Requeue, Watch, Watches};
+use opkit::sharding::{drain_label, member_name, shard_label};
+use opkit::{Invalid, ManagerOptions, Plan, Reconciler, Registration, Registry, Requeue, Watch, Watches};
 use opkit_api::memcached::Memcached;
-use opkit_controllers::memcached;
+use opkit_controllers::{Settings, memcached, operator};
 use opkit_testenv::{shared, wait_for};
 use serde_json::json;
 use std::sync::{Arc, Mutex};
 
 mod common;
-use common::{Operator, T};
+use common::{Operator, Run, T};
+
+/// What the probes of one replica are made with.
+struct Probes {
+    replica: &'static str,
+    planned: Planned,
+}
+
+/// Memcached and the probes (a singleton and a sharded one), as an operator of their own.
+fn probe_operator() -> opkit::Operator<Probes> {
+    opkit::Operator {
+        name: "opkit",
+        version: "0.0.0",
+        about: "sharding probes",
+        registry: Registry::new(vec![
+            Registration {
+                name: "probes",
+                crds: Vec::new,
+                rbac: Vec::new,
+                webhooks: |w, _| w,
+                add: |m, p| {
+                    for singleton in [true, false] {
+                        m.add(Probe {
+                            replica: p.replica,
+                            singleton,
+                            planned: p.planned.clone(),
+                        });
+                    }
+                },
+            },
+            Registration {
+                name: memcached::NAME,
+                crds: || vec![opkit_api::memcached::crd()],
+                rbac: memcached::rbac_rules,
+                webhooks: |w, _| w,
+                add: |m, _| {
+                    m.add(memcached::MemcachedController {
+                        image: Settings::default().memcached_image,
+                    });
+                },
+            },
+        ]),
+    }
+}
 
 /// Plans ConfigMaps labelled `opkit-shard-probe`, recording which replica planned which;
 /// a singleton or not.
@@ -94,16 +137,16 @@ fn election(ns: &str, identity: &str) -> LeaderElectionConfig {
 }
 
 async fn member(client: &Client, ns: &str, identity: &str) -> anyhow::Result<Operator> {
-    let cfg = election(ns, identity);
-    let sharding = ShardingConfig::new(&cfg);
-    let opts = ManagerOptions {
-        leader_election: Some(cfg),
-        ..Default::default()
+    let names = [memcached::NAME];
+    let run = Run {
+        opts: ManagerOptions {
+            leader_election: Some(election(ns, identity)),
+            ..Default::default()
+        },
+        sharding: true,
+        ..Run::new(&names)
     };
-    common::start_with(client, ns, memcached::NAME, opts, |m| {
-        Ok(m.with_sharding(sharding)?)
-    })
-    .await
+    common::start_op(&operator(), client, ns, run, &Settings::default(), |_| {}).await
 }
 
 /// A Memcached of size 0 called `name`, with `labels`.
@@ -323,21 +366,19 @@ async fn new_objects_are_placed_as_they_are_created_and_a_stranger_s_label_is_re
             let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
             // Member a serves the placement webhook, as every replica of an operator serving
             // webhooks does.
-            let cfg = election(&ns, "pa_1");
-            let sharding = ShardingConfig::new(&cfg);
-            let opts = ManagerOptions {
-                leader_election: Some(cfg),
-                ..Default::default()
+            let names = [memcached::NAME];
+            let run = Run {
+                opts: ManagerOptions {
+                    leader_election: Some(election(&ns, "pa_1")),
+                    ..Default::default()
+                },
+                sharding: true,
+                ..Run::new(&names)
             };
             let mut hooks = None;
-            let a = common::start_with_after(
-                &client,
-                &ns,
-                memcached::NAME,
-                opts,
-                |m| Ok(m.with_sharding(sharding)?),
-                |m| hooks = Some(m.sharding_webhooks()),
-            )
+            let a = common::start_op(&operator(), &client, &ns, run, &Settings::default(), |s| {
+                hooks = Some(s.sharding_webhooks())
+            })
             .await?;
             let hooks = hooks.ok_or_else(|| anyhow::anyhow!("no webhooks"))?;
             let stop = tokio_util::sync::CancellationToken::new();
@@ -420,27 +461,20 @@ async fn a_singleton_runs_on_the_leader_only_while_the_others_are_sharded() {
             let planned: Planned = Arc::default();
             let mut ops = Vec::new();
             for (replica, identity) in [("a", "sa_1"), ("b", "sb_1")] {
-                let cfg = election(&ns, identity);
-                let sharding = ShardingConfig::new(&cfg);
-                let opts = ManagerOptions {
-                    leader_election: Some(cfg),
-                    ..Default::default()
+                let names = ["probes", memcached::NAME];
+                let run = Run {
+                    opts: ManagerOptions {
+                        leader_election: Some(election(&ns, identity)),
+                        ..Default::default()
+                    },
+                    sharding: true,
+                    ..Run::new(&names)
                 };
-                let planned = planned.clone();
-                ops.push(
-                    common::start_with(&client, &ns, memcached::NAME, opts, move |m| {
-                        let mut m = m.with_sharding(sharding)?;
-                        for singleton in [true, false] {
-                            m.add(Probe {
-                                replica,
-                                singleton,
-                                planned: planned.clone(),
-                            });
-                        }
-                        Ok(m)
-                    })
-                    .await?,
-                );
+                let probes = Probes {
+                    replica,
+                    planned: planned.clone(),
+                };
+                ops.push(common::start_op(&probe_operator(), &client, &ns, run, &probes, |_| {}).await?);
             }
             let cms: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
             let n = 20;

@@ -182,6 +182,13 @@ pub struct Started {
 }
 
 impl Started {
+    /// The webhooks that place new objects of the sharded controllers on their members (empty
+    /// without sharding), for an operator that serves its webhooks itself rather than with
+    /// [`RunConfig::webhooks`].
+    pub fn sharding_webhooks(&mut self) -> crate::webhook::Webhooks {
+        self.manager.sharding_webhooks()
+    }
+
     /// Runs the controllers until the shutdown token is cancelled (or a signal, or an error),
     /// then lets the webhook server serve its grace period.
     pub async fn wait(self) -> Result<(), RunError> {

@@ -9,8 +9,8 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomRe
 use kube::api::Api;
 use kube::{Client, Resource, ResourceExt};
 use opkit::metrics::{ControllerMetrics, Metrics};
-use opkit::{Connect, Manager, ManagerOptions, RunConfig, Scope};
-use opkit_controllers::{Settings, operator, registry};
+use opkit::{Connect, ManagerOptions, RunConfig, Scope};
+use opkit_controllers::{Settings, operator};
 use opkit_testenv::wait_for;
 use serde::de::DeserializeOwned;
 
@@ -89,8 +89,7 @@ pub async fn start(
     start_tuned(client, ns, name, opts, &[]).await
 }
 
-/// [`start`] with settings as `opkit run --tune` takes them (`NAME.KEY=VALUE`): through
-/// [`opkit::Operator::start`], the assembly `opkit run` uses.
+/// [`start`] with settings as `opkit run --tune` takes them (`NAME.KEY=VALUE`).
 pub async fn start_tuned(
     client: &Client,
     ns: &str,
@@ -98,82 +97,74 @@ pub async fn start_tuned(
     opts: ManagerOptions,
     tune: &[&str],
 ) -> anyhow::Result<Operator> {
-    let op = operator();
-    let entry = op
-        .registry
-        .select(&[name.to_string()])
-        .map_err(anyhow::Error::msg)?
-        .remove(0);
-    for crd in (entry.crds)() {
-        install_crd(client, crd).await?;
+    let names = [name];
+    let run = Run {
+        opts,
+        tune,
+        ..Run::new(&names)
+    };
+    start_op(&operator(), client, ns, run, &Settings::default(), |_| {}).await
+}
+
+/// What [`start_op`] runs: registry entries and how.
+pub struct Run<'a> {
+    /// The `--controllers`; the first names [`Operator::metrics`].
+    pub controllers: &'a [&'static str],
+    pub opts: ManagerOptions,
+    /// As `opkit run --tune` takes them.
+    pub tune: &'a [&'a str],
+    /// `opkit run --sharding` (with `opts.leader_election`).
+    pub sharding: bool,
+}
+
+impl<'a> Run<'a> {
+    pub fn new(controllers: &'a [&'static str]) -> Self {
+        Run {
+            controllers,
+            opts: ManagerOptions::default(),
+            tune: &[],
+            sharding: false,
+        }
+    }
+}
+
+/// Installs the CRDs of the registry entries `run.controllers` of `op` and runs them through
+/// [`opkit::Operator::start`], the assembly `opkit run` uses, watching only `ns`, without
+/// signal handling. `started` sees the operator once its controllers are added, before they
+/// run (for what depends on them, such as the sharding webhooks).
+pub async fn start_op<S>(
+    op: &opkit::Operator<S>,
+    client: &Client,
+    ns: &str,
+    run: Run<'_>,
+    settings: &S,
+    started: impl FnOnce(&mut opkit::Started),
+) -> anyhow::Result<Operator> {
+    let controllers: Vec<String> = run.controllers.iter().map(|c| c.to_string()).collect();
+    for entry in op.registry.select(&controllers).map_err(anyhow::Error::msg)? {
+        for crd in (entry.crds)() {
+            install_crd(client, crd).await?;
+        }
     }
     let mut config = RunConfig::default();
-    config.controllers = vec![name.to_string()];
+    config.controllers = controllers;
     config.scope = Scope::namespaces(vec![ns.to_string()]);
-    config.tune = tune.iter().map(|t| t.to_string()).collect();
+    config.tune = run.tune.iter().map(|t| t.to_string()).collect();
+    config.sharding = run.sharding;
     config.manager = ManagerOptions {
         handle_signals: false,
-        ..opts
+        ..run.opts
     };
     let (metrics, stop) = (config.metrics.clone(), config.shutdown.clone());
-    let started = op
-        .start(Connect::Client(client.clone()), config, &Settings::default())
+    let mut s = op
+        .start(Connect::Client(client.clone()), config, settings)
         .await?;
+    started(&mut s);
     let handle = tokio::spawn(async move {
-        started.wait().await.expect("operator failed");
+        s.wait().await.expect("operator failed");
     });
     Ok(Operator {
-        name,
-        metrics,
-        stop,
-        handle: Some(handle),
-    })
-}
-
-/// [`start`] with the manager set up by `configure` before the controller is added.
-pub async fn start_with(
-    client: &Client,
-    ns: &str,
-    name: &'static str,
-    opts: ManagerOptions,
-    configure: impl FnOnce(Manager) -> anyhow::Result<Manager>,
-) -> anyhow::Result<Operator> {
-    start_with_after(client, ns, name, opts, configure, |_| {}).await
-}
-
-/// [`start_with`], handing the manager to `added` once the controller is added (for what
-/// depends on the controllers, such as their webhooks).
-pub async fn start_with_after(
-    client: &Client,
-    ns: &str,
-    name: &'static str,
-    opts: ManagerOptions,
-    configure: impl FnOnce(Manager) -> anyhow::Result<Manager>,
-    added: impl FnOnce(&mut Manager),
-) -> anyhow::Result<Operator> {
-    let registry = registry();
-    let entry = registry
-        .select(&[name.to_string()])
-        .map_err(anyhow::Error::msg)?
-        .remove(0);
-    for crd in (entry.crds)() {
-        install_crd(client, crd).await?;
-    }
-    let mut manager =
-        configure(Manager::new(client.clone()).with_scope(Scope::namespaces(vec![ns.to_string()])))?;
-    (entry.add)(&mut manager, &Settings::default());
-    added(&mut manager);
-    let metrics = manager.metrics().clone();
-    let stop = manager.shutdown_token();
-    let opts = ManagerOptions {
-        handle_signals: false,
-        ..opts
-    };
-    let handle = tokio::spawn(async move {
-        manager.run(opts).await.expect("manager failed");
-    });
-    Ok(Operator {
-        name,
+        name: run.controllers[0],
         metrics,
         stop,
         handle: Some(handle),
