@@ -24,6 +24,70 @@ use crate::runtime::watches::Watches;
 ///
 /// Implement it in the controller's own folder and list it in the registry; nothing else is
 /// needed to run it, generate its RBAC or select it with `--controllers`.
+///
+/// A controller that keeps a copy `<name>-copy` of every ConfigMap labelled `mirror`, and
+/// the unit test of its plan (no cluster needed: the plan sees neither a client nor the
+/// clock):
+///
+/// ```
+/// use std::collections::BTreeMap;
+/// use std::sync::Arc;
+///
+/// use opkit_runtime::k8s_openapi::api::core::v1::ConfigMap;
+/// use opkit_runtime::k8s_openapi::jiff::Timestamp;
+/// use opkit_runtime::kube::{Client, Resource, ResourceExt};
+/// use opkit_runtime::{Cache, Child, Invalid, Plan, Reconciler, Requeue, Watch, Watches};
+///
+/// struct Mirror;
+///
+/// impl Reconciler for Mirror {
+///     type Object = ConfigMap;
+///     type Cache = Cache<ConfigMap>;
+///     type World = Option<Arc<ConfigMap>>;
+///     type Status = (); // a ConfigMap has no status: the plan writes none
+///
+///     fn name(&self) -> &'static str {
+///         "mirror"
+///     }
+///
+///     fn primary(&self) -> Watch<ConfigMap> {
+///         Watch::labels("mirror")
+///     }
+///
+///     fn watch(&self, w: &mut Watches<ConfigMap>) -> Cache<ConfigMap> {
+///         // The copies: a change to one reconciles the ConfigMap that owns it.
+///         w.owns(Watch::labels("mirror-of"))
+///     }
+///
+///     async fn observe(&self, cm: &ConfigMap, copies: &Self::Cache, _: &Client) -> opkit_runtime::kube::Result<Self::World> {
+///         Ok(copies.get(&cm.namespace().unwrap_or_default(), &format!("{}-copy", cm.name_any())))
+///     }
+///
+///     fn plan(&self, cm: &ConfigMap, live: &Self::World, _: Timestamp) -> Result<Plan<()>, Invalid> {
+///         let mut copy = ConfigMap {
+///             data: cm.data.clone(),
+///             ..Default::default()
+///         };
+///         copy.metadata.name = Some(format!("{}-copy", cm.name_any()));
+///         copy.metadata.namespace = cm.namespace();
+///         copy.metadata.labels = Some(BTreeMap::from([("mirror-of".into(), cm.name_any())]));
+///         // Owned: garbage-collected with the original, and its changes are watched.
+///         copy.metadata.owner_references = cm.controller_owner_ref(&()).map(|o| vec![o]);
+///         // Written only when the live copy differs from this one.
+///         Ok(Plan::nothing(Requeue::OnChange).child(Child::apply(&copy, live.as_deref())))
+///     }
+/// }
+///
+/// let mut original = ConfigMap {
+///     data: Some(BTreeMap::from([("colour".into(), "blue".into())])),
+///     ..Default::default()
+/// };
+/// original.metadata.name = Some("settings".into());
+/// original.metadata.namespace = Some("default".into());
+/// original.metadata.uid = Some("0b2e".into());
+/// let plan = Mirror.plan(&original, &None, Timestamp::UNIX_EPOCH).unwrap();
+/// assert!(plan.children[0].is_needed(), "no copy yet: it is written");
+/// ```
 pub trait Reconciler: Send + Sync + 'static {
     /// The primary kind; one reconcile per object of it.
     type Object: Watchable + Serialize;
