@@ -43,7 +43,8 @@ pub use cache::{Cache, Watch};
 pub use kind::{KindScope, Watchable};
 pub use manager::{Manager, ManagerError, ManagerOptions};
 pub use operator::{
-    Connect, Operator, RunConfig, RunError, Running, Started, WebhookServing, install_crd, own_namespace,
+    Connect, CrdError, Operator, RunConfig, RunError, Running, Started, WebhookServing, install_crd,
+    own_namespace,
 };
 pub use plan::{Child, Cleanup, Deletion, Event, Invalid, OWNER_LABEL, Plan, Requeue, finalizer};
 pub use reconciler::Reconciler;

@@ -43,7 +43,7 @@ async fn wait_for_storage(
     client: &Client,
     crd: &CustomResourceDefinition,
     storage: &str,
-) -> anyhow::Result<()> {
+) -> Result<(), MigrateError> {
     let (group, kind, plural) = (&crd.spec.group, &crd.spec.names.kind, &crd.spec.names.plural);
     let want = storage_version_hash(group, storage, kind);
     let give_up = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
@@ -60,15 +60,27 @@ async fn wait_for_storage(
             .unwrap_or_default();
         in_a_row = if seen == want { in_a_row + 1 } else { 0 };
         if tokio::time::Instant::now() > give_up {
-            anyhow::bail!(
+            return Err(MigrateError::Refused(format!(
                 "the apiserver does not store {plural}.{group} as {storage} yet (storage hash {seen:?}, want {want:?})"
-            );
+            )));
         }
         if in_a_row < 3 {
             tokio::time::sleep(std::time::Duration::from_secs(1)).await;
         }
     }
     Ok(())
+}
+
+/// Why a migration stopped; running it again is safe.
+#[derive(Debug, thiserror::Error)]
+pub enum MigrateError {
+    /// A request failed.
+    #[error(transparent)]
+    Kube(#[from] kube::Error),
+    /// The CRD or the apiserver is not in a state to migrate, or an object could not be
+    /// rewritten; the message says which.
+    #[error("{0}")]
+    Refused(String),
 }
 
 /// What one migration did.
@@ -99,7 +111,7 @@ impl std::fmt::Display for Migrated {
 /// Rewrites every object of the CRD `name` in its storage version, then sets its
 /// `status.storedVersions` to that version. Objects of versions served through a conversion
 /// webhook need the webhook running. Safe to run again, and while the operator runs.
-pub async fn migrate_storage(client: &Client, name: &str) -> anyhow::Result<Migrated> {
+pub async fn migrate_storage(client: &Client, name: &str) -> Result<Migrated, MigrateError> {
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
     let crd = crds.get(name).await?;
     let storage = crd
@@ -108,7 +120,7 @@ pub async fn migrate_storage(client: &Client, name: &str) -> anyhow::Result<Migr
         .iter()
         .find(|v| v.storage)
         .map(|v| v.name.clone())
-        .ok_or_else(|| anyhow::anyhow!("{name} has no storage version"))?;
+        .ok_or_else(|| MigrateError::Refused(format!("{name} has no storage version")))?;
     let stored_before = crd
         .status
         .as_ref()
@@ -153,11 +165,11 @@ pub async fn migrate_storage(client: &Client, name: &str) -> anyhow::Result<Migr
                 Ok(_) => rewritten += 1,
                 Err(kube::Error::Api(e)) if e.code == 409 || e.code == 404 => skipped += 1,
                 Err(e) => {
-                    return Err(anyhow::anyhow!(
+                    return Err(MigrateError::Refused(format!(
                         "rewriting {} {}: {e}",
                         resource.kind,
                         obj.name_any()
-                    ));
+                    )));
                 }
             }
         }
@@ -169,12 +181,12 @@ pub async fn migrate_storage(client: &Client, name: &str) -> anyhow::Result<Migr
     // Only if the CRD is as it was: a storage version changed meanwhile may have written
     // objects in a version that this would drop from the list.
     let now = crds.get(name).await?;
-    anyhow::ensure!(
-        now.metadata.generation == crd.metadata.generation,
-        "{name} changed while migrating (generation {:?}, was {:?}); run again",
-        now.metadata.generation,
-        crd.metadata.generation
-    );
+    if now.metadata.generation != crd.metadata.generation {
+        return Err(MigrateError::Refused(format!(
+            "{name} changed while migrating (generation {:?}, was {:?}); run again",
+            now.metadata.generation, crd.metadata.generation
+        )));
+    }
     let patch = serde_json::json!({
         "metadata": {"resourceVersion": now.metadata.resource_version},
         "status": {"storedVersions": [storage]},

@@ -442,12 +442,27 @@ impl Drop for Running {
 impl<S> Operator<S> {
     /// Applies every CRD of the operator (server-side, forced) and waits until each is
     /// Established, so objects of them can be created right after.
-    pub async fn install_crds(&self, client: &kube::Client) -> anyhow::Result<()> {
+    pub async fn install_crds(&self, client: &kube::Client) -> Result<(), CrdError> {
         for crd in self.registry.crds() {
             install_crd(client, &crd, &format!("{}-install", self.name)).await?;
         }
         Ok(())
     }
+}
+
+/// Why a CRD could not be installed.
+#[derive(Debug, thiserror::Error)]
+#[allow(missing_docs)] // every variant says what failed in its message
+pub enum CrdError {
+    #[error("applying CRD {name}: {source}")]
+    Apply { name: String, source: kube::Error },
+    #[error("waiting for CRD {name}: {source}")]
+    Wait {
+        name: String,
+        source: kube::runtime::wait::Error,
+    },
+    #[error("CRD {name} was not Established within 60 s")]
+    NotEstablished { name: String },
 }
 
 /// Applies one CRD (server-side, forced, as `field_manager`) and waits up to 60 s until it is
@@ -456,7 +471,7 @@ pub async fn install_crd(
     client: &kube::Client,
     crd: &k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
     field_manager: &str,
-) -> anyhow::Result<()> {
+) -> Result<(), CrdError> {
     use kube::api::{Api, Patch, PatchParams};
     use kube::runtime::wait::{await_condition, conditions};
     let api: Api<_> = Api::all(client.clone());
@@ -466,10 +481,15 @@ pub async fn install_crd(
         &PatchParams::apply(field_manager).force(),
         &Patch::Apply(crd),
     )
-    .await?;
+    .await
+    .map_err(|source| CrdError::Apply {
+        name: name.clone(),
+        source,
+    })?;
     let established = await_condition(api, &name, conditions::is_crd_established());
-    tokio::time::timeout(std::time::Duration::from_secs(60), established)
-        .await
-        .map_err(|_| anyhow::anyhow!("CRD {name} was not Established within 60 s"))??;
-    Ok(())
+    match tokio::time::timeout(std::time::Duration::from_secs(60), established).await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(source)) => Err(CrdError::Wait { name, source }),
+        Err(_) => Err(CrdError::NotEstablished { name }),
+    }
 }

@@ -75,7 +75,7 @@ impl Drop for Operator {
 
 /// Applies a CRD and waits until it is Established.
 pub async fn install_crd(client: &Client, crd: CustomResourceDefinition) -> anyhow::Result<()> {
-    opkit::install_crd(client, &crd, "opkit-tests").await
+    Ok(opkit::install_crd(client, &crd, "opkit-tests").await?)
 }
 
 /// Installs the CRDs of the registry entry `name` and runs it, watching only `ns`, without
