@@ -36,7 +36,7 @@ struct Probe {
 
 impl Reconciler for Probe {
     type Object = ConfigMap;
-    type Cache = ();
+    type Caches = ();
     type World = ();
     type Status = serde_json::Value;
 

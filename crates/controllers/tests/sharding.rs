@@ -81,7 +81,7 @@ type Planned = Arc<Mutex<Vec<(&'static str, String, &'static str)>>>;
 
 impl Reconciler for Probe {
     type Object = ConfigMap;
-    type Cache = ();
+    type Caches = ();
     type World = ();
     type Status = serde_json::Value;
 

@@ -28,7 +28,7 @@ struct Expose;
 
 impl Reconciler for Expose {
     type Object = Deployment;
-    type Cache = Cache<Service>;
+    type Caches = Cache<Service>;
     type World = Option<Arc<Service>>;
     type Status = ();
 

@@ -46,7 +46,7 @@ pub use operator::{
     Connect, CrdError, Operator, RunConfig, RunError, Running, Started, WebhookServing, install_crd,
     own_namespace,
 };
-pub use plan::{Child, Cleanup, Deletion, Event, Invalid, OWNER_LABEL, Plan, Requeue, finalizer};
+pub use plan::{Child, Cleanup, Deletion, Event, Invalid, OWNER_LABEL, Plan, Requeue, finalizer_name};
 pub use reconciler::Reconciler;
 pub use registry::{Registration, Registry};
 pub use runtime::Watches;

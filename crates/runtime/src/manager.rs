@@ -798,7 +798,7 @@ mod tests {
 
     impl Reconciler for Named {
         type Object = k8s_openapi::api::core::v1::ConfigMap;
-        type Cache = ();
+        type Caches = ();
         type World = ();
         type Status = ();
 

@@ -16,7 +16,7 @@ use crate::kind::KindScope;
 /// for good, remove the finalizer by hand:
 /// `kubectl patch KIND NAME --type json -p '[{"op":"remove","path":"/metadata/finalizers"}]'`
 /// (that removes every finalizer of the object; nothing cleans up after it then).
-pub fn finalizer(controller: &str) -> String {
+pub fn finalizer_name(controller: &str) -> String {
     format!("opkit.dev/{controller}")
 }
 

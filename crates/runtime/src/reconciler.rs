@@ -42,7 +42,7 @@ use crate::runtime::watches::Watches;
 ///
 /// impl Reconciler for Mirror {
 ///     type Object = ConfigMap;
-///     type Cache = Cache<ConfigMap>;
+///     type Caches = Cache<ConfigMap>;
 ///     type World = Option<Arc<ConfigMap>>;
 ///     type Status = (); // a ConfigMap has no status: the plan writes none
 ///
@@ -59,7 +59,7 @@ use crate::runtime::watches::Watches;
 ///         w.owns(Watch::labels("mirror-of"))
 ///     }
 ///
-///     async fn observe(&self, cm: &ConfigMap, copies: &Self::Cache, _: &Client) -> opkit_runtime::kube::Result<Self::World> {
+///     async fn observe(&self, cm: &ConfigMap, copies: &Self::Caches, _: &Client) -> opkit_runtime::kube::Result<Self::World> {
 ///         Ok(copies.get(&cm.namespace().unwrap_or_default(), &format!("{}-copy", cm.name_any())))
 ///     }
 ///
@@ -92,7 +92,7 @@ pub trait Reconciler: Send + Sync + 'static {
     /// The primary kind; one reconcile per object of it.
     type Object: Watchable + Serialize;
     /// The caches [`Reconciler::watch`] builds, read by [`Reconciler::observe`].
-    type Cache: Send + Sync + 'static;
+    type Caches: Send + Sync + 'static;
     /// Everything [`Reconciler::plan`] needs about the world besides the object itself.
     type World: Send + 'static;
     /// The status written through the status subresource. A missing live status counts as
@@ -118,14 +118,14 @@ pub trait Reconciler: Send + Sync + 'static {
 
     /// Declares the secondary watches and returns the caches they fill. Called once per
     /// watched namespace; no reconcile starts before every cache declared here has synced.
-    fn watch(&self, w: &mut Watches<Self::Object>) -> Self::Cache;
+    fn watch(&self, w: &mut Watches<Self::Object>) -> Self::Caches;
 
     /// Collects what the plan needs. Normally cache lookups only; the client is there for the
     /// rare read a cache cannot answer (an object that may just not have reached the cache).
     fn observe(
         &self,
         obj: &Self::Object,
-        cache: &Self::Cache,
+        cache: &Self::Caches,
         client: &Client,
     ) -> impl Future<Output = kube::Result<Self::World>> + Send;
 
@@ -139,7 +139,7 @@ pub trait Reconciler: Send + Sync + 'static {
     ) -> Result<Plan<Self::Status>, Invalid>;
 
     /// Whether objects of the primary kind need [`Reconciler::cleanup`] before they go. opkit
-    /// then keeps its finalizer ([`crate::finalizer`]) on each of them, added before any other write
+    /// then keeps its finalizer ([`crate::finalizer_name`]) on each of them, added before any other write
     /// for the object, and removes it only once the cleanup reports done. Only for what owner
     /// references cannot clean up: children in other namespaces, cluster-scoped children,
     /// anything outside the cluster.

@@ -94,7 +94,7 @@ fn trim_pod(p: &mut Pod) {
 
 impl Reconciler for AtController {
     type Object = At;
-    type Cache = Cache<Pod>;
+    type Caches = Cache<Pod>;
     type World = World;
     type Status = AtStatus;
 

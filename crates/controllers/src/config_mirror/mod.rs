@@ -135,7 +135,7 @@ pub fn build_copy(mirror: &ConfigMirror, source: &ConfigMap, ns: &str) -> Config
 
 impl Reconciler for ConfigMirrorController {
     type Object = ConfigMirror;
-    type Cache = Caches;
+    type Caches = Caches;
     type World = World;
     type Status = ConfigMirrorStatus;
 

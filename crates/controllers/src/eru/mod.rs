@@ -127,7 +127,7 @@ pub struct World {
 
 impl Reconciler for EruController {
     type Object = Eru;
-    type Cache = Cache<Deployment>;
+    type Caches = Cache<Deployment>;
     type World = World;
     type Status = EruStatus;
 
@@ -364,7 +364,7 @@ const LEFTOVER_RETRY: Duration = Duration::from_secs(5);
 
 impl Reconciler for AnnotationController {
     type Object = Deployment;
-    type Cache = Cache<Eru>;
+    type Caches = Cache<Eru>;
     type World = AnnotationWorld;
     type Status = serde_json::Value;
 

@@ -153,7 +153,7 @@ fn pods_refused(d: &Deployment) -> Option<String> {
 
 impl Reconciler for FooController {
     type Object = Foo;
-    type Cache = Cache<Deployment>;
+    type Caches = Cache<Deployment>;
     type World = World;
     type Status = FooStatus;
 

@@ -137,7 +137,7 @@ fn trim_deployment(d: &mut Deployment) {
 
 impl Reconciler for MemcachedController {
     type Object = Memcached;
-    type Cache = Caches;
+    type Caches = Caches;
     type World = World;
     type Status = MemcachedStatus;
 

@@ -20,7 +20,7 @@ use super::watches::{Adopter, Pruner, Watches};
 use super::write::Writer;
 use crate::conditions::Desired;
 use crate::conditions::{CLEANUP_FAILED, DELETING};
-use crate::plan::{Cleanup, Deletion, Event, Invalid, Plan, Requeue, finalizer};
+use crate::plan::{Cleanup, Deletion, Event, Invalid, Plan, Requeue, finalizer_name};
 use crate::reconciler::Reconciler;
 use crate::runtime::context::ControllerContext;
 
@@ -45,7 +45,7 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 /// One watch scope (namespace) of one controller.
 struct Runner<R: Reconciler> {
     reconciler: Arc<R>,
-    cache: R::Cache,
+    cache: R::Caches,
     pruners: Vec<Pruner>,
     adopters: Vec<Adopter>,
     synced: watch::Receiver<bool>,
@@ -76,7 +76,7 @@ pub(crate) fn run<R: Reconciler>(
         vec![None]
     };
     let writer = Arc::new(Writer::new(ctx.clone()));
-    let finalizer = reconciler.cleans_up().then(|| finalizer(reconciler.name()));
+    let finalizer = reconciler.cleans_up().then(|| finalizer_name(reconciler.name()));
     let mut runs = Vec::new();
     for ns in namespaces {
         let mut w = Watches::new(reconciler.primary(), &ctx, ns, synced.clone(), concurrency);
