@@ -5,7 +5,7 @@
 use k8s_openapi::jiff::Timestamp;
 use k8s_openapi::jiff::tz::TimeZone;
 use libfuzzer_sys::fuzz_target;
-use opkit_controllers::eru::cron::{Schedule, time_zone};
+use opkit_controllers::eru::{Schedule, time_zone};
 
 fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else {

@@ -22,12 +22,6 @@ pub(crate) mod test_rng {
             self.0 ^= self.0 << 17;
             self.0
         }
-        pub(crate) fn below(&mut self, n: u32) -> u32 {
-            (self.next() % u64::from(n)) as u32
-        }
-        pub(crate) fn within(&mut self, lo: u32, hi: u32) -> u32 {
-            lo + self.below(hi - lo + 1)
-        }
         pub(crate) fn pick<'a>(&mut self, from: &[&'a str]) -> &'a str {
             from[(self.next() % from.len() as u64) as usize]
         }

@@ -28,6 +28,7 @@ pub mod rbac;
 mod reconciler;
 mod registry;
 mod runtime;
+pub mod schedule;
 mod scope;
 pub mod security;
 pub mod server;

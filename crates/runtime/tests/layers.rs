@@ -22,6 +22,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "trace",
             "migrate",
             "conversion",
+            "schedule",
             "kind",
             "tuning",
         ],

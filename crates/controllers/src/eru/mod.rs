@@ -12,7 +12,6 @@
 //!   opkit created — a hand-written Eru of that name wins and is never touched).
 //!
 //! observe (caches) → plan (pure: [`decide`], then status, conditions and Events); opkit writes.
-pub mod cron;
 mod plan;
 mod webhook;
 
@@ -30,7 +29,7 @@ use opkit::rbac::{events, rule};
 use opkit::{Cache, Child, Event, Invalid, Plan, Reconciler, Requeue, Watch, Watches};
 use opkit_api::eru::{Eru, EruStatus, FROM_ANNOTATION_LABEL};
 
-pub use cron::{Schedule, time_zone};
+pub use opkit::schedule::{Schedule, time_zone};
 pub use plan::{
     Decision, MAX_WAIT, RESTART_COUNT, RESTARTED_AT, RESTARTED_BY, Step, build_eru_for, check_spec,
     created_from, decide, restart_patch, restart_stamp, restarted_at, restarts_made, rollout_in_progress,

@@ -13,7 +13,7 @@ use opkit_api::eru::{
 };
 use serde_json::json;
 
-use super::cron::{Schedule, time_zone};
+use opkit::schedule::{Schedule, time_zone};
 
 /// The pod-template annotation `kubectl rollout restart` sets; changing it rolls the Pods.
 pub const RESTARTED_AT: &str = "kubectl.kubernetes.io/restartedAt";
