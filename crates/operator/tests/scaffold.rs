@@ -371,7 +371,7 @@ async fn a_scaffolded_guestbook_builds_lints_and_passes_its_own_tests() -> anyho
         &["apply", "-n", &ns, "-f", "-"],
         unnamed("empty", "{\"foo\":\"\"}").as_bytes(),
     )?;
-    ensure!(!ok && out.contains("spec.foo must not be empty"), "{out}");
+    ensure!(!ok && out.contains("spec.foo: must not be empty"), "{out}");
     // The operator reconciles what it admitted.
     wait_for(
         "the defaulted Guestbook to be Available",
@@ -423,7 +423,7 @@ async fn a_scaffolded_guestbook_builds_lints_and_passes_its_own_tests() -> anyho
         &["apply", "-f", "-"],
         tenant(&format!("{ns}-empty"), "").as_bytes(),
     )?;
-    ensure!(!ok && out.contains("spec.foo must not be empty"), "{out}");
+    ensure!(!ok && out.contains("spec.foo: must not be empty"), "{out}");
     let name = format!("{ns}-tenant");
     let (ok, out) = kubectl_stdin(&["apply", "-f", "-"], tenant(&name, "bar").as_bytes())?;
     ensure!(ok, "{out}");

@@ -25,10 +25,13 @@ pub fn validate_at(review: &Review<At>, now: Timestamp) -> Verdict {
             let horizon = SignedDuration::from_hours(24 * 365 * AT_HORIZON_YEARS);
             let ago = now.duration_since(when);
             if ago > horizon {
-                return Verdict::deny(format!(
-                    "spec.schedule {} is more than {AT_HORIZON_YEARS} years in the past; check the year",
-                    at.spec.schedule
-                ));
+                return Verdict::invalid(
+                    "spec.schedule",
+                    format!(
+                        "{} is more than {AT_HORIZON_YEARS} years in the past; check the year",
+                        at.spec.schedule
+                    ),
+                );
             }
             if ago > SignedDuration::ZERO {
                 return Verdict::allow().warn(format!(
@@ -118,6 +121,7 @@ mod tests {
             now,
         );
         assert!(v.denied.unwrap().contains("more than 10 years"));
+        assert_eq!(v.invalid[0].0, "spec.schedule", "a 422 naming the field");
         let v = validate_at(
             &review(Operation::Create, at("2019-04-12T10:12:00Z", None), None),
             now,

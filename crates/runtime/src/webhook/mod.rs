@@ -39,6 +39,8 @@ pub struct Verdict {
     pub patch: Vec<json_patch::PatchOperation>,
     /// Admission warnings, shown by `kubectl` as `Warning: ...`.
     pub warnings: Vec<String>,
+    /// The invalid fields of a refusal made with [`Verdict::invalid`], as (field, message).
+    pub invalid: Vec<(String, String)>,
 }
 
 impl Verdict {
@@ -53,6 +55,23 @@ impl Verdict {
             denied: Some(message.into()),
             ..Default::default()
         }
+    }
+
+    /// Refuses the request as invalid at `field` (`spec.schedule`), the way the apiserver's
+    /// own validation does (and controller-runtime's `apierrors.NewInvalid`): HTTP 422, reason
+    /// `Invalid`, one cause per field, so `kubectl` prints `The Kind "name" is invalid:
+    /// spec.schedule: <message>` and clients can tell which field to fix. Chain
+    /// [`Verdict::and_invalid`] for more fields.
+    pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Verdict::default().and_invalid(field, message)
+    }
+
+    /// Adds an invalid field to a refusal (see [`Verdict::invalid`]).
+    pub fn and_invalid(mut self, field: impl Into<String>, message: impl Into<String>) -> Self {
+        self.invalid.push((field.into(), message.into()));
+        let all: Vec<String> = self.invalid.iter().map(|(f, m)| format!("{f}: {m}")).collect();
+        self.denied = Some(all.join("; "));
+        self
     }
 
     /// Adds a warning.
@@ -155,6 +174,35 @@ pub struct Webhooks {
 /// Where the apiserver sends ConversionReviews (one path for every kind, as Kubebuilder does).
 pub const CONVERT_PATH: &str = "/convert";
 
+/// A refusal as the apiserver's own validation makes it: 422, `Invalid`, a cause per field.
+fn invalid(
+    base: AdmissionResponse,
+    req: &AdmissionRequest<DynamicObject>,
+    message: String,
+    fields: Vec<(String, String)>,
+) -> AdmissionResponse {
+    use kube::core::response::{StatusCause, StatusDetails};
+    let mut resp = base.deny(&message);
+    resp.result = kube::core::Status::failure(&message, "Invalid")
+        .with_code(422)
+        .with_details(StatusDetails {
+            name: req.name.clone(),
+            group: req.kind.group.clone(),
+            kind: req.kind.kind.clone(),
+            causes: fields
+                .into_iter()
+                .map(|(field, message)| StatusCause {
+                    reason: "FieldValueInvalid".into(),
+                    message,
+                    field,
+                })
+                .collect(),
+            uid: String::new(),
+            retry_after_seconds: 0,
+        });
+    resp
+}
+
 fn typed<K: DeserializeOwned>(o: &Option<DynamicObject>) -> Result<Option<K>, String> {
     o.as_ref()
         .map(|d| serde_json::to_value(d).and_then(serde_json::from_value::<K>))
@@ -217,6 +265,7 @@ impl Webhooks {
                 })
                 .await;
                 let mut resp = match verdict.denied {
+                    Some(m) if !verdict.invalid.is_empty() => invalid(base, &req, m, verdict.invalid),
                     Some(m) => base.deny(m),
                     None if verdict.patch.is_empty() => base,
                     None => match base.clone().with_patch(json_patch::Patch(verdict.patch)) {
@@ -575,6 +624,54 @@ mod tests {
         let mut out = String::new();
         tls.read_to_string(&mut out).await?;
         Ok(out.lines().next().unwrap_or_default().to_string())
+    }
+
+    #[tokio::test]
+    async fn an_invalid_verdict_is_a_422_with_a_cause_per_field() {
+        let hooks = Webhooks::new().handle::<DynamicObject, _, _>("/v", |_| async {
+            Verdict::invalid("spec.size", "must be at least 1").and_invalid("spec.image", "must not be empty")
+        });
+        let review: AdmissionReview<DynamicObject> = serde_json::from_value(serde_json::json!({
+            "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+            "request": {
+                "uid": "u1", "name": "m", "namespace": "ns", "operation": "CREATE", "userInfo": {},
+                "kind": {"group": "cache.example.com", "version": "v1", "kind": "Memcached"},
+                "resource": {"group": "cache.example.com", "version": "v1", "resource": "memcacheds"},
+                "object": {"apiVersion": "cache.example.com/v1", "kind": "Memcached", "metadata": {"name": "m"}}
+            }
+        }))
+        .unwrap();
+        let req: AdmissionRequest<DynamicObject> = review.try_into().unwrap();
+        let resp = (hooks.handlers["/v"])(req).await;
+        let v = serde_json::to_value(resp.into_review()).unwrap();
+        let (r, status) = (&v["response"], &v["response"]["status"]);
+        assert_eq!(r["allowed"], false, "{v}");
+        assert_eq!(
+            (status["code"].as_u64(), status["reason"].as_str()),
+            (Some(422), Some("Invalid"))
+        );
+        let details = &status["details"];
+        assert_eq!(
+            (details["kind"].as_str(), details["name"].as_str()),
+            (Some("Memcached"), Some("m"))
+        );
+        let causes: Vec<(&str, &str)> = details["causes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| (c["field"].as_str().unwrap(), c["message"].as_str().unwrap()))
+            .collect();
+        assert_eq!(
+            causes,
+            [
+                ("spec.size", "must be at least 1"),
+                ("spec.image", "must not be empty")
+            ]
+        );
+        assert_eq!(
+            status["message"],
+            "spec.size: must be at least 1; spec.image: must not be empty"
+        );
     }
 
     /// A webhook server with one validating webhook that allows everything, on a free port.
