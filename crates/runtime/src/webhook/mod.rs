@@ -57,6 +57,19 @@ impl Verdict {
         }
     }
 
+    /// Admits `object` as `defaulted`, a copy of it with what the user left out filled in:
+    /// opkit computes the JSON Patch between the two (none when nothing changed). Both are
+    /// the typed object, so fields the type does not know are never touched.
+    pub fn defaulted<K: serde::Serialize>(object: &K, defaulted: &K) -> Self {
+        match (serde_json::to_value(object), serde_json::to_value(defaulted)) {
+            (Ok(from), Ok(to)) => Verdict {
+                patch: json_patch::diff(&from, &to).0,
+                ..Verdict::default()
+            },
+            (Err(e), _) | (_, Err(e)) => Verdict::deny(format!("internal error encoding the object: {e}")),
+        }
+    }
+
     /// Refuses the request as invalid at `field` (`spec.schedule`), the way the apiserver's
     /// own validation does (and controller-runtime's `apierrors.NewInvalid`): HTTP 422, reason
     /// `Invalid`, one cause per field, so `kubectl` prints `The Kind "name" is invalid:
@@ -624,6 +637,24 @@ mod tests {
         let mut out = String::new();
         tls.read_to_string(&mut out).await?;
         Ok(out.lines().next().unwrap_or_default().to_string())
+    }
+
+    #[test]
+    fn a_defaulted_object_becomes_the_patch_of_what_changed() {
+        use k8s_openapi::api::core::v1::ConfigMap;
+        let mut cm = ConfigMap::default();
+        cm.metadata.name = Some("c".into());
+        assert!(
+            Verdict::defaulted(&cm, &cm.clone()).patch.is_empty(),
+            "nothing changed"
+        );
+        let mut defaulted = cm.clone();
+        defaulted.data = Some([("colour".to_string(), "blue".to_string())].into());
+        let v = Verdict::defaulted(&cm, &defaulted);
+        assert!(v.denied.is_none());
+        let mut patched = serde_json::to_value(&cm).unwrap();
+        json_patch::patch(&mut patched, &v.patch).unwrap();
+        assert_eq!(patched, serde_json::to_value(&defaulted).unwrap());
     }
 
     #[tokio::test]
