@@ -229,14 +229,17 @@ impl Webhooks {
         Webhooks::default()
     }
 
-    /// A defaulting webhook for kind `K`: `handler` returns the JSON patch to apply.
+    /// A defaulting webhook for kind `K`: `handler` returns the JSON patch to apply. An object
+    /// that does not read as `K` (a value the schema will refuse, such as an unknown enum
+    /// value) is admitted unchanged, so that the apiserver's schema validation, which runs
+    /// after the mutating webhooks, refuses it with its own message ("Unsupported value").
     pub fn mutating<K, F, Fut>(mut self, rule: Rule, handler: F) -> Self
     where
         K: Resource + DeserializeOwned + Send + 'static,
         F: Fn(Review<K>) -> Fut + Send + Sync + 'static,
         Fut: std::future::Future<Output = Verdict> + Send + 'static,
     {
-        self = self.handle(rule.path, handler);
+        self = self.serve(rule.path, true, handler);
         self.mutating.push(rule);
         self
     }
@@ -254,8 +257,19 @@ impl Webhooks {
     }
 
     /// Serves `handler` for kind `K` at `path` (e.g. `/mutate-memcached`), with no rule: the
-    /// apiserver is not told about it.
-    pub fn handle<K, F, Fut>(mut self, path: &str, handler: F) -> Self
+    /// apiserver is not told about it. An object that does not read as `K` is refused.
+    pub fn handle<K, F, Fut>(self, path: &str, handler: F) -> Self
+    where
+        K: Resource + DeserializeOwned + Send + 'static,
+        F: Fn(Review<K>) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = Verdict> + Send + 'static,
+    {
+        self.serve(path, false, handler)
+    }
+
+    /// [`Webhooks::handle`]; with `mutating`, an object that does not read as `K` is admitted
+    /// unchanged for the schema to refuse.
+    fn serve<K, F, Fut>(mut self, path: &str, mutating: bool, handler: F) -> Self
     where
         K: Resource + DeserializeOwned + Send + 'static,
         F: Fn(Review<K>) -> Fut + Send + Sync + 'static,
@@ -268,6 +282,10 @@ impl Webhooks {
                 let base = AdmissionResponse::from(&req);
                 let (object, old_object) = match (typed::<K>(&req.object), typed::<K>(&req.old_object)) {
                     (Ok(o), Ok(old)) => (o, old),
+                    (Err(e), _) | (_, Err(e)) if mutating => {
+                        tracing::debug!(error = %e, "not defaulted: the object does not read; the schema decides");
+                        return base;
+                    }
                     (Err(e), _) | (_, Err(e)) => return base.deny(format!("cannot read the object: {e}")),
                 };
                 let verdict = handler(Review {
@@ -637,6 +655,51 @@ mod tests {
         let mut out = String::new();
         tls.read_to_string(&mut out).await?;
         Ok(out.lines().next().unwrap_or_default().to_string())
+    }
+
+    #[tokio::test]
+    async fn an_object_that_does_not_read_is_left_to_the_schema_by_a_mutating_webhook_only() {
+        use k8s_openapi::api::core::v1::ConfigMap;
+        let rule = |path| Rule {
+            name: "x.example.com",
+            path,
+            group: "",
+            versions: &["v1"],
+            resource: "configmaps",
+            operations: &["CREATE"],
+            failure_policy: FailurePolicy::Fail,
+            scope: RuleScope::Namespaced,
+        };
+        let called = |_: Review<ConfigMap>| async { Verdict::deny("the handler ran") };
+        let hooks = Webhooks::new()
+            .mutating(rule("/m"), called)
+            .validating(rule("/v"), called);
+        let review = || -> AdmissionRequest<DynamicObject> {
+            let r: AdmissionReview<DynamicObject> = serde_json::from_value(serde_json::json!({
+                "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+                "request": {
+                    "uid": "u1", "name": "c", "namespace": "ns", "operation": "CREATE", "userInfo": {},
+                    "kind": {"group": "", "version": "v1", "kind": "ConfigMap"},
+                    "resource": {"group": "", "version": "v1", "resource": "configmaps"},
+                    // Not a ConfigMap: data values are strings.
+                    "object": {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c"}, "data": {"a": 1}}
+                }
+            }))
+            .unwrap();
+            r.try_into().unwrap()
+        };
+        let m = (hooks.handlers["/m"])(review()).await;
+        assert!(
+            m.allowed && m.patch.is_none(),
+            "admitted unchanged: {:?}",
+            m.result
+        );
+        let v = (hooks.handlers["/v"])(review()).await;
+        assert!(
+            !v.allowed && v.result.message.contains("cannot read the object"),
+            "{:?}",
+            v.result
+        );
     }
 
     #[test]
