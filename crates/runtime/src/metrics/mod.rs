@@ -5,6 +5,10 @@
 mod process;
 mod standard;
 
+/// The Prometheus client opkit's metrics are made with: an operator's own metrics
+/// ([`Metrics::register`]) use the same version.
+pub use prometheus_client;
+
 pub(crate) use standard::{Exists, Queue};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -73,6 +77,8 @@ struct CallLabels {
 #[derive(Clone)]
 pub struct Metrics {
     registry: Arc<Registry>,
+    /// The operator's own metrics ([`Metrics::register`]).
+    custom: Arc<Mutex<Registry>>,
     reconciles: Family<ResultLabels, Counter>,
     active: Family<ControllerLabel, Gauge>,
     failures: Family<ErrorLabels, Counter>,
@@ -211,6 +217,7 @@ impl Default for Metrics {
         );
         Metrics {
             registry: Arc::new(root),
+            custom: Arc::default(),
             reconciles,
             active,
             failures,
@@ -298,8 +305,23 @@ impl Metrics {
         self.process.refresh();
         let mut out = String::new();
         // Encoding into a String cannot fail.
-        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        let _ = prometheus_client::encoding::text::encode_registry(&mut out, &self.registry);
+        let custom = self.custom.lock().unwrap_or_else(|p| p.into_inner());
+        let _ = prometheus_client::encoding::text::encode_registry(&mut out, &custom);
+        let _ = prometheus_client::encoding::text::encode_eof(&mut out);
         out
+    }
+
+    /// Serves an operator's own metric on `/metrics` beside opkit's, under `name` as given (no
+    /// prefix; a counter gets `_total`): a [`prometheus_client`] `Counter`, `Gauge`,
+    /// `Histogram` or `Family`. Register it where the controller is added (the registration's
+    /// `add` has the manager, and [`crate::Manager::metrics`]) and keep a clone in the
+    /// controller to update, e.g. from `observe` or a cleanup step; a plan stays pure.
+    pub fn register(&self, name: &str, help: &str, metric: impl prometheus_client::registry::Metric) {
+        self.custom
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .register(name, help, metric);
     }
 
     /// Sets the cache gauges from the caches themselves (a controller watching several
@@ -615,6 +637,22 @@ impl Drop for WebhookTimer {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn an_operators_own_metric_is_served_beside_opkits() {
+        let m = super::Metrics::default();
+        let lookups = prometheus_client::metrics::counter::Counter::<u64>::default();
+        m.register("dns_lookups", "Lookups of the outside DNS", lookups.clone());
+        lookups.inc_by(3);
+        let text = m.encode();
+        assert_eq!(m.sample("dns_lookups_total"), 3.0, "{text}");
+        assert!(
+            text.contains("opkit_reconcile_total") || text.contains("# HELP opkit_"),
+            "{text}"
+        );
+        assert_eq!(text.matches("# EOF").count(), 1, "one exposition: {text}");
+        assert!(text.trim_end().ends_with("# EOF"));
+    }
+
     use super::*;
 
     #[test]
