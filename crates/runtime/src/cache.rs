@@ -178,7 +178,9 @@ impl<C: Resource<DynamicType = ()> + Clone + 'static> Cache<C> {
                 keep_applied(&mut o, manager);
             }
             o.managed_fields_mut().clear();
-            (watch.trim)(&mut o);
+            if let Some(t) = &watch.trim {
+                (t.apply)(&mut o);
+            }
             let ev = watcher::Event::Apply(o);
             observe_all(&cache.indexes, &ev);
             writer.apply_watcher_event(&ev);
@@ -259,11 +261,36 @@ impl<C: Resource<DynamicType = ()> + Clone + 'static> Cache<C> {
     }
 }
 
+/// What a watch drops from each object before caching it ([`Watch::trim`]).
+pub(crate) struct Trim<C> {
+    pub(crate) apply: Arc<dyn Fn(&mut C) + Send + Sync>,
+    pub(crate) key: TrimKey,
+}
+
+impl<C> Clone for Trim<C> {
+    fn clone(&self) -> Self {
+        Trim {
+            apply: self.apply.clone(),
+            key: self.key,
+        }
+    }
+}
+
+/// Which trim a watch has, for sharing caches: stable for the life of the process (a function
+/// pointer's address is not: one function may have several, two may share one).
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub(crate) enum TrimKey {
+    /// The type of a function or of a closure that captures nothing.
+    Type(std::any::TypeId),
+    /// A trim never taken for another.
+    Unique(u64),
+}
+
 /// Which objects of kind `C` a watch caches and what it keeps of each.
 pub struct Watch<C> {
     pub(crate) labels: Option<String>,
     pub(crate) fields: Option<String>,
-    pub(crate) trim: fn(&mut C),
+    pub(crate) trim: Option<Trim<C>>,
     pub(crate) prune: bool,
     /// The field manager whose applied fields are kept (see [`Watch::applied`]); filled in
     /// with the controller's when the watch is built.
@@ -278,7 +305,7 @@ impl<C> Watch<C> {
         Watch {
             labels: None,
             fields: None,
-            trim: |_| {},
+            trim: None,
             prune: false,
             applied: None,
             indexes: Vec::new(),
@@ -306,8 +333,20 @@ impl<C> Watch<C> {
 
     /// Drops what the controller never reads before the object is cached (managed fields are
     /// always dropped).
-    pub fn trim(mut self, trim: fn(&mut C)) -> Self {
-        self.trim = trim;
+    pub fn trim<F: Fn(&mut C) + Send + Sync + 'static>(mut self, trim: F) -> Self {
+        // A function or a closure that captures nothing is known by its type, which no other
+        // has: watches with the same one can share a cache. Anything else (a function pointer,
+        // a closure holding values) is never taken for another.
+        let key = if std::mem::size_of::<F>() == 0 {
+            TrimKey::Type(std::any::TypeId::of::<F>())
+        } else {
+            static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+            TrimKey::Unique(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+        };
+        self.trim = Some(Trim {
+            apply: Arc::new(trim),
+            key,
+        });
         self
     }
 
@@ -375,6 +414,38 @@ pub(crate) fn keep_applied<C: Serialize + DeserializeOwned>(obj: &mut C, manager
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn strip_annotations(cm: &mut k8s_openapi::api::core::v1::ConfigMap) {
+        cm.metadata.annotations = None;
+    }
+
+    fn strip_labels(cm: &mut k8s_openapi::api::core::v1::ConfigMap) {
+        cm.metadata.labels = None;
+    }
+
+    #[test]
+    fn watches_share_a_cache_only_with_the_same_trim() {
+        use k8s_openapi::api::core::v1::ConfigMap;
+        let key = |w: Watch<ConfigMap>| w.trim.map(|t| t.key);
+        assert_eq!(key(Watch::all()), None);
+        assert_eq!(
+            key(Watch::all().trim(strip_annotations)),
+            key(Watch::all().trim(strip_annotations))
+        );
+        assert_ne!(
+            key(Watch::all().trim(strip_annotations)),
+            key(Watch::all().trim(strip_labels))
+        );
+        // A function pointer, or a closure holding a value, could be anything: never shared.
+        let pointer: fn(&mut ConfigMap) = strip_annotations;
+        assert_ne!(key(Watch::all().trim(pointer)), key(Watch::all().trim(pointer)));
+        let keep = String::from("x");
+        let holding = move |cm: &mut ConfigMap| cm.metadata.name = Some(keep.clone());
+        assert_ne!(
+            key(Watch::all().trim(holding.clone())),
+            key(Watch::all().trim(holding))
+        );
+    }
     use k8s_openapi::api::core::v1::Pod;
 
     fn pod(name: &str, owners: &str) -> Pod {

@@ -11,7 +11,7 @@ use kube::runtime::watcher;
 use kube::{Resource, ResourceExt};
 use tokio::sync::watch;
 
-use crate::cache::Cache;
+use crate::cache::{Cache, TrimKey};
 
 /// Counts the watch streams of one controller that have not yet delivered their initial list.
 #[derive(Clone)]
@@ -132,7 +132,7 @@ pub(super) struct ShareKey {
     pub(super) namespace: Option<String>,
     pub(super) labels: Option<String>,
     pub(super) fields: Option<String>,
-    pub(super) trim: usize,
+    pub(super) trim: Option<TrimKey>,
     pub(super) applied: Option<String>,
 }
 

@@ -215,7 +215,7 @@ where
             namespace: self.namespace.clone().filter(|_| namespaced::<C>()),
             labels: w.labels.clone(),
             fields: w.fields.clone(),
-            trim: w.trim as usize,
+            trim: w.trim.as_ref().map(|t| t.key),
             applied: applied.clone(),
         };
         let (tx, rx) = futures::channel::mpsc::unbounded();
@@ -241,7 +241,7 @@ where
                 if let Some(f) = &w.fields {
                     cfg = cfg.fields(f);
                 }
-                let trim = w.trim;
+                let trim = w.trim.clone();
                 let (store, writer) = reflector::store();
                 let cache = Cache::new(store, Indexes::default());
                 let subscribers = Arc::new(Mutex::new(vec![tx]));
@@ -256,7 +256,9 @@ where
                                 keep_applied(o, manager);
                             }
                             o.managed_fields_mut().clear();
-                            trim(o);
+                            if let Some(t) = &trim {
+                                (t.apply)(o);
+                            }
                         }),
                 )
                 .for_each(move |ev| {
