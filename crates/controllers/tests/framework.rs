@@ -15,8 +15,8 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use opkit::{
-    Cleanup, Invalid, ManagerOptions, Plan, Reconciler, Registration, Registry, Requeue, Tuning, Watch,
-    Watches,
+    Cleanup, Deletion, Invalid, ManagerOptions, Plan, Reconciler, Registration, Registry, Requeue, Tuning,
+    Watch, Watches,
 };
 use opkit_testenv::{free_port, https_get, shared, tls_trusted, wait_for};
 use serde_json::json;
@@ -37,7 +37,8 @@ struct Probe {
 impl Reconciler for Probe {
     type Object = ConfigMap;
     type Caches = ();
-    type World = ();
+    /// The ConfigMap an annotation `delete` names.
+    type World = Option<ConfigMap>;
     type Status = serde_json::Value;
 
     fn name(&self) -> &'static str {
@@ -58,14 +59,26 @@ impl Reconciler for Probe {
 
     fn watch(&self, _: &mut Watches<ConfigMap>) {}
 
-    async fn observe(&self, cm: &ConfigMap, _: &(), _: &Client) -> kube::Result<()> {
+    async fn observe(&self, cm: &ConfigMap, _: &(), client: &Client) -> kube::Result<Option<ConfigMap>> {
         if cm.annotations().contains_key("hang") && !self.hung.swap(true, Ordering::SeqCst) {
             std::future::pending::<()>().await;
         }
-        Ok(())
+        match (cm.annotations().get("delete"), cm.namespace()) {
+            (Some(name), Some(ns)) => {
+                Api::<ConfigMap>::namespaced(client.clone(), &ns)
+                    .get_opt(name)
+                    .await
+            }
+            _ => Ok(None),
+        }
     }
 
-    fn plan(&self, cm: &ConfigMap, _: &(), _: Timestamp) -> Result<Plan<serde_json::Value>, Invalid> {
+    fn plan(
+        &self,
+        cm: &ConfigMap,
+        doomed: &Option<ConfigMap>,
+        _: Timestamp,
+    ) -> Result<Plan<serde_json::Value>, Invalid> {
         if cm.annotations().contains_key("panic") && !self.panicked.swap(true, Ordering::SeqCst) {
             panic!("probe {} asked to panic", cm.name_any());
         }
@@ -73,14 +86,17 @@ impl Reconciler for Probe {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(cm.name_any());
-        Ok(Plan::nothing(Requeue::OnChange))
+        Ok(match doomed {
+            Some(d) => Plan::nothing(Requeue::OnChange).delete_child(Deletion::of(d)),
+            None => Plan::nothing(Requeue::OnChange),
+        })
     }
 
     fn cleans_up(&self) -> bool {
         true
     }
 
-    fn cleanup(&self, _: &ConfigMap, _: &(), _: Timestamp) -> Cleanup<serde_json::Value> {
+    fn cleanup(&self, _: &ConfigMap, _: &Option<ConfigMap>, _: Timestamp) -> Cleanup<serde_json::Value> {
         Cleanup::done().call("release")
     }
 
@@ -157,6 +173,34 @@ async fn a_hung_reconcile_is_cancelled_counted_and_retried() {
                 }
             })
             .await
+        })
+        .await;
+}
+
+#[tokio::test]
+async fn a_plan_deletes_the_object_it_names_and_only_that_one() {
+    shared()
+        .in_namespace("plan-delete", |client, ns| async move {
+            let api: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
+            let plain = |name: &str| serde_json::from_value::<ConfigMap>(json!({"metadata": {"name": name}}));
+            api.create(&PostParams::default(), &plain("doomed")?).await?;
+            api.create(&PostParams::default(), &plain("bystander")?).await?;
+            let metrics = start(&client, &ns, Probe::default(), ManagerOptions::default()).await?;
+            probe(&client, &ns, "janitor", json!({"delete": "doomed"})).await?;
+            wait_for("the planned deletion", T, || async {
+                match api.get_opt("doomed").await? {
+                    None => Ok(()),
+                    Some(_) => Err(anyhow!("still there")),
+                }
+            })
+            .await?;
+            common::settled(&metrics.metrics_of("probe")).await?;
+            ensure!(
+                api.get_opt("bystander").await?.is_some(),
+                "only the named object goes"
+            );
+            ensure!(api.get_opt("janitor").await?.is_some(), "the primary stays");
+            Ok(())
         })
         .await;
 }

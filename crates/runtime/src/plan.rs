@@ -115,13 +115,15 @@ impl Deletion {
 /// [`crate::Reconciler::cleans_up`].
 pub const OWNER_LABEL: &str = "opkit.dev/owner-uid";
 
-/// What one reconcile should do, in the order opkit does it: children, orphan deletion,
-/// status, Events, the next look.
+/// What one reconcile should do, in the order opkit does it: children, deletions (asked for
+/// and of orphans), status, Events, the next look.
 #[derive(Debug)]
 #[non_exhaustive]
 pub struct Plan<S> {
     /// Objects to write; a no-op (nothing differs from the cache) costs no request.
     pub children: Vec<Child>,
+    /// Objects to delete, each only if it is still the one observed (its uid).
+    pub deletes: Vec<Deletion>,
     /// The status to apply; skipped when the live status already has every field of it.
     pub status: Option<S>,
     /// Events to publish after the writes succeeded; the plan emits them on changes only.
@@ -140,6 +142,7 @@ impl<S> Plan<S> {
     pub fn status(status: S, requeue: Requeue) -> Self {
         Plan {
             children: Vec::new(),
+            deletes: Vec::new(),
             status: Some(status),
             events: Vec::new(),
             requeue,
@@ -154,6 +157,7 @@ impl<S> Plan<S> {
     pub fn nothing(requeue: Requeue) -> Self {
         Plan {
             children: Vec::new(),
+            deletes: Vec::new(),
             status: None,
             events: Vec::new(),
             requeue,
@@ -166,6 +170,7 @@ impl<S> Plan<S> {
     pub fn delete() -> Self {
         Plan {
             children: Vec::new(),
+            deletes: Vec::new(),
             status: None,
             events: Vec::new(),
             requeue: Requeue::OnChange,
@@ -183,6 +188,15 @@ impl<S> Plan<S> {
     /// Adds an Event.
     pub fn event(mut self, event: Event) -> Self {
         self.events.push(event);
+        self
+    }
+
+    /// Deletes `d` after the children are written: a child that must go now rather than when
+    /// pruning finds it unproduced (a Pod to replace, a finished Job), or any object the
+    /// controller may delete. `Deletion::of` takes the observed object, whose uid is a
+    /// precondition: an object recreated under the same name meanwhile is left alone.
+    pub fn delete_child(mut self, d: Deletion) -> Self {
+        self.deletes.push(d);
         self
     }
 

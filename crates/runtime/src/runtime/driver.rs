@@ -328,6 +328,10 @@ impl<R: Reconciler> Runner<R> {
                     .await?;
             }
         }
+        for gone in &plan.deletes {
+            tracing::info!(child = gone.describe(), "deleting as planned");
+            self.writer.delete(gone).await?;
+        }
         if let Some(uid) = obj.uid() {
             for pruner in &self.pruners {
                 for child in pruner(&uid) {
