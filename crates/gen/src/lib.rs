@@ -4,7 +4,7 @@
 //! Prometheus rules and Grafana dashboards ([`monitoring`]). The runtime hands it typed
 //! objects; this crate owns the files and their YAML.
 
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 pub mod bundle;
 pub mod helm;

@@ -21,7 +21,7 @@
 //! YAML, no OpenTelemetry. opkit picks no Kubernetes version: enable one of k8s-openapi's
 //! `v1_*` features in the binary.
 
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 pub use opkit_runtime::*;
 

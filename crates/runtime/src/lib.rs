@@ -9,7 +9,7 @@
 //! features. Watching, caching, queueing and the reconcile loop itself are kube-runtime's
 //! `Controller`; opkit only wires them together the way an operator in production needs.
 
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 pub mod backoff;
 mod cache;

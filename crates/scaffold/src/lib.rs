@@ -6,7 +6,7 @@
 //! skipped), code is added to existing files only at `// +opkit:scaffold:` markers and only
 //! once, and the `PROJECT` file records what was scaffolded so a repeated `create api` is
 //! refused with a clear message.
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;

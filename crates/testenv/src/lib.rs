@@ -5,7 +5,7 @@
 //! Tests call [`shared`] for one cluster per test binary (or the long-lived one from
 //! `make testenv-up` when `KUBECONFIG` points at it) and [`TestNamespace`] for isolation.
 
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 mod binaries;
 pub mod cli;
