@@ -30,9 +30,9 @@ fmt: ## Format the code
 	cargo fmt --all
 
 # lint also packages the crates a project depends on or scaffolds with, as crates.io would take
-# them: each packaged (scripts, templates and versions.env inside) and built from its package
-# alone. A package carries no [profile]; without debug info its dependencies are those `make
-# test` compiles, built once.
+# them (scripts, templates and versions.env inside). opkit-scaffold is built from its package
+# here; the four a scaffolded project depends on are built from theirs by the scaffold test of
+# `make test`, so lint does not compile their dependency tree a second time.
 .PHONY: lint
 lint: ## Check formatting, clippy with warnings denied, that the runtime imports only downward, that opkit builds without its default features, the docs, and that the published crates package and build
 	cargo fmt --all --check
@@ -40,7 +40,8 @@ lint: ## Check formatting, clippy with warnings denied, that the runtime imports
 	cargo test -q -p opkit-runtime --test layers
 	cargo check -q -p opkit --no-default-features
 	RUSTDOCFLAGS="-D warnings" cargo doc --no-deps -q -p opkit -p opkit-runtime -p opkit-gen -p opkit-testenv -p opkit-scaffold
-	CARGO_PROFILE_DEV_DEBUG=false cargo package --locked --allow-dirty -q -p opkit -p opkit-runtime -p opkit-gen -p opkit-testenv -p opkit-scaffold
+	cargo package --locked --allow-dirty --no-verify -q -p opkit -p opkit-runtime -p opkit-gen -p opkit-testenv
+	CARGO_PROFILE_DEV_DEBUG=false cargo package --locked --allow-dirty -q -p opkit-scaffold
 
 .PHONY: fuzz
 fuzz: ## Fuzz the cron parser for FUZZ_SECONDS (default 120); needs a nightly toolchain and cargo-fuzz

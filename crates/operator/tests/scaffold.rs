@@ -513,7 +513,8 @@ async fn a_scaffolded_guestbook_builds_lints_and_passes_its_own_tests() -> anyho
 }
 
 /// `cargo package` of the crates a scaffolded project depends on, unpacked under `base`:
-/// (crate name, unpacked directory). `--no-verify`: `make lint` verifies them.
+/// (crate name, unpacked directory). `--no-verify`: the generated project builds them, which is
+/// their verification (`make lint` only packages them).
 fn packaged_crates(base: &Path) -> anyhow::Result<Vec<(String, PathBuf)>> {
     let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let target = base.join("package-target");
