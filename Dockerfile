@@ -25,7 +25,7 @@ ENTRYPOINT ["/opkit"]
 CMD ["run"]
 
 FROM runtime AS host
-COPY target/release/opkit /opkit
+COPY target/image/manager /opkit
 
 # One platform of `make docker-buildx` (crates/testenv/scripts/docker-buildx.sh): the binary
 # compiled for it on this machine.

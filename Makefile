@@ -162,13 +162,14 @@ bundle-build: ## Build the bundle image $(BUNDLE_IMG) with $(CONTAINER_TOOL)
 bundle-push: ## Push the bundle image $(BUNDLE_IMG)
 	$(CONTAINER_TOOL) push $(call insecure,$(BUNDLE_IMG)) $(BUNDLE_IMG)
 
+# The cargo profile of binaries built here for images (dev: a quick debug image).
+PROFILE ?= release
+
 .PHONY: docker-build
-docker-build: ## Build the operator image $(IMG) with $(CONTAINER_TOOL); BASE=local (or an unpullable base) builds on this machine's libraries
-	IMG=$(IMG) BASE=$(BASE) CONTAINER_TOOL=$(CONTAINER_TOOL) bash hack/docker-build.sh
+docker-build: ## Build the operator image $(IMG) with $(CONTAINER_TOOL); BASE=local (or an unpullable base) builds the $(PROFILE) binary here, on this machine's libraries
+	IMG=$(IMG) BASE=$(BASE) PROFILE=$(PROFILE) CONTAINER_TOOL=$(CONTAINER_TOOL) bash hack/docker-build.sh
 
 PLATFORMS ?= linux/amd64,linux/arm64
-# The cargo profile of docker-buildx's binaries (dev: a quick debug image).
-PROFILE ?= release
 
 .PHONY: docker-buildx
 docker-buildx: ## Build and push the operator image $(IMG) for each of $(PLATFORMS) as one multi-architecture image (binaries cross-compiled here; PROFILE=dev for debug ones)

@@ -57,7 +57,12 @@ async fn docker_build_load_and_make_deploy_run_the_operator_in_the_cluster() {
     let img = format!("{registry}/{IMG_NAME}");
     cluster
         .in_namespace("in-cluster", |client, ns| async move {
-            let built = make(&kubeconfig, &["docker-build", &format!("IMG={img}")])?;
+            // The debug binary the tests already built (a release build would be a second
+            // dependency tree; `make docker-build` builds release by default).
+            let built = make(
+                &kubeconfig,
+                &["docker-build", &format!("IMG={img}"), "PROFILE=dev"],
+            )?;
             println!(
                 "{}",
                 built
