@@ -178,6 +178,38 @@ async fn a_hung_reconcile_is_cancelled_counted_and_retried() {
 }
 
 #[tokio::test]
+async fn a_finalizer_another_manager_also_lists_is_still_removed() {
+    shared()
+        .in_namespace("shared-finalizer", |client, ns| async move {
+            let api: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
+            // Created from a manifest that already lists opkit's finalizer (an export, a
+            // GitOps repository, a restore): that field manager owns the entry too.
+            let manifest = json!({
+                "apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": "exported", "labels": {"opkit-probe": "yes"}, "finalizers": ["opkit.dev/probe"]}
+            });
+            api.patch("exported", &PatchParams::apply("gitops"), &Patch::Apply(&manifest))
+                .await?;
+            let metrics = start(&client, &ns, Probe::default(), ManagerOptions::default()).await?;
+            wait_for("the probe to be planned", T, || async {
+                let planned = r#"opkit_reconcile_total{controller="probe",result="success"}"#;
+                ensure!(metrics.sample(planned) >= 1.0, "not yet");
+                Ok(())
+            })
+            .await?;
+            api.delete("exported", &DeleteParams::default()).await?;
+            wait_for("the object to be gone", T, || async {
+                match api.get_opt("exported").await? {
+                    None => Ok(()),
+                    Some(cm) => Err(anyhow!("finalizers {:?}", cm.finalizers())),
+                }
+            })
+            .await
+        })
+        .await;
+}
+
+#[tokio::test]
 async fn a_plan_deletes_the_object_it_names_and_only_that_one() {
     shared()
         .in_namespace("plan-delete", |client, ns| async move {

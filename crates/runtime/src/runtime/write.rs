@@ -272,10 +272,47 @@ impl Writer {
         let api: Api<K> = api(self.ctx.client(), obj.namespace().as_deref());
         let pp = PatchParams::apply(&format!("{}-finalizer", self.ctx.field_manager())).force();
         self.ctx.may_write("finalizer")?;
-        match api.patch(&obj.name_any(), &pp, &Patch::Apply(&body)).await {
-            Ok(_) => Ok(()),
+        let after = match api.patch(&obj.name_any(), &pp, &Patch::Apply(&body)).await {
+            Ok(after) => after,
             // Removing from an object that is already gone.
-            Err(kube::Error::Api(s)) if s.code == 404 && !present => Ok(()),
+            Err(kube::Error::Api(s)) if s.code == 404 && !present => return Ok(()),
+            Err(source) => return Err(Error::Finalizer { source }),
+        };
+        let listed = after.finalizers().iter().position(|f| f == finalizer);
+        match (present, listed) {
+            // Applying the list without it only gives up opkit's ownership: another field
+            // manager that also lists it (a manifest that carried it: an export, GitOps, a
+            // restore) keeps it there. Take it out of the list itself, at the index read.
+            (false, Some(i)) => self.remove_finalizer(&api, &obj.name_any(), finalizer, i).await,
+            _ => Ok(()),
+        }
+    }
+
+    /// Removes `finalizer` at index `i` of the object's finalizers, only if it is still there
+    /// (a JSON Patch test): a list changed meanwhile fails and the reconcile tries again.
+    async fn remove_finalizer<K: Watchable>(
+        &self,
+        api: &Api<K>,
+        name: &str,
+        finalizer: &str,
+        i: usize,
+    ) -> Result<(), Error> {
+        let path = format!("/metadata/finalizers/{i}");
+        let patch: json_patch::Patch = serde_json::from_value(serde_json::json!([
+            {"op": "test", "path": path, "value": finalizer},
+            {"op": "remove", "path": path},
+        ]))?;
+        tracing::info!(
+            finalizer,
+            "the finalizer is also listed by another field manager: removing it from the list"
+        );
+        self.ctx.may_write("finalizer")?;
+        match api
+            .patch(name, &PatchParams::default(), &Patch::<()>::Json(patch))
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
             Err(source) => Err(Error::Finalizer { source }),
         }
     }
