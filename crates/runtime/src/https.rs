@@ -233,12 +233,13 @@ impl Drop for Registered {
     }
 }
 
-/// Serves `app` over TLS on `listener` until `shutdown` and its grace period, within `limits`;
-/// the task ends once every connection has (each given `drain` after the grace period).
+/// Serves `app` over TLS (plain HTTP without an `acceptor`: the probe port) on `listener`
+/// until `shutdown` and its grace period, within `limits`; the task ends once every connection
+/// has (each given `drain` after the grace period).
 pub(crate) fn serve(
     what: &'static str,
     listener: tokio::net::TcpListener,
-    acceptor: tokio_rustls::TlsAcceptor,
+    acceptor: Option<tokio_rustls::TlsAcceptor>,
     app: Router,
     limits: Limits,
     shutdown: CancellationToken,
@@ -326,7 +327,7 @@ pub(crate) fn serve(
 #[derive(Clone)]
 struct Server {
     what: &'static str,
-    acceptor: tokio_rustls::TlsAcceptor,
+    acceptor: Option<tokio_rustls::TlsAcceptor>,
     app: Router,
     limits: Limits,
     conns: Arc<Connections>,
@@ -352,7 +353,11 @@ impl Server {
             io: stream,
             activity: activity.clone(),
         };
-        let tls = match tokio::time::timeout(limits.handshake, self.acceptor.accept(stream)).await {
+        let Some(acceptor) = self.acceptor.clone() else {
+            // Plain HTTP: the first request's headers are due as a TLS handshake would be.
+            return self.serve_io(stream, false, activity, opened, closing).await;
+        };
+        let tls = match tokio::time::timeout(limits.handshake, acceptor.accept(stream)).await {
             Ok(Ok(t)) => t,
             Ok(Err(e)) => {
                 tracing::debug!(server = what, error = %e, "TLS handshake failed");
@@ -364,6 +369,22 @@ impl Server {
             }
         };
         let http2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
+        self.serve_io(tls, http2, activity, opened, closing).await
+    }
+
+    /// Serves the HTTP of one connection (after its TLS handshake, if any); see
+    /// [`Server::connection`].
+    async fn serve_io<IO>(
+        self,
+        io: IO,
+        http2: bool,
+        activity: Arc<Activity>,
+        opened: Instant,
+        closing: Option<CancellationToken>,
+    ) where
+        IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let (what, limits) = (self.what, self.limits);
         // The first request is on its way: its headers must come within the header timeout.
         activity.set_since(Instant::now());
         activity.reading.store(true, Ordering::Release);
@@ -408,7 +429,7 @@ impl Server {
         } else {
             builder.http1_only()
         };
-        let conn = builder.serve_connection(hyper_util::rt::TokioIo::new(tls), svc);
+        let conn = builder.serve_connection(hyper_util::rt::TokioIo::new(io), svc);
         tokio::pin!(conn);
         let closing = async {
             match &closing {
@@ -570,7 +591,7 @@ pub(crate) mod tests {
         )
         .unwrap();
         let app = Router::new().route("/", axum::routing::get(|| async { "ok" }));
-        serve("test", listener, acceptor, app, limits, shutdown.clone());
+        serve("test", listener, Some(acceptor), app, limits, shutdown.clone());
         (cert.ca_pem, port, shutdown)
     }
 

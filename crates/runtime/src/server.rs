@@ -183,19 +183,13 @@ fn spawn_tls(
         ),
     };
     let acceptor = crate::tls::acceptor(&certs, false, "metrics", &shutdown)?;
-    let limits = crate::https::Limits {
-        connections: 64,
-        handshake: Duration::from_secs(10),
-        headers: Duration::from_secs(10),
-        idle: crate::https::IDLE,
-        reclaim: crate::https::RECLAIM,
-        age: Duration::from_secs(120),
-        drain: Duration::from_secs(10),
-        grace: Duration::ZERO,
-        http2: false,
-    };
     Ok(crate::https::serve(
-        "metrics", listener, acceptor, app, limits, shutdown,
+        "metrics",
+        listener,
+        Some(acceptor),
+        app,
+        limits(),
+        shutdown,
     ))
 }
 
@@ -229,15 +223,33 @@ async fn bind(what: &'static str, addr: SocketAddr) -> Result<tokio::net::TcpLis
         .map_err(|source| ServeError::Bind { what, addr, source })
 }
 
-fn spawn(listener: tokio::net::TcpListener, app: Router, shutdown: CancellationToken) -> JoinHandle<()> {
-    tokio::spawn(async move {
-        let r = axum::serve(listener, app)
-            .with_graceful_shutdown(async move { shutdown.cancelled().await })
-            .await;
-        if let Err(e) = r {
-            tracing::error!(error = %e, "http server failed");
-        }
-    })
+/// What one client may cost the manager's endpoints: any Pod can connect to them (the
+/// NetworkPolicy admits the probe port from anywhere), and the kubelet, Prometheus and the
+/// webhooks' apiserver share the process. At most 64 connections; a silent one is dropped
+/// after 10 s, an idle one after [`crate::https::IDLE`], and an idle one gives its slot up to
+/// a new one when all are taken.
+fn limits() -> crate::https::Limits {
+    crate::https::Limits {
+        connections: 64,
+        handshake: Duration::from_secs(10),
+        headers: Duration::from_secs(10),
+        idle: crate::https::IDLE,
+        reclaim: crate::https::RECLAIM,
+        age: Duration::from_secs(120),
+        drain: Duration::from_secs(10),
+        grace: Duration::ZERO,
+        http2: false,
+    }
+}
+
+/// Serves `app` over plain HTTP within [`limits`].
+fn spawn(
+    what: &'static str,
+    listener: tokio::net::TcpListener,
+    app: Router,
+    shutdown: CancellationToken,
+) -> JoinHandle<()> {
+    crate::https::serve(what, listener, None, app, limits(), shutdown)
 }
 
 pub(crate) async fn serve(
@@ -263,7 +275,7 @@ pub(crate) async fn serve(
             }
             None => {
                 tracing::info!(%addr, "serving /metrics");
-                handles.push(spawn(l, app, shutdown.clone()));
+                handles.push(spawn("metrics", l, app, shutdown.clone()));
             }
         }
     }
@@ -274,7 +286,63 @@ pub(crate) async fn serve(
             .route("/readyz", get(readyz))
             .with_state(Arc::new(readiness));
         tracing::info!(%addr, "serving /healthz and /readyz");
-        handles.push(spawn(l, app, shutdown));
+        handles.push(spawn("health", l, app, shutdown));
     }
     Ok(handles)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// The status line of `GET path` on a new connection to `addr`.
+    async fn get(addr: SocketAddr, path: &str) -> std::io::Result<String> {
+        let mut s = tokio::net::TcpStream::connect(addr).await?;
+        let req = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        s.write_all(req.as_bytes()).await?;
+        let mut out = String::new();
+        s.read_to_string(&mut out).await?;
+        Ok(out.lines().next().unwrap_or_default().to_string())
+    }
+
+    #[tokio::test]
+    async fn silent_connections_cannot_starve_the_probe_port() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+        let shutdown = CancellationToken::new();
+        let _stop = shutdown.clone().drop_guard();
+        let at = Endpoints {
+            metrics: None,
+            health: Some(addr),
+            metrics_cert_dir: None,
+        };
+        let ready = vec![("c", Arc::new(AtomicBool::new(true)))];
+        serve(at, Metrics::default(), None, ready, shutdown.clone())
+            .await
+            .unwrap();
+        // More silent connections than the port serves at once (any Pod may open them).
+        let mut silent = Vec::new();
+        for _ in 0..limits().connections + 20 {
+            silent.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+        }
+        // The kubelet's probe is still answered, once the silent ones are dropped.
+        let started = std::time::Instant::now();
+        let status = tokio::time::timeout(limits().headers * 3, get(addr, "/healthz"))
+            .await
+            .expect("answered while silent connections were held")
+            .unwrap();
+        assert!(status.starts_with("HTTP/1.1 200"), "{status}");
+        assert!(started.elapsed() < limits().headers * 3);
+        // The first silent connection was closed by the server, not kept.
+        let mut buf = [0u8; 1];
+        let read = tokio::time::timeout(limits().headers * 2, silent[0].read(&mut buf))
+            .await
+            .expect("the server closed the silent connection");
+        assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+    }
 }

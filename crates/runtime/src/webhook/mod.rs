@@ -611,7 +611,7 @@ pub async fn serve(
     Ok(crate::https::serve(
         "webhook",
         listener,
-        acceptor,
+        Some(acceptor),
         webhooks.router(),
         conns,
         shutdown,
