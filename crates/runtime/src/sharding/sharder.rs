@@ -122,9 +122,11 @@ pub(crate) async fn run<K>(
     // When each silent member's Lease was last tried to be taken.
     let mut fenced_at: HashMap<String, Instant> = HashMap::new();
     let mut pruned_at = Instant::now();
-    // Objects whose label write failed for another reason than a change (a timeout, a 5xx):
-    // decided on again from this time on, for no watch event will come for them.
+    // Objects whose label write failed for another reason than a change (a timeout, a 5xx, a
+    // 403 or a policy's denial): decided on again from this time on, for no watch event will
+    // come for them; each failure in a row doubles the wait.
     let mut retry: Vec<(Instant, String)> = Vec::new();
+    let mut failures: HashMap<String, u32> = HashMap::new();
     // Reads of the Lease of a member named by an object's label but not seen by this
     // sharder's watch (see `admit`).
     let mut lookups: futures::stream::FuturesUnordered<futures::future::BoxFuture<'static, Lookup>> =
@@ -157,7 +159,7 @@ pub(crate) async fn run<K>(
                 None => return,
             },
             Some((key, m, ok)) = inflight.next(), if !inflight.is_empty() => {
-                answered(&mut st, (&mut pending, &mut deferred, &mut retry), key, m, ok, &metrics, &mut moved.0);
+                answered(&mut st, (&mut pending, &mut deferred, &mut retry, &mut failures), key, m, ok, &metrics, &mut moved.0);
                 false
             }
             Some(found) = lookups.next(), if !lookups.is_empty() => {
@@ -182,7 +184,7 @@ pub(crate) async fn run<K>(
             } else if let Some(Some((key, m, ok))) = inflight.next().now_or_never() {
                 answered(
                     &mut st,
-                    (&mut pending, &mut deferred, &mut retry),
+                    (&mut pending, &mut deferred, &mut retry, &mut failures),
                     key,
                     m,
                     ok,
@@ -284,6 +286,7 @@ pub(crate) async fn run<K>(
             pruned_at = now;
             st.prune();
             fenced_at.retain(|m, _| st.members.knows(m));
+            failures.retain(|k, _| st.objects.contains_key(k));
         }
         let due = retry.iter().filter(|(t, _)| *t <= now).count();
         if due > 0 {
@@ -354,18 +357,31 @@ pub(crate) async fn run<K>(
 /// was sent, and its Lease as read (`None`: there is none).
 type Lookup = (Arc<str>, u64, Result<Option<Lease>, kube::Error>);
 
-/// Objects with a write in flight, those that changed meanwhile, and those to retry.
+/// Objects with a write in flight, those that changed meanwhile, those to retry, and the
+/// failures in a row of each.
 type Bookkeeping<'a> = (
     &'a mut HashSet<String>,
     &'a mut HashSet<String>,
     &'a mut Vec<(Instant, String)>,
+    &'a mut HashMap<String, u32>,
 );
 
+/// The longest wait before a label write that keeps failing is tried again.
+const RETRY_MAX: Duration = Duration::from_secs(300);
+
+/// How long to wait after the `n`th failure in a row of an object's label write: 1 s, doubled
+/// per failure up to [`RETRY_MAX`], so that a write refused for good (no RBAC for it, a
+/// policy's denial) costs a few requests an hour, not one a second per object.
+fn retry_after(n: u32) -> Duration {
+    Duration::from_secs(1u64 << n.saturating_sub(1).min(16)).min(RETRY_MAX)
+}
+
 /// Takes a label write's answer in: `Some(true)` written, `Some(false)` refused for a change
-/// (its event decides again), `None` failed otherwise (decided on again in a second).
+/// (its event decides again), `None` failed otherwise (decided on again after
+/// [`retry_after`]).
 fn answered(
     st: &mut State,
-    (pending, deferred, retry): Bookkeeping<'_>,
+    (pending, deferred, retry, failures): Bookkeeping<'_>,
     key: String,
     m: Move,
     ok: Option<bool>,
@@ -377,9 +393,18 @@ fn answered(
         st.dirty.insert(key.clone());
     }
     match ok {
-        Some(true) => st.written(&key, m, metrics, moved),
-        Some(false) => {}
-        None => retry.push((Instant::now() + Duration::from_secs(1), key)),
+        Some(true) => {
+            failures.remove(&key);
+            st.written(&key, m, metrics, moved)
+        }
+        Some(false) => {
+            failures.remove(&key);
+        }
+        None => {
+            let n = failures.entry(key.clone()).or_default();
+            *n = n.saturating_add(1);
+            retry.push((Instant::now() + retry_after(*n), key));
+        }
     }
 }
 
@@ -685,6 +710,49 @@ mod tests {
     use crate::sharding::MEMBER_LABEL;
     use k8s_openapi::api::core::v1::ConfigMap;
     use watcher::Event;
+
+    #[test]
+    fn a_label_write_that_keeps_failing_waits_twice_as_long_each_time_and_starts_over_once_written() {
+        assert_eq!(
+            (1..=4).map(retry_after).collect::<Vec<_>>(),
+            [1, 2, 4, 8].map(Duration::from_secs)
+        );
+        assert_eq!(retry_after(40), RETRY_MAX);
+        let mut st = State::default();
+        let (mut pending, mut deferred) = (HashSet::new(), HashSet::new());
+        let (mut retry, mut failures) = (Vec::new(), HashMap::new());
+        let metrics = crate::metrics::Metrics::default().for_controller("c");
+        let mut moved = Moves::default();
+        let started = Instant::now();
+        for _ in 0..5 {
+            let books = (&mut pending, &mut deferred, &mut retry, &mut failures);
+            answered(
+                &mut st,
+                books,
+                "ns/o".into(),
+                Move::Drain,
+                None,
+                &metrics,
+                &mut moved,
+            );
+        }
+        // Each retry was scheduled further out than the one before.
+        let waits: Vec<Duration> = retry.iter().map(|(t, _)| t.duration_since(started)).collect();
+        assert!(waits.windows(2).all(|w| w[1] > w[0]), "{waits:?}");
+        assert!(waits[4] >= Duration::from_secs(16), "{waits:?}");
+        assert_eq!(failures["ns/o"], 5);
+        let books = (&mut pending, &mut deferred, &mut retry, &mut failures);
+        answered(
+            &mut st,
+            books,
+            "ns/o".into(),
+            Move::Drain,
+            Some(false),
+            &metrics,
+            &mut moved,
+        );
+        assert!(failures.is_empty(), "an answer other than a failure starts over");
+    }
 
     fn meta(ns: &str, name: &str) -> PartialObjectMeta<ConfigMap> {
         let mut o = PartialObjectMeta::<ConfigMap>::default();
