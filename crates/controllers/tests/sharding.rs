@@ -454,85 +454,42 @@ async fn new_objects_are_placed_as_they_are_created_and_a_stranger_s_label_is_re
         .await;
 }
 
-/// Writes (PATCH) of the operator that the apiserver refused (403 or 422: a policy's denial).
-fn refused_patches(op: &Operator) -> f64 {
-    op.encoded()
-        .lines()
-        .filter(|l| {
-            l.starts_with("rest_client_requests_total{")
-                && (l.contains("code=\"403\"") || l.contains("code=\"422\""))
-                && l.contains("method=\"PATCH\"")
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 #[tokio::test]
 async fn a_label_write_refused_for_good_is_retried_less_and_less_often() {
-    use k8s_openapi::api::admissionregistration::v1::{
-        ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
-    };
+    use opkit_testenv::proxy::{Fault, FaultProxy};
     shared()
         .in_namespace("sharding-refused", |client, ns| async move {
-            // A policy refuses any shard label on the Memcached "refused" in this namespace,
-            // as a policy engine or a missing permission would, for good.
-            let name = format!("{ns}-no-shard-label");
-            let shard = shard_label(memcached::NAME);
-            let policy: ValidatingAdmissionPolicy = serde_json::from_value(json!({
-                "metadata": {"name": name},
-                "spec": {
-                    "failurePolicy": "Fail",
-                    "matchConstraints": {"resourceRules": [{
-                        "apiGroups": ["cache.example.com"], "apiVersions": ["*"],
-                        "resources": ["memcacheds"], "operations": ["UPDATE"]
-                    }]},
-                    "validations": [{
-                        "expression": format!(
-                            "object.metadata.name != 'refused' || !has(object.metadata.labels) || !('{shard}' in object.metadata.labels)"
-                        ),
-                        "message": "no shard label here"
-                    }]
-                }
-            }))?;
-            let binding: ValidatingAdmissionPolicyBinding = serde_json::from_value(json!({
-                "metadata": {"name": name},
-                "spec": {
-                    "policyName": name,
-                    "validationActions": ["Deny"],
-                    "matchResources": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}}
-                }
-            }))?;
-            let policies: Api<ValidatingAdmissionPolicy> = Api::all(client.clone());
-            let bindings: Api<ValidatingAdmissionPolicyBinding> = Api::all(client.clone());
-            policies.create(&PostParams::default(), &policy).await?;
-            bindings.create(&PostParams::default(), &binding).await?;
-            let a = member(&client, &ns, "r_1").await?;
+            // The member reaches the apiserver through a proxy that refuses every write but
+            // its Leases' with 403, as a missing permission or a policy engine would, for good.
+            let proxy = FaultProxy::start(client.clone()).await?;
+            let through = kube::Client::try_from(proxy.config())?;
+            let a = member(&through, &ns, "r_1").await?;
+            proxy.set_sparing(Fault::Status(403), Fault::Pass, Some("/leases"));
             let mcs: Api<Memcached> = Api::namespaced(client.clone(), &ns);
-            // The policy is in force once the apiserver refuses a label on a probe object.
             mcs.create(&PostParams::default(), &memcached("refused", json!({}))?)
                 .await?;
-            let first = wait_for("the first refused label write", T, || async {
-                let n = refused_patches(&a);
-                ensure!(n >= 1.0, "none yet");
+            let first = wait_for("the sharder's first refused label write", T, || async {
+                ensure!(proxy.faulted() >= 1, "none yet");
                 Ok(std::time::Instant::now())
             })
             .await?;
+            let at_first = proxy.faulted();
             // Refused for good: retried after 1, 2, 4 and 8 s (5 attempts in 16 s), where a
             // retry every second would make 16.
-            let at_first = refused_patches(&a);
             tokio::time::sleep(Duration::from_secs(16).saturating_sub(first.elapsed())).await;
-            let attempts = refused_patches(&a) - at_first + 1.0;
+            let attempts = proxy.faulted() - at_first + 1;
+            println!("{attempts} refused label writes in 16 s");
             ensure!(
-                (3.0..=7.0).contains(&attempts),
+                (3..=7).contains(&attempts),
                 "{attempts} refused label writes in 16 s (want 5: a backoff of 1, 2, 4, 8 s)"
             );
+            let shard = shard_label(memcached::NAME);
             ensure!(
                 mcs.get("refused").await?.labels().get(&shard).is_none(),
-                "the policy held"
+                "the refusal held"
             );
+            proxy.set(Fault::Pass, Fault::Pass);
             a.stop().await;
-            bindings.delete(&name, &Default::default()).await?;
-            policies.delete(&name, &Default::default()).await?;
             Ok(())
         })
         .await;
