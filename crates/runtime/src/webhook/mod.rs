@@ -674,19 +674,12 @@ mod tests {
         let hooks = Webhooks::new()
             .mutating(rule("/m"), called)
             .validating(rule("/v"), called);
-        let review = || -> AdmissionRequest<DynamicObject> {
-            let r: AdmissionReview<DynamicObject> = serde_json::from_value(serde_json::json!({
-                "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
-                "request": {
-                    "uid": "u1", "name": "c", "namespace": "ns", "operation": "CREATE", "userInfo": {},
-                    "kind": {"group": "", "version": "v1", "kind": "ConfigMap"},
-                    "resource": {"group": "", "version": "v1", "resource": "configmaps"},
-                    // Not a ConfigMap: data values are strings.
-                    "object": {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c"}, "data": {"a": 1}}
-                }
-            }))
-            .unwrap();
-            r.try_into().unwrap()
+        // Not a ConfigMap: data values are strings.
+        let review = || {
+            creating(
+                ("", "ConfigMap", "configmaps"),
+                serde_json::json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c"}, "data": {"a": 1}}),
+            )
         };
         let m = (hooks.handlers["/m"])(review()).await;
         assert!(
@@ -720,22 +713,35 @@ mod tests {
         assert_eq!(patched, serde_json::to_value(&defaulted).unwrap());
     }
 
+    /// The request to create `object` (named by its metadata) of (group, kind, resource) v1 in
+    /// namespace `ns`, as the apiserver sends it.
+    fn creating(
+        (group, kind, resource): (&str, &str, &str),
+        object: serde_json::Value,
+    ) -> AdmissionRequest<DynamicObject> {
+        let review: AdmissionReview<DynamicObject> = serde_json::from_value(serde_json::json!({
+            "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+            "request": {
+                "uid": "u1", "name": object["metadata"]["name"], "namespace": "ns", "operation": "CREATE",
+                "userInfo": {},
+                "kind": {"group": group, "version": "v1", "kind": kind},
+                "resource": {"group": group, "version": "v1", "resource": resource},
+                "object": object
+            }
+        }))
+        .unwrap();
+        review.try_into().unwrap()
+    }
+
     #[tokio::test]
     async fn an_invalid_verdict_is_a_422_with_a_cause_per_field() {
         let hooks = Webhooks::new().handle::<DynamicObject, _, _>("/v", |_| async {
             Verdict::invalid("spec.size", "must be at least 1").and_invalid("spec.image", "must not be empty")
         });
-        let review: AdmissionReview<DynamicObject> = serde_json::from_value(serde_json::json!({
-            "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
-            "request": {
-                "uid": "u1", "name": "m", "namespace": "ns", "operation": "CREATE", "userInfo": {},
-                "kind": {"group": "cache.example.com", "version": "v1", "kind": "Memcached"},
-                "resource": {"group": "cache.example.com", "version": "v1", "resource": "memcacheds"},
-                "object": {"apiVersion": "cache.example.com/v1", "kind": "Memcached", "metadata": {"name": "m"}}
-            }
-        }))
-        .unwrap();
-        let req: AdmissionRequest<DynamicObject> = review.try_into().unwrap();
+        let req = creating(
+            ("cache.example.com", "Memcached", "memcacheds"),
+            serde_json::json!({"apiVersion": "cache.example.com/v1", "kind": "Memcached", "metadata": {"name": "m"}}),
+        );
         let resp = (hooks.handlers["/v"])(req).await;
         let v = serde_json::to_value(resp.into_review()).unwrap();
         let (r, status) = (&v["response"], &v["response"]["status"]);
