@@ -154,7 +154,7 @@ async fn the_apiserver_calls_the_webhooks_and_kubectl_shows_their_answers() {
             ensure!(
                 post(
                     port,
-                    "/validate-cnat-programming-kubernetes-info-at",
+                    "/validate-cnat-programming-kubernetes-info-v1alpha1-at",
                     &ca,
                     "{not json"
                 )
@@ -164,7 +164,7 @@ async fn the_apiserver_calls_the_webhooks_and_kubectl_shows_their_answers() {
             ensure!(
                 post(
                     port,
-                    "/validate-cnat-programming-kubernetes-info-at",
+                    "/validate-cnat-programming-kubernetes-info-v1alpha1-at",
                     &ca,
                     "{\"kind\":\"AdmissionReview\"}"
                 )
@@ -184,7 +184,7 @@ async fn the_apiserver_calls_the_webhooks_and_kubectl_shows_their_answers() {
             op.0.wait()?;
             let (ok, out) = apply(&ns, &at("later", "2030-01-01T00:00:00Z"))?;
             ensure!(
-                !ok && out.contains("failed calling webhook") && out.contains("vat.opkit.dev"),
+                !ok && out.contains("failed calling webhook") && out.contains("vat.cnat.programming-kubernetes.info"),
                 "admitted with the webhook down, or refused for another reason: {out}"
             );
             let (ok, out) = apply(&ns, &eru("range2", "61 * * * *", "web"))?;
@@ -205,7 +205,7 @@ async fn connect(c: &tokio_rustls::TlsConnector, port: u16) -> anyhow::Result<Tl
     Ok(c.connect("127.0.0.1".try_into()?, tcp).await?)
 }
 
-const AT_PATH: &str = "/validate-cnat-programming-kubernetes-info-at";
+const AT_PATH: &str = "/validate-cnat-programming-kubernetes-info-v1alpha1-at";
 
 /// Sends headers for a 1000-byte body, then one byte every half second, again and again.
 async fn slow_sender(c: tokio_rustls::TlsConnector, port: u16, stop: tokio_util::sync::CancellationToken) {

@@ -954,8 +954,6 @@ pub fn create_webhook(args: &WebhookArgs) -> anyhow::Result<Report> {
         }
     }
     let mut vars = vars_of(&project, &res);
-    let scope = if entry.namespaced { "Namespaced" } else { "Cluster" };
-    vars.insert("rule_scope", scope.into());
     let mut r = Report::default();
     if admission {
         let (mut chain, mut handlers) = (String::new(), String::new());
@@ -1215,7 +1213,7 @@ mod tests {
         })
         .unwrap();
         let hooks = read(&d, "crates/controllers/src/tenant_webhook.rs");
-        assert_eq!(hooks.matches("scope: RuleScope::Cluster,").count(), 2, "{hooks}");
+        assert_eq!(hooks.matches("Rule::").count(), 2, "{hooks}");
         // A second version keeps the kind's scope without the flag; a contradiction is refused.
         let mut a = api_args("--group infra --version v2 --kind Tenant");
         a.dir = d.clone();
@@ -1361,7 +1359,6 @@ mod tests {
             "webhook_handlers",
             "opkit_version",
             "patch",
-            "rule_scope",
             "rust_path",
             "api_version",
             "spoke",

@@ -4,7 +4,7 @@
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::Client;
 use kube::core::admission::Operation;
-use opkit::webhook::{FailurePolicy, Review, Rule, RuleScope, Verdict, Webhooks};
+use opkit::webhook::{FailurePolicy, Review, Rule, Verdict, Webhooks};
 use opkit_api::at::{At, Phase};
 
 /// How far in the past an At may be scheduled when created. Generous on purpose: the book's
@@ -61,20 +61,12 @@ pub fn validate_at(review: &Review<At>, now: Timestamp) -> Verdict {
 
 /// Adds the At webhooks.
 pub fn webhooks(w: Webhooks, _: &Client) -> Webhooks {
-    let rule = Rule {
-        name: "vat.opkit.dev",
-        path: "/validate-cnat-programming-kubernetes-info-at",
-        group: "cnat.programming-kubernetes.info",
-        versions: &["v1alpha1"],
-        resource: "ats",
-        operations: &["CREATE", "UPDATE"],
+    let rule = Rule::validating::<At>()
         // Fail: what this refuses cannot be put right afterwards. An At scheduled years in the
         // past (a mistyped year) runs its command at once, and a spec changed after the run no
         // longer says what ran. No At runs while the operator is down anyway, so refusing
         // meanwhile costs a retry; deletes are not sent here.
-        failure_policy: FailurePolicy::Fail,
-        scope: RuleScope::Namespaced,
-    };
+        .failure_policy(FailurePolicy::Fail);
     w.validating::<At, _, _>(
         rule,
         |r: Review<At>| async move { validate_at(&r, Timestamp::now()) },

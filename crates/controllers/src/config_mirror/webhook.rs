@@ -3,7 +3,7 @@
 //! objects stored while the webhook was not there.
 use kube::Client;
 use kube::core::admission::Operation;
-use opkit::webhook::{FailurePolicy, Review, Rule, RuleScope, Verdict, Webhooks};
+use opkit::webhook::{FailurePolicy, Review, Rule, Verdict, Webhooks};
 use opkit_api::config_mirror::{ConfigMirror, ConfigMirrorSpec};
 
 use super::select;
@@ -18,19 +18,11 @@ pub fn validate_spec(spec: &ConfigMirrorSpec) -> Result<(), String> {
 
 /// Adds the ConfigMirror webhook.
 pub fn webhooks(w: Webhooks, _: &Client) -> Webhooks {
-    let rule = Rule {
-        name: "vconfigmirror.opkit.dev",
-        path: "/validate-mirror-opkit-dev-configmirror",
-        group: "mirror.opkit.dev",
-        versions: &["v1alpha1"],
-        resource: "configmirrors",
-        operations: &["CREATE", "UPDATE"],
+    let rule = Rule::validating::<ConfigMirror>()
         // Fail: an invalid selector stored while the operator is down would only be reported
         // later, as a condition; refusing it then costs nothing but a retry.
-        failure_policy: FailurePolicy::Fail,
-        scope: RuleScope::Cluster,
-    };
-    w.validating::<ConfigMirror, _, _>(rule, |r: Review<ConfigMirror>| async move {
+        .failure_policy(FailurePolicy::Fail);
+    w.validating(rule, |r: Review<ConfigMirror>| async move {
         match (&r.operation, &r.object, &r.old_object) {
             // An update that leaves the spec alone (the finalizer coming off, a label) is never
             // refused: a mirror stored with a bad selector must still be deletable.

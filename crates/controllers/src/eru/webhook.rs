@@ -3,7 +3,7 @@
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::jiff::Timestamp;
 use kube::{Api, Client};
-use opkit::webhook::{FailurePolicy, Review, Rule, RuleScope, Verdict, Webhooks};
+use opkit::webhook::{FailurePolicy, Review, Rule, Verdict, Webhooks};
 use opkit_api::eru::Eru;
 
 /// Checks an Eru's schedule and time zone fully; `deployment_exists` answers for the target.
@@ -22,21 +22,13 @@ pub fn validate_eru(eru: &Eru, deployment_exists: Option<bool>) -> Verdict {
 
 /// Adds the Eru webhooks.
 pub fn webhooks(w: Webhooks, client: &Client) -> Webhooks {
-    let rule = Rule {
-        name: "veru.opkit.dev",
-        path: "/validate-mtsre-meitu-com-eru",
-        group: "mtsre.meitu.com",
-        versions: &["v1"],
-        resource: "erus",
-        operations: &["CREATE", "UPDATE"],
+    let rule = Rule::validating::<Eru>()
         // Ignore: the controller checks the same spec and reports an impossible schedule as a
         // condition and a Warning Event; nothing restarts off schedule, so an outage only moves
         // the message from `kubectl apply` to `kubectl describe`.
-        failure_policy: FailurePolicy::Ignore,
-        scope: RuleScope::Namespaced,
-    };
+        .failure_policy(FailurePolicy::Ignore);
     let client = client.clone();
-    w.validating::<Eru, _, _>(rule, move |r: Review<Eru>| {
+    w.validating(rule, move |r: Review<Eru>| {
         let client = client.clone();
         async move {
             let Some(eru) = &r.object else {

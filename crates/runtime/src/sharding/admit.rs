@@ -25,7 +25,7 @@ use kube::{Resource, ResourceExt};
 
 use super::{GROUP_LABEL, Members, Ring, member_of, ring, shard_label};
 use crate::kind::Watchable;
-use crate::webhook::{FailurePolicy, Review, Rule, RuleScope, Verdict, Webhooks};
+use crate::webhook::{FailurePolicy, Review, Rule, Verdict, Webhooks, intern};
 
 /// The ring of the members this replica sees, shared by its placement webhooks.
 #[derive(Clone, Debug, Default)]
@@ -103,22 +103,14 @@ pub(crate) async fn watch(leases: Api<Lease>, group: String, view: View) {
 /// controller whose primary watch has no label or field selector: the webhook would be
 /// sent objects the controller does not watch.
 pub(crate) fn webhook<K: Watchable>(controller: &'static str, view: View) -> Webhooks {
-    // Once per sharded controller and process: the rule's names live as long as the server.
-    let leak = |s: String| -> &'static str { Box::leak(s.into_boxed_str()) };
     let rule = Rule {
-        name: leak(format!("{controller}.shard.opkit.dev")),
-        path: leak(path(controller)),
-        group: leak(K::group(&()).into_owned()),
-        versions: &["*"],
-        resource: leak(K::plural(&()).into_owned()),
-        operations: &["CREATE"],
-        failure_policy: FailurePolicy::Ignore,
-        scope: if crate::kind::namespaced::<K>() {
-            RuleScope::Namespaced
-        } else {
-            RuleScope::Cluster
-        },
-    };
+        name: intern(format!("{controller}.shard.opkit.dev")),
+        path: intern(path(controller)),
+        ..Rule::mutating::<K>()
+    }
+    .versions(&["*"])
+    .operations(&["CREATE"])
+    .failure_policy(FailurePolicy::Ignore);
     let label = shard_label(controller);
     Webhooks::new().mutating(rule, move |review: Review<PartialObjectMeta<K>>| {
         std::future::ready(place(&review, &label, &view))

@@ -24,6 +24,8 @@ use axum::routing::post;
 use futures::future::BoxFuture;
 use kube::Resource;
 
+use crate::kind::Watchable;
+
 use crate::conversion::Conversion;
 use kube::core::DynamicObject;
 use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
@@ -112,7 +114,7 @@ type Handler =
 /// Which requests the apiserver sends to one webhook: the webhook configuration entry.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Rule {
-    /// Unique webhook name, e.g. `vat.opkit.dev`.
+    /// Unique webhook name, e.g. `vat.cnat.programming-kubernetes.info`.
     pub name: &'static str,
     /// HTTP path it is served at.
     pub path: &'static str,
@@ -128,6 +130,94 @@ pub struct Rule {
     pub failure_policy: FailurePolicy,
     /// Whether `resource` lives in namespaces or in the cluster.
     pub scope: RuleScope,
+}
+
+impl Rule {
+    /// The rule of kind `K`'s validating webhook, all from the kind, as Kubebuilder names it:
+    /// `v<kind>.<group>` served at `/validate-<group with dashes>-<version>-<kind>`, for
+    /// `CREATE` and `UPDATE` of `K`'s version, failing closed. Change what differs with
+    /// [`Rule::failure_policy`], [`Rule::operations`] or [`Rule::versions`].
+    pub fn validating<K: Watchable>() -> Rule {
+        Rule::of::<K>("v", "validate")
+    }
+
+    /// The rule of kind `K`'s defaulting webhook: as [`Rule::validating`], named
+    /// `m<kind>.<group>` and served at `/mutate-<group with dashes>-<version>-<kind>`.
+    pub fn mutating<K: Watchable>() -> Rule {
+        Rule::of::<K>("m", "mutate")
+    }
+
+    fn of<K: Watchable>(prefix: &str, verb: &str) -> Rule {
+        let (group, version) = (K::group(&()), K::version(&()));
+        let kind = K::kind(&()).to_lowercase();
+        // A webhook's name has at least three parts: built-in groups (`apps`, the core
+        // group's "") have fewer, and take the `k8s.io` their API groups live under.
+        let domain = match group.as_ref() {
+            "" => "core.k8s.io".to_string(),
+            g if !g.contains('.') => format!("{g}.k8s.io"),
+            g => g.to_string(),
+        };
+        Rule {
+            name: intern(format!("{prefix}{kind}.{domain}")),
+            path: intern(format!("/{verb}-{}-{version}-{kind}", group.replace('.', "-"))),
+            group: intern(group.into_owned()),
+            versions: intern_list(vec![version.into_owned()]),
+            resource: intern(K::plural(&()).into_owned()),
+            operations: &["CREATE", "UPDATE"],
+            failure_policy: FailurePolicy::Fail,
+            scope: if crate::kind::namespaced::<K>() {
+                RuleScope::Namespaced
+            } else {
+                RuleScope::Cluster
+            },
+        }
+    }
+
+    /// What the apiserver does when the webhook cannot answer.
+    pub fn failure_policy(mut self, policy: FailurePolicy) -> Rule {
+        self.failure_policy = policy;
+        self
+    }
+
+    /// The operations sent to the webhook (`CREATE`, `UPDATE`, `DELETE`, `CONNECT`).
+    pub fn operations(mut self, operations: &'static [&'static str]) -> Rule {
+        self.operations = operations;
+        self
+    }
+
+    /// The versions sent to the webhook: every one the handler can read (a hub's spokes
+    /// are converted before they reach it only if listed here).
+    pub fn versions(mut self, versions: &'static [&'static str]) -> Rule {
+        self.versions = versions;
+        self
+    }
+}
+
+/// The one `&'static` copy of `s`: rules are made from a kind's names at start, possibly many
+/// times in one process (tests), and kept as long as the server.
+pub(crate) fn intern(s: String) -> &'static str {
+    static SEEN: std::sync::Mutex<std::collections::BTreeSet<&'static str>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    let mut seen = SEEN.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(s) = seen.get(s.as_str()) {
+        return s;
+    }
+    let s: &'static str = Box::leak(s.into_boxed_str());
+    seen.insert(s);
+    s
+}
+
+fn intern_list(items: Vec<String>) -> &'static [&'static str] {
+    static SEEN: std::sync::Mutex<std::collections::BTreeSet<&'static [&'static str]>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    let items: Vec<&'static str> = items.into_iter().map(intern).collect();
+    let mut seen = SEEN.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(l) = seen.get(items.as_slice()) {
+        return l;
+    }
+    let l: &'static [&'static str] = Box::leak(items.into_boxed_slice());
+    seen.insert(l);
+    l
 }
 
 /// What the apiserver does with a request when the webhook cannot answer (the operator is
@@ -621,6 +711,48 @@ pub async fn serve(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_rule_is_made_from_its_kind_as_kubebuilder_names_it() {
+        use k8s_openapi::api::apps::v1::Deployment;
+        use k8s_openapi::api::core::v1::Namespace;
+        let v = Rule::validating::<Deployment>();
+        assert_eq!(
+            (v.name, v.path, v.group, v.versions, v.resource),
+            (
+                "vdeployment.apps.k8s.io",
+                "/validate-apps-v1-deployment",
+                "apps",
+                &["v1"][..],
+                "deployments"
+            )
+        );
+        assert_eq!(
+            (v.operations, v.failure_policy, v.scope),
+            (
+                &["CREATE", "UPDATE"][..],
+                FailurePolicy::Fail,
+                RuleScope::Namespaced
+            )
+        );
+        let m = Rule::mutating::<Namespace>()
+            .failure_policy(FailurePolicy::Ignore)
+            .operations(&["CREATE"]);
+        assert_eq!(
+            (m.name, m.path, m.scope),
+            (
+                "mnamespace.core.k8s.io",
+                "/mutate--v1-namespace",
+                RuleScope::Cluster
+            )
+        );
+        assert_eq!(
+            (m.operations, m.failure_policy),
+            (&["CREATE"][..], FailurePolicy::Ignore)
+        );
+        // Made again, the same strings: nothing more is kept.
+        assert!(std::ptr::eq(Rule::validating::<Deployment>().path, v.path));
+    }
     use crate::https::tests::connect_tls;
     use crate::tls::certified_key;
     use kube::core::DynamicObject;
