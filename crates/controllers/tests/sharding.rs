@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anyhow::ensure;
 use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, PostParams};
@@ -137,16 +138,21 @@ fn election(ns: &str, identity: &str) -> LeaderElectionConfig {
 }
 
 async fn member(client: &Client, ns: &str, identity: &str) -> anyhow::Result<Operator> {
+    member_elected(client, election(ns, identity)).await
+}
+
+async fn member_elected(client: &Client, election: LeaderElectionConfig) -> anyhow::Result<Operator> {
+    let ns = election.namespace.clone();
     let names = [memcached::NAME];
     let run = Run {
         opts: ManagerOptions {
-            leader_election: Some(election(ns, identity)),
+            leader_election: Some(election),
             ..Default::default()
         },
         sharding: true,
         ..Run::new(&names)
     };
-    common::start_op(&operator(), client, ns, run, &Settings::default(), |_| {}).await
+    common::start_op(&operator(), client, &ns, run, &Settings::default(), |_| {}).await
 }
 
 /// A Memcached of size 0 called `name`, with `labels`.
@@ -449,6 +455,84 @@ async fn new_objects_are_placed_as_they_are_created_and_a_stranger_s_label_is_re
             Api::<MutatingWebhookConfiguration>::all(client.clone())
                 .delete(&configuration, &Default::default())
                 .await?;
+            Ok(())
+        })
+        .await;
+}
+
+#[tokio::test]
+async fn a_member_lease_deleted_by_hand_moves_nothing_until_its_member_stopped_writing() {
+    shared()
+        .in_namespace("sharding-deleted", |client, ns| async move {
+            let mcs: Api<Memcached> = Api::namespaced(client.clone(), &ns);
+            let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+            let leases: Api<Lease> = Api::namespaced(client.clone(), &ns);
+            // "a" leads (it runs the sharder). "b" renews every 3 s: after its Lease is
+            // deleted, it writes for up to 3 s before its renewal finds out and closes its
+            // gate, which leaves its 6 s Lease 3 s of margin.
+            let a = member(&client, &ns, "a_1").await?;
+            let mut slow = election(&ns, "b_1");
+            slow.retry_period = Duration::from_secs(3);
+            let b = member_elected(&client, slow).await?;
+            let c = member(&client, &ns, "c_1").await?;
+            let n = 15;
+            for i in 0..n {
+                mcs.create(&PostParams::default(), &memcached(&format!("mc-{i}"), json!({}))?)
+                    .await?;
+            }
+            let by = settled_on(&mcs, &deploys, &[("a_1", &a), ("b_1", &b), ("c_1", &c)], n).await?;
+            let b_name = member_name("b_1");
+            let on_b = by.get(&b_name).copied().unwrap_or(0);
+            ensure!(on_b > 0, "nothing placed on b: {by:?}");
+            let lease_name = format!("shard-test-member-{b_name}");
+            let b_holds = format!(r#"leader_election_master_status{{name="{lease_name}"}}"#);
+            ensure!(b.sample(&b_holds) == 1.0, "b does not report holding its member Lease");
+            let assigned = a.sample(ASSIGNED);
+
+            // Deleted by hand right after a renewal of b's: b keeps writing for 3 s.
+            let renewed = |l: Lease| l.spec.and_then(|s| s.renew_time).map(|t| t.0);
+            let before = renewed(leases.get(&lease_name).await?);
+            wait_for("b to renew its member Lease", T, || async {
+                let now = renewed(leases.get(&lease_name).await?);
+                ensure!(now != before, "not yet");
+                Ok(())
+            })
+            .await?;
+            leases.delete(&lease_name, &Default::default()).await?;
+            let deleted = std::time::Instant::now();
+            let shard = shard_label(memcached::NAME);
+            // Until b reports its gate closed, none of its objects may move.
+            loop {
+                let left = mcs
+                    .list(&Default::default())
+                    .await?
+                    .items
+                    .iter()
+                    .filter(|m| m.labels().get(&shard) == Some(&b_name))
+                    .count();
+                let open = b.sample(&b_holds) == 1.0;
+                ensure!(
+                    !open || (a.sample(ASSIGNED) == assigned && left == on_b),
+                    "objects moved off b while it could still write, {:?} after the deletion: {left} of {on_b} left on b",
+                    deleted.elapsed()
+                );
+                if !open {
+                    break;
+                }
+                ensure!(deleted.elapsed() < T, "b still holds its gate after {T:?}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            println!("b closed its gate {:?} after its Lease was deleted", deleted.elapsed());
+
+            // Then its objects move to the others, once its grace has run out.
+            let by = settled_on(&mcs, &deploys, &[("a_1", &a), ("c_1", &c)], n).await?;
+            println!("after b's Lease was deleted ({:?}): {by:?}", deleted.elapsed());
+            ensure!(
+                a.sample(ASSIGNED) - assigned >= on_b as f64,
+                "{on_b} objects of b: {} assigned",
+                a.sample(ASSIGNED) - assigned
+            );
+            ensure!(!b.running(), "b still runs without its member Lease");
             Ok(())
         })
         .await;

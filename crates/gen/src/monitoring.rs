@@ -82,7 +82,8 @@ pub fn alerts() -> Vec<Alert> {
         },
         Alert {
             name: "OpkitNoLeader",
-            expr: r#"max by (namespace) (leader_election_master_status{job="$job"})"#,
+            // Member Leases of sharded replicas (`<leader Lease>-member-<member>`) aside.
+            expr: r#"max by (namespace) (leader_election_master_status{job="$job",name!~".+-member-.+"})"#,
             threshold: "< 1",
             for_: "5m",
             severity: "critical",

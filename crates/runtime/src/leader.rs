@@ -227,14 +227,15 @@ fn now() -> MicroTime {
     MicroTime(Timestamp::now())
 }
 
-/// Whether `lease` may be taken by `identity`: free, ours, or unchanged for its duration since
-/// `seen_change` (on this process's monotonic clock) at `now`.
+/// Whether `lease` may be taken by `identity`: ours, or unchanged for its duration since
+/// `seen_change` (on this process's monotonic clock) at `now`. That holds for a record naming
+/// no holder too: a release sets a duration of 1 s after its holder closed its gate, while a
+/// holder cleared by hand keeps the full duration, which the holder may still be writing in.
 pub fn claimable(lease: &Lease, identity: &str, seen_change: Instant, now: Instant) -> bool {
     let Some(spec) = &lease.spec else { return true };
     match spec.holder_identity.as_deref() {
-        None | Some("") => true,
         Some(h) if h == identity => true,
-        Some(_) => {
+        _ => {
             let secs = u64::try_from(spec.lease_duration_seconds.unwrap_or(0)).unwrap_or(0);
             now.saturating_duration_since(seen_change) >= Duration::from_secs(secs)
         }
@@ -572,11 +573,14 @@ mod tests {
     }
 
     #[test]
-    fn a_lease_is_claimable_when_free_ours_or_unchanged_for_its_duration() {
+    fn a_lease_is_claimable_when_ours_or_unchanged_for_its_duration() {
         let seen = Instant::now();
         let at = |s| seen + Duration::from_secs(s);
-        assert!(claimable(&lease(None, 15), "me", seen, at(0)));
-        assert!(claimable(&lease(Some(""), 15), "me", seen, at(0)));
+        // Released (1 s), or its holder cleared by hand (the full duration).
+        assert!(!claimable(&lease(Some(""), 1), "me", seen, at(0)));
+        assert!(claimable(&lease(Some(""), 1), "me", seen, at(1)));
+        assert!(!claimable(&lease(None, 15), "me", seen, at(14)));
+        assert!(claimable(&lease(None, 15), "me", seen, at(15)));
         assert!(claimable(&lease(Some("me"), 15), "me", seen, at(0)));
         assert!(!claimable(&lease(Some("other"), 15), "me", seen, at(14)));
         assert!(claimable(&lease(Some("other"), 15), "me", seen, at(15)));

@@ -519,7 +519,7 @@ impl Manager {
                 false,
                 shutdown.clone(),
                 s.leading.clone(),
-                None,
+                Some((metrics.clone(), s.cfg.lease.name.clone())),
                 Vec::new(),
             ));
             (e, task, s.leading)

@@ -221,7 +221,7 @@ impl Standard {
         );
         r.register(
             "leader_election_master_status",
-            "1 while this replica holds the leader Lease, 0 while it stands by",
+            "1 while this replica holds the Lease (the leader Lease, or with sharding its member Lease), 0 while it does not",
             s.leader.clone(),
         );
         s

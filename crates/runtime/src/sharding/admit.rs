@@ -74,7 +74,9 @@ pub(crate) async fn watch(leases: Api<Lease>, group: String, view: View) {
             }
             Ok(watcher::Event::Delete(l)) => {
                 if let Some(m) = member_of(&l) {
-                    members.remove(&m);
+                    // Placement is a first guess the sharder corrects: a member whose
+                    // Lease is deleted gets no new objects, whatever its grace.
+                    members.forget(&m);
                 }
             }
             // A relist replaces what was known once it is complete.
@@ -91,6 +93,7 @@ pub(crate) async fn watch(leases: Api<Lease>, group: String, view: View) {
                 continue;
             }
         }
+        members.settle(now);
         let held = members.held();
         if !view.is_of(&held) {
             tracing::debug!(members = ?held, "placement: members changed");

@@ -1,6 +1,11 @@
 //! Who is a live member, as the sharder judges it: by the member Leases it watches, timed on
 //! its own monotonic clock from when it saw each one change, never by comparing a member's
 //! `renewTime` with its own wall clock (the same rule as a standby's in [`crate::leader`]).
+//!
+//! Only its holder may end a member's claim early (a release names no holder and lasts 1 s).
+//! A Lease deleted while held, or whose holder someone else cleared, still counts as held
+//! until its duration has run from the last renewal seen: its member may not know yet, and
+//! writes until its next renewal fails and closes its gate.
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -19,18 +24,37 @@ struct Seen {
     /// When it was last seen renewed by a holder (not when the sharder took it or it was
     /// released): where a handover from it starts.
     renewed: Instant,
+    /// Until when it counts as held although its record names no holder (cleared by
+    /// someone) or is gone (deleted).
+    grace: Option<Instant>,
+    /// Its Lease was deleted: it is forgotten once `grace` ends.
+    deleted: bool,
+}
+
+fn duration(spec: &LeaseSpec) -> Duration {
+    Duration::from_secs(u64::try_from(spec.lease_duration_seconds.unwrap_or(0)).unwrap_or(0))
+}
+
+fn names_holder(spec: &LeaseSpec) -> bool {
+    spec.holder_identity.as_deref().is_some_and(|h| !h.is_empty())
 }
 
 impl Members {
     /// Records the Lease of `member` as seen at `now` (a watch event or a list).
+    /// A record that stops naming a holder keeps the member held for that record's duration
+    /// from the last renewal seen: 1 s after a release, a full duration after a hand edit.
     pub fn observe(&mut self, member: &str, spec: LeaseSpec, now: Instant) {
-        let held = spec.holder_identity.as_deref().is_some_and(|h| !h.is_empty());
+        let held = names_holder(&spec);
         match self.seen.get_mut(member) {
-            Some(s) if s.spec == spec => {}
+            Some(s) if s.spec == spec && !s.deleted => {}
             Some(s) => {
                 if held {
                     s.renewed = now;
+                    s.grace = None;
+                } else if names_holder(&s.spec) && !s.deleted {
+                    s.grace = Some(s.renewed + duration(&spec)).filter(|g| *g > now);
                 }
+                s.deleted = false;
                 s.spec = spec;
                 s.changed = now;
             }
@@ -41,6 +65,8 @@ impl Members {
                         spec,
                         changed: now,
                         renewed: now,
+                        grace: None,
+                        deleted: false,
                     },
                 );
             }
@@ -52,28 +78,62 @@ impl Members {
         self.seen.contains_key(member)
     }
 
-    /// Forgets `member` (its Lease was deleted: it stopped and let go of everything).
-    pub fn remove(&mut self, member: &str) {
+    /// Takes in that `member`'s Lease was deleted at `now`. One that named no holder is
+    /// forgotten at once; one still held (deleted by hand) counts as held until its duration
+    /// has run from its last renewal, then is forgotten by [`Members::settle`].
+    pub fn remove(&mut self, member: &str, now: Instant) {
+        let Some(s) = self.seen.get_mut(member) else {
+            return;
+        };
+        if names_holder(&s.spec) && !s.deleted {
+            s.grace = Some(s.renewed + duration(&s.spec)).filter(|g| *g > now);
+        }
+        s.deleted = true;
+        if s.grace.is_none() {
+            self.seen.remove(member);
+        }
+    }
+
+    /// Forgets `member` at once, whatever its Lease said.
+    pub fn forget(&mut self, member: &str) {
         self.seen.remove(member);
     }
 
+    /// Ends the graces that ran out by `now` (see [`Members::remove`]); whether any did.
+    pub fn settle(&mut self, now: Instant) -> bool {
+        let mut ended = false;
+        for s in self.seen.values_mut() {
+            if s.grace.is_some_and(|g| g <= now) {
+                s.grace = None;
+                ended = true;
+            }
+        }
+        self.seen.retain(|_, s| !s.deleted || s.grace.is_some());
+        ended
+    }
+
     /// Whether `member` is live at `now`: its Lease has a holder and changed less than its
-    /// duration ago. A member is dead only once its Lease has stood unchanged for that long,
-    /// by which time its write gate has closed.
+    /// duration ago (or it is in a grace, see [`Members::remove`]). A member is dead only
+    /// once its Lease has stood unchanged for that long, by which time its write gate has
+    /// closed.
     pub fn is_live(&self, member: &str, now: Instant) -> bool {
-        self.seen.get(member).is_some_and(|s| {
-            let held = s.spec.holder_identity.as_deref().is_some_and(|h| !h.is_empty());
-            let secs = u64::try_from(s.spec.lease_duration_seconds.unwrap_or(0)).unwrap_or(0);
-            held && now.saturating_duration_since(s.changed) < Duration::from_secs(secs)
+        self.seen.get(member).is_some_and(|s| match s.grace {
+            Some(g) => now < g,
+            None => {
+                names_holder(&s.spec)
+                    && !s.deleted
+                    && now.saturating_duration_since(s.changed) < duration(&s.spec)
+            }
         })
     }
 
-    /// Whether `member`'s Lease names a holder: it is on the ring until the sharder has fenced
-    /// it ([`Members::expired`]) or it released its Lease.
+    /// Whether `member`'s Lease names a holder (or it is in a grace): it is on the ring until
+    /// the sharder has fenced it ([`Members::expired`]), it released its Lease, or its grace
+    /// ended ([`Members::settle`]).
     pub fn is_held(&self, member: &str) -> bool {
         self.seen
             .get(member)
-            .is_some_and(|s| s.spec.holder_identity.as_deref().is_some_and(|h| !h.is_empty()))
+            .is_some_and(|s| s.grace.is_some() || (names_holder(&s.spec) && !s.deleted))
     }
 
     /// The members whose Lease names a holder, sorted: the ring.
@@ -86,7 +146,9 @@ impl Members {
     /// the watch lagged). Only a conditional write of the Lease tells the two apart.
     pub fn expired(&self, now: Instant) -> Vec<String> {
         self.seen
-            .keys()
+            .iter()
+            .filter(|(_, s)| s.grace.is_none())
+            .map(|(m, _)| m)
             .filter(|m| self.is_held(m) && !self.is_live(m, now))
             .cloned()
             .collect()
@@ -106,9 +168,7 @@ impl Members {
             .iter()
             .filter(|(m, _)| !self.is_held(m))
             .filter(|(m, s)| {
-                let secs = u64::try_from(s.spec.lease_duration_seconds.unwrap_or(0)).unwrap_or(0);
-                !self.is_live(m, now)
-                    && now.saturating_duration_since(s.changed) >= Duration::from_secs(secs) + after
+                !self.is_live(m, now) && now.saturating_duration_since(s.changed) >= duration(&s.spec) + after
             })
             .map(|(m, _)| m.clone())
             .collect()
@@ -123,16 +183,13 @@ impl Members {
             .collect()
     }
 
-    /// When the next live member would be judged dead if its Lease does not change, so the
-    /// sharder looks again then.
+    /// When the next live member would be judged dead if its Lease does not change, or a
+    /// grace ends, so the sharder looks again then.
     pub fn next_expiry(&self, now: Instant) -> Option<Instant> {
         self.seen
             .iter()
             .filter(|(m, _)| self.is_live(m, now))
-            .map(|(_, s)| {
-                let secs = u64::try_from(s.spec.lease_duration_seconds.unwrap_or(0)).unwrap_or(0);
-                s.changed + Duration::from_secs(secs)
-            })
+            .map(|(_, s)| s.grace.unwrap_or(s.changed + duration(&s.spec)))
             .min()
     }
 }
@@ -171,8 +228,52 @@ mod tests {
         // A renewTime far behind any wall clock does not matter, only seen changes.
         m.observe("c", spec("c_1", 0), at(10));
         assert!(m.is_live("c", at(19)));
-        m.remove("a");
-        assert_eq!(m.live(at(12)), ["c"]);
+        // "b" released its Lease long ago; deleted, it is forgotten at once.
+        m.observe("b", spec("", 100), at(11));
+        m.remove("b", at(12));
+        assert!(!m.knows("b"));
+        assert_eq!(m.live(at(12)), ["a", "c"]);
+    }
+
+    #[test]
+    fn a_lease_deleted_or_cleared_by_hand_counts_as_held_for_its_duration_from_the_last_renewal() {
+        let t0 = Instant::now();
+        let at = |s| t0 + Duration::from_secs(s);
+        let mut m = Members::default();
+        // Deleted while held: its member writes until its next renewal fails.
+        m.observe("a", spec("a_1", 100), at(0));
+        m.observe("a", spec("a_1", 104), at(4));
+        m.remove("a", at(5));
+        assert!(m.is_held("a") && m.is_live("a", at(13)) && m.knows("a"));
+        assert!(m.expired(at(13)).is_empty(), "a deleted Lease cannot be taken");
+        assert_eq!(m.next_expiry(at(5)), Some(at(14)));
+        assert!(!m.settle(at(13)));
+        assert!(m.settle(at(14)));
+        assert!(!m.knows("a") && !m.is_held("a"));
+
+        // Its holder cleared by someone else, the duration kept.
+        m.observe("b", spec("b_1", 100), at(0));
+        m.observe("b", spec("", 100), at(2));
+        assert_eq!(m.held(), ["b"]);
+        m.settle(at(9));
+        assert!(m.is_held("b"));
+        m.settle(at(10));
+        assert!(!m.is_held("b") && m.knows("b"));
+
+        // Released by its holder (duration 1 s, its gate closed first): no wait beyond it.
+        m.observe("c", spec("c_1", 100), at(20));
+        let mut released = spec("", 101);
+        released.lease_duration_seconds = Some(1);
+        m.observe("c", released, at(25));
+        assert!(!m.is_held("c"));
+
+        // A member whose Lease comes back within its grace stays, as a live member.
+        m.observe("d", spec("d_1", 100), at(30));
+        m.remove("d", at(31));
+        m.observe("d", spec("d_1", 132), at(32));
+        m.settle(at(41));
+        assert!(m.knows("d") && m.is_live("d", at(41)) && !m.is_live("d", at(42)));
+        assert_eq!(m.expired(at(42)), ["d"]);
     }
 
     #[test]
@@ -213,11 +314,11 @@ mod tests {
         let after = Duration::from_secs(60);
         // Expired from 10 s on, but still naming a holder: never forgotten before it is taken.
         assert!(m.gone_for(after, at(200)).iter().all(|x| x != "b"));
-        m.observe("b", spec("", 100), at(5));
-        // Taken at 5 s (its record changed then): forgettable from 75 s on.
-        assert!(m.gone_for(after, at(74)).is_empty());
+        m.observe("b", spec("", 100), at(15));
+        // Taken at 15 s (its record changed then): forgettable from 85 s on.
+        assert!(m.gone_for(after, at(84)).is_empty());
         m.observe("a", spec("a_1", 150), at(50));
-        assert_eq!(m.gone_for(after, at(75)), ["b"]);
+        assert_eq!(m.gone_for(after, at(85)), ["b"]);
         assert_eq!(m.last_renewed("a"), Some(at(50)));
         assert!(m.gone_for(after, at(119)).iter().all(|x| x != "a"));
     }

@@ -242,6 +242,7 @@ pub(crate) async fn run<K>(
                 }
             }
         }
+        st.members.settle(now);
         let live = st.members.held();
         if live.as_slice() != ring.members() {
             tracing::info!(controller, members = ?live, "sharder: members changed");
@@ -573,10 +574,11 @@ impl State {
         false
     }
 
-    /// Forgets member `m`, whose Lease is gone; a read of that Lease sent before is stale.
+    /// Forgets member `m`, whose Lease is gone (after its grace, if it was still held: see
+    /// [`Members::remove`]); a read of that Lease sent before is stale.
     fn forget(&mut self, m: &str) {
         *self.lease_events.entry(m.to_string()).or_default() += 1;
-        self.members.remove(m);
+        self.members.remove(m, Instant::now());
         self.leases.remove(m);
     }
 
@@ -871,6 +873,9 @@ mod tests {
         let k = labelled(&mut st, "c", "m3");
         st.on_lease(Ok(Event::Apply(lease("m3", true))), "c");
         st.on_lease(Ok(Event::Delete(lease("m3", true))), "c");
+        // Deleted while held: known until its grace ends.
+        assert!(st.members.is_held("m3"));
+        st.members.settle(Instant::now() + Duration::from_secs(11));
         st.looked_up(("m3".into(), 1, Ok(Some(lease("m3", true)))), &mut retry, "c");
         assert!(!st.members.knows("m3") && !st.absent.contains("m3"));
         assert_eq!(owner_of(&st, &k).as_deref(), Some("m3"), "read again");
@@ -912,6 +917,9 @@ mod tests {
         relist(&mut st, &["m1", "m2"]);
         assert_eq!(st.members.held(), ["m1", "m2"]);
         relist(&mut st, &["m2"]);
+        // Gone while held: on the ring for its grace, then forgotten.
+        assert_eq!(st.members.held(), ["m1", "m2"]);
+        st.members.settle(Instant::now() + Duration::from_secs(11));
         assert_eq!(st.members.held(), ["m2"]);
         assert!(!st.leases.contains_key("m1"));
     }
