@@ -234,7 +234,7 @@ fn now() -> MicroTime {
 pub fn claimable(lease: &Lease, identity: &str, seen_change: Instant, now: Instant) -> bool {
     let Some(spec) = &lease.spec else { return true };
     match spec.holder_identity.as_deref() {
-        Some(h) if h == identity => true,
+        Some(h) if !h.is_empty() && h == identity => true,
         _ => {
             let secs = u64::try_from(spec.lease_duration_seconds.unwrap_or(0)).unwrap_or(0);
             now.saturating_duration_since(seen_change) >= Duration::from_secs(secs)
@@ -414,14 +414,16 @@ impl LeaderElector {
             }
             // Look again when the holder's claim would run out, or on its next change.
             let wait = match live.as_ref().and_then(|l| l.spec.as_ref()) {
-                Some(s) if s.holder_identity.as_deref().is_some_and(|h| !h.is_empty()) => {
+                // Held, or naming no holder (a release: 1 s): claimable once unchanged for
+                // its duration.
+                Some(s) => {
                     let secs = u64::try_from(s.lease_duration_seconds.unwrap_or(0)).unwrap_or(0);
                     (seen_change + Duration::from_secs(secs))
                         .saturating_duration_since(Instant::now())
                         .clamp(Duration::from_millis(100), self.cfg.lease_duration)
                 }
-                _ => match deleted_until {
-                    Some(t) if live.is_none() => t
+                None => match deleted_until {
+                    Some(t) => t
                         .saturating_duration_since(Instant::now())
                         .clamp(Duration::from_millis(100), self.cfg.lease_duration),
                     _ => self.cfg.retry_period,
@@ -582,6 +584,8 @@ mod tests {
         assert!(!claimable(&lease(None, 15), "me", seen, at(14)));
         assert!(claimable(&lease(None, 15), "me", seen, at(15)));
         assert!(claimable(&lease(Some("me"), 15), "me", seen, at(0)));
+        // A replica that lost the Lease claims as "": an emptied holder is not its own.
+        assert!(!claimable(&lease(Some(""), 15), "", seen, at(0)));
         assert!(!claimable(&lease(Some("other"), 15), "me", seen, at(14)));
         assert!(claimable(&lease(Some("other"), 15), "me", seen, at(15)));
         // The holder's renewTime (here far in the past by any wall clock) does not matter:

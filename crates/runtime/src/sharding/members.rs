@@ -4,8 +4,10 @@
 //!
 //! Only its holder may end a member's claim early (a release names no holder and lasts 1 s).
 //! A Lease deleted while held, or whose holder someone else cleared, still counts as held
-//! until its duration has run from the last renewal seen: its member may not know yet, and
-//! writes until its next renewal fails and closes its gate.
+//! for its duration from when the sharder saw that (not from the last renewal it saw, which
+//! a relist after a lost watch may have skipped): its member may not know yet, and writes
+//! until its next renewal fails and closes its gate, a renew deadline at most after its last
+//! renewal.
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -42,7 +44,7 @@ fn names_holder(spec: &LeaseSpec) -> bool {
 impl Members {
     /// Records the Lease of `member` as seen at `now` (a watch event or a list).
     /// A record that stops naming a holder keeps the member held for that record's duration
-    /// from the last renewal seen: 1 s after a release, a full duration after a hand edit.
+    /// from `now`: 1 s after a release, a full duration after a hand edit.
     pub fn observe(&mut self, member: &str, spec: LeaseSpec, now: Instant) {
         let held = names_holder(&spec);
         match self.seen.get_mut(member) {
@@ -52,7 +54,7 @@ impl Members {
                     s.renewed = now;
                     s.grace = None;
                 } else if names_holder(&s.spec) && !s.deleted {
-                    s.grace = Some(s.renewed + duration(&spec)).filter(|g| *g > now);
+                    s.grace = Some(now + duration(&spec));
                 }
                 s.deleted = false;
                 s.spec = spec;
@@ -79,18 +81,26 @@ impl Members {
     }
 
     /// Takes in that `member`'s Lease was deleted at `now`. One that named no holder is
-    /// forgotten at once; one still held (deleted by hand) counts as held until its duration
-    /// has run from its last renewal, then is forgotten by [`Members::settle`].
+    /// forgotten at once; one still held (deleted by hand) counts as held for its duration
+    /// from `now`, then is forgotten by [`Members::settle`].
     pub fn remove(&mut self, member: &str, now: Instant) {
         let Some(s) = self.seen.get_mut(member) else {
             return;
         };
         if names_holder(&s.spec) && !s.deleted {
-            s.grace = Some(s.renewed + duration(&s.spec)).filter(|g| *g > now);
+            s.grace = Some(now + duration(&s.spec));
         }
         s.deleted = true;
         if s.grace.is_none() {
             self.seen.remove(member);
+        }
+    }
+
+    /// Ends `member`'s grace: the sharder itself took its Lease (cleared its holder) after
+    /// it had stood still for its duration, so its gate is already closed.
+    pub fn taken(&mut self, member: &str) {
+        if let Some(s) = self.seen.get_mut(member) {
+            s.grace = None;
         }
     }
 
@@ -228,8 +238,11 @@ mod tests {
         // A renewTime far behind any wall clock does not matter, only seen changes.
         m.observe("c", spec("c_1", 0), at(10));
         assert!(m.is_live("c", at(19)));
-        // "b" released its Lease long ago; deleted, it is forgotten at once.
-        m.observe("b", spec("", 100), at(11));
+        // "b" released its Lease (1 s); deleted after that, it is forgotten at once.
+        let mut released = spec("", 100);
+        released.lease_duration_seconds = Some(1);
+        m.observe("b", released, at(10));
+        m.settle(at(11));
         m.remove("b", at(12));
         assert!(!m.knows("b"));
         assert_eq!(m.live(at(12)), ["a", "c"]);
@@ -244,28 +257,36 @@ mod tests {
         m.observe("a", spec("a_1", 100), at(0));
         m.observe("a", spec("a_1", 104), at(4));
         m.remove("a", at(5));
-        assert!(m.is_held("a") && m.is_live("a", at(13)) && m.knows("a"));
-        assert!(m.expired(at(13)).is_empty(), "a deleted Lease cannot be taken");
-        assert_eq!(m.next_expiry(at(5)), Some(at(14)));
-        assert!(!m.settle(at(13)));
-        assert!(m.settle(at(14)));
+        assert!(m.is_held("a") && m.is_live("a", at(14)) && m.knows("a"));
+        assert!(m.expired(at(14)).is_empty(), "a deleted Lease cannot be taken");
+        assert_eq!(m.next_expiry(at(5)), Some(at(15)));
+        assert!(!m.settle(at(14)));
+        assert!(m.settle(at(15)));
         assert!(!m.knows("a") && !m.is_held("a"));
 
         // Its holder cleared by someone else, the duration kept.
         m.observe("b", spec("b_1", 100), at(0));
         m.observe("b", spec("", 100), at(2));
         assert_eq!(m.held(), ["b"]);
-        m.settle(at(9));
+        m.settle(at(11));
         assert!(m.is_held("b"));
-        m.settle(at(10));
+        m.settle(at(12));
         assert!(!m.is_held("b") && m.knows("b"));
 
-        // Released by its holder (duration 1 s, its gate closed first): no wait beyond it.
+        // Released by its holder (duration 1 s, its gate closed first): 1 s.
         m.observe("c", spec("c_1", 100), at(20));
         let mut released = spec("", 101);
         released.lease_duration_seconds = Some(1);
         m.observe("c", released, at(25));
+        assert!(m.is_held("c"));
+        m.settle(at(26));
         assert!(!m.is_held("c"));
+
+        // Seen gone only by a relist long after the last renewal it saw: a full duration
+        // from then, for the member may have renewed unseen just before.
+        m.observe("e", spec("e_1", 100), at(0));
+        m.remove("e", at(60));
+        assert!(m.is_live("e", at(69)) && !m.is_live("e", at(70)));
 
         // A member whose Lease comes back within its grace stays, as a live member.
         m.observe("d", spec("d_1", 100), at(30));
@@ -299,6 +320,7 @@ mod tests {
         // The sharder took b's Lease (holder cleared): off the ring. Its handover starts from
         // its last renewal, not from the taking.
         m.observe("b", spec("", 100), at(12));
+        m.taken("b");
         assert!(m.expired(at(12)).is_empty());
         assert_eq!(m.held(), ["a"]);
         assert_eq!(m.last_renewed("b"), Some(at(0)));
@@ -315,6 +337,7 @@ mod tests {
         // Expired from 10 s on, but still naming a holder: never forgotten before it is taken.
         assert!(m.gone_for(after, at(200)).iter().all(|x| x != "b"));
         m.observe("b", spec("", 100), at(15));
+        m.taken("b");
         // Taken at 15 s (its record changed then): forgettable from 85 s on.
         assert!(m.gone_for(after, at(84)).is_empty());
         m.observe("a", spec("a_1", 150), at(50));

@@ -235,6 +235,8 @@ pub(crate) async fn run<K>(
                 Ok(l) => {
                     tracing::info!(controller, member = %m, "sharder: took the Lease of a member that stopped renewing");
                     st.on_lease(Ok(watcher::Event::Apply(l)), controller);
+                    // Cleared by this sharder, not by hand: the member's gate has closed.
+                    st.members.taken(&m);
                 }
                 Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => {}
                 Err(e) => {
