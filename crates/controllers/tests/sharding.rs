@@ -469,8 +469,14 @@ async fn a_member_lease_deleted_by_hand_moves_nothing_until_its_member_stopped_w
             let leases: Api<Lease> = Api::namespaced(client.clone(), &ns);
             // "a" leads (it runs the sharder). "b" renews every 3 s: after its Lease is
             // deleted, it writes for up to 3 s before its renewal finds out and closes its
-            // gate, which leaves its 6 s Lease 3 s of margin.
+            // gate, within its 6 s Lease.
             let a = member(&client, &ns, "a_1").await?;
+            wait_for("a to lead", T, || async {
+                let leads = a.sample(r#"leader_election_master_status{name="shard-test"}"#);
+                ensure!(leads == 1.0, "not yet");
+                Ok(())
+            })
+            .await?;
             let mut slow = election(&ns, "b_1");
             slow.retry_period = Duration::from_secs(3);
             let b = member_elected(&client, slow).await?;
@@ -685,6 +691,68 @@ async fn a_singleton_runs_on_the_leader_only_while_the_others_are_sharded() {
             ensure!(
                 sharded_on.len() == 2,
                 "the sharded controller planned on {sharded_on:?} only"
+            );
+            Ok(())
+        })
+        .await;
+}
+
+#[tokio::test]
+async fn every_object_of_a_built_in_kind_is_left_unsharded_unless_the_controller_opts_in() {
+    shared()
+        .in_namespace("sharding-built-in", |client, ns| async move {
+            // Eru's controllers: `eru` (its own kind) and `eru-annotations` (every Deployment).
+            let names = [opkit_controllers::eru::NAME];
+            let run = Run {
+                opts: ManagerOptions {
+                    leader_election: Some(election(&ns, "e_1")),
+                    ..Default::default()
+                },
+                sharding: true,
+                ..Run::new(&names)
+            };
+            let paths = Arc::new(Mutex::new(Vec::new()));
+            let seen = paths.clone();
+            let op = common::start_op(&operator(), &client, &ns, run, &Settings::default(), move |s| {
+                *seen.lock().unwrap_or_else(|p| p.into_inner()) = s.sharding_webhooks().paths();
+            })
+            .await?;
+            let paths = paths.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            let path = opkit::sharding::admit::path;
+            ensure!(
+                paths.contains(&path(opkit_controllers::eru::NAME)),
+                "the Eru controller is not sharded: {paths:?}"
+            );
+            ensure!(
+                !paths.contains(&path(opkit_controllers::eru::ANNOTATIONS)),
+                "every Deployment is placed by a webhook: {paths:?}"
+            );
+            // Nor does the sharder label them: a Deployment stays without a shard label
+            // once the Eru controller has placed an Eru.
+            let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+            deploys
+                .create(&PostParams::default(), &common::eru::idle_deployment("web")?)
+                .await?;
+            let erus: Api<opkit_api::eru::Eru> = Api::namespaced(client.clone(), &ns);
+            erus.create(
+                &PostParams::default(),
+                &common::eru::hand_written("nightly", "web", "0 3 * * *"),
+            )
+            .await?;
+            let eru_shard = shard_label(opkit_controllers::eru::NAME);
+            wait_for("the Eru placed", T, || async {
+                ensure!(
+                    erus.get("nightly").await?.labels().contains_key(&eru_shard),
+                    "not yet"
+                );
+                Ok(())
+            })
+            .await?;
+            common::settled(&op.metrics()).await?;
+            let labels = deploys.get("web").await?.labels().clone();
+            ensure!(
+                !labels.contains_key(&shard_label(opkit_controllers::eru::ANNOTATIONS)),
+                "the Deployment was placed: {labels:?}"
             );
             Ok(())
         })

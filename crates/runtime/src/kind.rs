@@ -71,3 +71,10 @@ pub(crate) fn api<C: Watchable>(client: &Client, namespace: Option<&str>) -> Api
 pub(crate) fn namespaced<C: Watchable>() -> bool {
     <C::Scope as KindScope>::NAMESPACED
 }
+
+/// Whether `C` is a kind of Kubernetes itself or of its SIGs (the core group, `apps`,
+/// `*.k8s.io`, not `*.x-k8s.io`), whose objects are mostly other people's.
+pub(crate) fn built_in<C: Watchable>() -> bool {
+    let group = C::group(&());
+    !group.contains('.') || group == "k8s.io" || group.ends_with(".k8s.io")
+}

@@ -358,7 +358,19 @@ impl Manager {
             tracing::error!(controller = name, error = %e, "ignoring the controller's settings");
             self.tuning.clone()
         });
-        let sharded = self.sharding.as_ref().filter(|_| !reconciler.singleton());
+        let everyones = {
+            let p = reconciler.primary();
+            crate::kind::built_in::<R::Object>() && p.labels.is_none() && p.fields.is_none()
+        };
+        let sharded = self.sharding.as_ref().filter(|_| {
+            !reconciler.singleton() && (!everyones || reconciler.shards_all_of_a_built_in_kind())
+        });
+        if self.sharding.is_some() && sharded.is_none() && everyones && !reconciler.singleton() {
+            tracing::info!(
+                controller = name,
+                "not sharded: its primary is every object of a built-in kind (give it a selector, or opt in with Reconciler::shards_all_of_a_built_in_kind); it runs on the leader"
+            );
+        }
         let common = match sharded {
             Some(s) => Common {
                 client: s.client.clone(),

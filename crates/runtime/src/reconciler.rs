@@ -155,6 +155,16 @@ pub trait Reconciler: Send + Sync + 'static {
         false
     }
 
+    /// Whether to shard this controller although its primary is a built-in kind watched
+    /// without a selector (every Deployment of the cluster, `kube-system`'s included). Off by
+    /// default: sharding labels every object of the primary kind and sends each new one
+    /// through a placement webhook, which a controller that only looks at some of them must
+    /// not do to everyone's; such a controller runs on the leader only, as a
+    /// [`Reconciler::singleton`] does. Give the primary a selector, or return `true`.
+    fn shards_all_of_a_built_in_kind(&self) -> bool {
+        false
+    }
+
     /// Decides, without side effects, what deleting `obj` still requires, from the same
     /// observed world as [`Reconciler::plan`] (the object and the caches are still readable).
     /// Called on every reconcile while the object is being deleted and carries the finalizer,
