@@ -2,7 +2,8 @@
 //! `opkit-probe`): a hung reconcile is cancelled, counted and retried; a reconcile that panics
 //! is counted and retried while the manager carries on; a cleanup step outside the cluster that
 //! fails keeps the finalizer and warns, and the object goes once it succeeds. `/metrics` over
-//! HTTPS serves a mounted certificate and the renewed one when it changes.
+//! HTTPS serves a mounted certificate and the renewed one when it changes. A status field the
+//! plan stops setting is gone from the stored status.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -383,6 +384,247 @@ async fn secure_metrics_serve_the_mounted_certificate_and_its_renewal() {
             })
             .await?;
             std::fs::remove_dir_all(&dir)?;
+            Ok(())
+        })
+        .await;
+}
+
+/// A kind of this test's own, with a status: `spec.on` makes the plan set `status.note` and
+/// `status.items`; off, it sets neither.
+#[derive(kube::CustomResource, Clone, Debug, serde::Serialize, serde::Deserialize, PartialEq)]
+#[kube(
+    group = "probe.opkit.dev",
+    version = "v1",
+    kind = "Flag",
+    namespaced,
+    status = "FlagStatus",
+    schema = "disabled"
+)]
+struct FlagSpec {
+    on: bool,
+}
+
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize, PartialEq)]
+struct FlagStatus {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    note: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    items: Vec<String>,
+}
+
+struct Flags;
+
+impl Reconciler for Flags {
+    type Object = Flag;
+    type Caches = ();
+    type World = ();
+    type Status = FlagStatus;
+
+    fn name(&self) -> &'static str {
+        "flags"
+    }
+
+    fn watch(&self, _: &mut Watches<Flag>) {}
+
+    async fn observe(&self, _: &Flag, _: &(), _: &Client) -> kube::Result<()> {
+        Ok(())
+    }
+
+    fn plan(&self, f: &Flag, _: &(), _: Timestamp) -> Result<Plan<FlagStatus>, Invalid> {
+        let status = match f.spec.on {
+            true => FlagStatus {
+                note: Some("on".into()),
+                items: vec!["a".into()],
+            },
+            false => FlagStatus::default(),
+        };
+        Ok(Plan::status(status, Requeue::OnChange))
+    }
+}
+
+/// The Flag CRD: no schema of its own (any fields kept), a status subresource.
+fn flag_crd() -> anyhow::Result<
+    k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
+> {
+    Ok(serde_json::from_value(json!({
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "metadata": {"name": "flags.probe.opkit.dev"},
+        "spec": {
+            "group": "probe.opkit.dev",
+            "names": {"kind": "Flag", "plural": "flags", "singular": "flag", "listKind": "FlagList"},
+            "scope": "Namespaced",
+            "versions": [{
+                "name": "v1", "served": true, "storage": true,
+                "subresources": {"status": {}},
+                "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": true}}
+            }]
+        }
+    }))?)
+}
+
+#[tokio::test]
+async fn a_status_field_the_plan_stops_setting_is_gone_from_the_stored_status() {
+    shared()
+        .in_namespace("framework-status", |client, ns| async move {
+            common::install_crd(&client, flag_crd()?).await?;
+            let op = opkit::Operator {
+                name: "opkit",
+                version: "0.0.0",
+                about: "the status probe",
+                registry: Registry::new(vec![Registration {
+                    name: "flags",
+                    crds: Vec::new,
+                    rbac: Vec::new,
+                    webhooks: |w, _| w,
+                    add: |m, _| {
+                        m.add(Flags);
+                    },
+                }]),
+            };
+            let _op = common::start_op(&op, &client, &ns, Run::new(&["flags"]), &(), |_| {}).await?;
+            let flags: Api<Flag> = Api::namespaced(client.clone(), &ns);
+            let flag = Flag::new("f", FlagSpec { on: true });
+            flags.create(&PostParams::default(), &flag).await?;
+            wait_for("the plan's status stored", T, || async {
+                let s = flags.get("f").await?.status.unwrap_or_default();
+                ensure!(s.note.as_deref() == Some("on") && s.items == ["a"], "{s:?}");
+                Ok(())
+            })
+            .await?;
+            flags
+                .patch(
+                    "f",
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({"spec": {"on": false}})),
+                )
+                .await?;
+            wait_for("the fields the plan no longer sets gone", T, || async {
+                let s = flags.get("f").await?.status.unwrap_or_default();
+                ensure!(s == FlagStatus::default(), "{s:?}");
+                Ok(())
+            })
+            .await?;
+            Ok(())
+        })
+        .await;
+}
+
+/// Keeps every owned ConfigMap (labelled `opkit-kept`) it observed, and prunes the others. On
+/// its first reconcile of a primary annotated `inject`, `observe` creates a child of it and
+/// waits until the cache holds it, then returns what it saw before: a child that reached the
+/// cache between observe and the writes.
+#[derive(Clone, Default)]
+struct Keeper {
+    injected: Arc<Mutex<Option<String>>>,
+    planned: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Reconciler for Keeper {
+    type Object = ConfigMap;
+    type Caches = opkit::Cache<ConfigMap>;
+    type World = Vec<Arc<ConfigMap>>;
+    type Status = ();
+
+    fn name(&self) -> &'static str {
+        "keeper"
+    }
+
+    fn primary(&self) -> Watch<ConfigMap> {
+        Watch::labels("opkit-keeper")
+    }
+
+    fn watch(&self, w: &mut Watches<ConfigMap>) -> opkit::Cache<ConfigMap> {
+        w.owns(Watch::labels("opkit-kept").prune())
+    }
+
+    async fn observe(
+        &self,
+        cm: &ConfigMap,
+        children: &opkit::Cache<ConfigMap>,
+        client: &Client,
+    ) -> kube::Result<Vec<Arc<ConfigMap>>> {
+        let uid = cm.uid().unwrap_or_default();
+        let owned = || {
+            children.filter(|c| {
+                c.owner_references()
+                    .iter()
+                    .any(|o| o.uid == uid && o.controller == Some(true))
+            })
+        };
+        let seen = owned();
+        let first = self.injected.lock().unwrap_or_else(|p| p.into_inner()).is_none();
+        if first && cm.annotations().contains_key("inject") {
+            let ns = cm.namespace().unwrap_or_default();
+            let mut late = ConfigMap::default();
+            late.metadata.name = Some("late".into());
+            late.metadata.labels = Some([("opkit-kept".to_string(), "yes".to_string())].into());
+            late.metadata.owner_references = kube::Resource::controller_owner_ref(cm, &()).map(|o| vec![o]);
+            let made = Api::<ConfigMap>::namespaced(client.clone(), &ns)
+                .create(&PostParams::default(), &late)
+                .await?;
+            *self.injected.lock().unwrap_or_else(|p| p.into_inner()) = made.uid();
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            while owned().len() == seen.len() && std::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        Ok(seen)
+    }
+
+    fn plan(&self, _: &ConfigMap, seen: &Vec<Arc<ConfigMap>>, _: Timestamp) -> Result<Plan<()>, Invalid> {
+        self.planned.fetch_add(1, Ordering::SeqCst);
+        let keep = seen.iter().fold(Plan::nothing(Requeue::OnChange), |p, c| {
+            let mut same = ConfigMap::default();
+            same.metadata.name = c.metadata.name.clone();
+            same.metadata.labels = c.metadata.labels.clone();
+            same.metadata.owner_references = c.metadata.owner_references.clone();
+            p.child(opkit::Child::apply(&same, Some(c.as_ref())))
+        });
+        Ok(keep)
+    }
+}
+
+#[tokio::test]
+async fn a_child_that_reaches_the_cache_after_observe_is_not_pruned_unseen() {
+    shared()
+        .in_namespace("framework-prune", |client, ns| async move {
+            let keeper = Keeper::default();
+            let op = opkit::Operator {
+                name: "opkit",
+                version: "0.0.0",
+                about: "the prune probe",
+                registry: Registry::new(vec![Registration {
+                    name: "keeper",
+                    crds: Vec::new,
+                    rbac: Vec::new,
+                    webhooks: |w, _| w,
+                    add: |m, keeper: &Keeper| {
+                        m.add(keeper.clone());
+                    },
+                }]),
+            };
+            let op = common::start_op(&op, &client, &ns, Run::new(&["keeper"]), &keeper, |_| {}).await?;
+            let api: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
+            let primary = json!({"metadata": {"name": "keeper", "labels": {"opkit-keeper": "yes"}, "annotations": {"inject": ""}}});
+            api.create(&PostParams::default(), &serde_json::from_value(primary)?)
+                .await?;
+            // The first reconcile injects the child; its watch event brings a second one,
+            // which sees it.
+            wait_for("two plans of the primary", T, || async {
+                let n = keeper.planned.load(Ordering::SeqCst);
+                ensure!(n >= 2, "{n} plans");
+                Ok(())
+            })
+            .await?;
+            common::settled(&op.metrics()).await?;
+            let injected = keeper.injected.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            let late = api.get_opt("late").await?;
+            ensure!(
+                injected.is_some() && late.as_ref().and_then(|l| l.uid()) == injected,
+                "the child created after observe was deleted by the reconcile that never saw it (injected {injected:?}, now {:?}); errors: {}",
+                late.and_then(|l| l.uid()),
+                op.metrics().describe_errors()
+            );
             Ok(())
         })
         .await;

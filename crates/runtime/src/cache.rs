@@ -377,7 +377,9 @@ impl<C> Watch<C> {
     /// Deletes cached objects controlled by the primary object (owner reference, or
     /// [`crate::OWNER_LABEL`] where Kubernetes allows no owner reference) that the plan no
     /// longer produces (a renamed child, a namespace that stopped matching, a feature turned
-    /// off), in whatever namespace they are.
+    /// off), in whatever namespace they are. Only those in the cache when the reconcile
+    /// observed, each only if it is still that object (uid precondition): one that arrives
+    /// later is the next reconcile's to judge.
     pub fn prune(mut self) -> Self {
         self.prune = true;
         self

@@ -27,6 +27,14 @@ pub fn is_subset(desired: &Value, live: &Value) -> bool {
     }
 }
 
+/// Whether `desired` and `live` hold the same fields with the same values, a field that is
+/// absent, `null` or empty on one side counting as the same on the other. For a status: the
+/// controller's field manager owns all of it, so a field the plan stopped setting must be
+/// written away (server-side apply then drops it), where [`is_subset`] would keep it.
+pub fn same(desired: &Value, live: &Value) -> bool {
+    is_subset(desired, live) && is_subset(live, desired)
+}
+
 fn is_empty(v: &Value) -> bool {
     match v {
         Value::Null => true,
@@ -274,5 +282,18 @@ mod tests {
             is_subset(&json!({"spec": {"nodes": []}}), &json!({"spec": {}})),
             "empty equals omitted"
         );
+    }
+
+    #[test]
+    fn a_field_dropped_from_the_desired_status_is_a_change_an_empty_one_is_not() {
+        let live = json!({"active": [{"name": "a"}], "lastRun": "t1", "conditions": []});
+        assert!(is_subset(&json!({"lastRun": "t1"}), &live));
+        assert!(!same(&json!({"lastRun": "t1"}), &live), "active is no longer set");
+        assert!(same(&json!({"lastRun": "t1", "active": [{"name": "a"}]}), &live));
+        assert!(same(
+            &json!({"lastRun": "t1", "active": [{"name": "a"}], "note": null}),
+            &live
+        ));
+        assert!(!same(&json!({"lastRun": "t2", "active": [{"name": "a"}]}), &live));
     }
 }

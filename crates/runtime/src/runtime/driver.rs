@@ -244,6 +244,12 @@ impl<R: Reconciler> Runner<R> {
             self.writer.finalizer(obj, f, true).await?;
             return Ok((Action::await_change(), "finalizer_added"));
         }
+        // The owned children the plan can see: only these may be pruned. One that reaches a
+        // cache after this is seen by the next reconcile, which its watch event brings.
+        let prunable: Vec<Deletion> = match (deleting, obj.uid()) {
+            (false, Some(uid)) => self.pruners.iter().flat_map(|p| p(&uid)).collect(),
+            _ => Vec::new(),
+        };
         // observe (caches; a client read only where the controller asks for one)
         let world = self
             .reconciler
@@ -263,7 +269,7 @@ impl<R: Reconciler> Runner<R> {
             Ok(plan) => {
                 tracing::debug!(?plan.requeue, children = plan.children.len(), "planned");
                 // carry out (client)
-                let action = self.execute(obj, plan).await?;
+                let action = self.execute(obj, plan, prunable).await?;
                 Ok((action, "success"))
             }
             Err(invalid) => {
@@ -316,7 +322,12 @@ impl<R: Reconciler> Runner<R> {
         self.writer.adopted(obj, shard).await
     }
 
-    async fn execute(&self, obj: &R::Object, plan: Plan<R::Status>) -> Result<Action, Error> {
+    async fn execute(
+        &self,
+        obj: &R::Object,
+        plan: Plan<R::Status>,
+        prunable: Vec<Deletion>,
+    ) -> Result<Action, Error> {
         let ns = obj.namespace();
         let mut produced = HashSet::new();
         for child in &plan.children {
@@ -332,20 +343,24 @@ impl<R: Reconciler> Runner<R> {
             tracing::info!(child = gone.describe(), "deleting as planned");
             self.writer.delete(gone).await?;
         }
-        if let Some(uid) = obj.uid() {
-            for pruner in &self.pruners {
-                for child in pruner(&uid) {
-                    let key = (
-                        child.resource.kind.clone(),
-                        child.namespace.clone(),
-                        child.name.clone(),
-                    );
-                    if !produced.contains(&key) {
-                        self.writer.prune(&child).await?;
-                    }
-                }
+        let key = |c: &Deletion| (c.resource.kind.clone(), c.namespace.clone(), c.name.clone());
+        let seen: HashSet<_> = prunable.iter().map(key).collect();
+        for child in prunable {
+            if !produced.contains(&key(&child)) {
+                self.writer.prune(&child).await?;
             }
         }
+        // Owned children that reached the caches after the plan observed, and that it does
+        // not produce: looked at again shortly, by a plan that sees them (their watch event
+        // may be this controller's own echo, which brings no reconcile).
+        let late = match obj.uid() {
+            Some(uid) => self
+                .pruners
+                .iter()
+                .flat_map(|p| p(&uid))
+                .any(|c| !seen.contains(&key(&c)) && !produced.contains(&key(&c))),
+            None => false,
+        };
         let hold_key = hold_key(obj);
         // A status still in progress waits (see Plan::in_progress); one that must be stored
         // before the next step never does.
@@ -372,10 +387,13 @@ impl<R: Reconciler> Runner<R> {
             self.writer.delete_object(obj).await?;
             return Ok(Action::await_change());
         }
+        const LATE_CHILD: Duration = Duration::from_secs(1);
         Ok(match (plan.requeue, held) {
             (Requeue::After(d), Some(wait)) => Action::requeue(d.min(wait)),
             (Requeue::OnChange, Some(wait)) => Action::requeue(wait),
+            (Requeue::OnChange, None) if late => Action::requeue(LATE_CHILD),
             (Requeue::OnChange, None) => Action::await_change(),
+            (Requeue::After(d), None) if late => Action::requeue(d.min(LATE_CHILD)),
             (Requeue::After(d), None) => Action::requeue(d),
             // The stored status's watch event brings the object back.
             (Requeue::Again, _) => Action::await_change(),

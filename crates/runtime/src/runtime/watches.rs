@@ -331,10 +331,8 @@ where
             cache
                 .indexed(OWNER_INDEX, uid)
                 .iter()
-                .map(|c| Deletion {
-                    uid: None,
-                    ..Deletion::of(c.as_ref())
-                })
+                // With its uid: an object recreated under that name since is not this one.
+                .map(|c| Deletion::of(c.as_ref()))
                 .collect()
         }));
     }

@@ -12,7 +12,7 @@ use serde::de::DeserializeOwned;
 
 use super::Error;
 use crate::conditions::{self, Desired};
-use crate::diff::is_subset;
+use crate::diff::same;
 use crate::kind::Watchable;
 use crate::kind::{api, namespaced};
 use crate::plan::{Child, Deletion, Mode};
@@ -153,7 +153,7 @@ impl Writer {
     }
 
     /// Applies `desired` through the status subresource unless the live status (read as `S`)
-    /// has all of it. Returns whether it wrote. With `echo`, its watch event triggers nothing.
+    /// is the same: a field the plan no longer sets is written away too. Returns whether it wrote. With `echo`, its watch event triggers nothing.
     #[tracing::instrument(level = "debug", name = "status", skip_all)]
     pub(crate) async fn status<K, S>(
         &self,
@@ -175,8 +175,9 @@ impl Writer {
                 version
             }
             StatusBase::Cache => {
+                // Read as `S`: fields of the status that `S` does not know are not the plan's.
                 let live: S = serde_json::from_value(live_status(obj)?).unwrap_or_default();
-                if is_subset(&desired, &serde_json::to_value(live)?) {
+                if same(&desired, &serde_json::to_value(live)?) {
                     return Ok(false);
                 }
                 cached.clone()
