@@ -184,7 +184,7 @@ async fn the_apiserver_calls_the_webhooks_and_kubectl_shows_their_answers() {
             op.0.wait()?;
             let (ok, out) = apply(&ns, &at("later", "2030-01-01T00:00:00Z"))?;
             ensure!(
-                !ok && out.contains("failed calling webhook") && out.contains("vat.cnat.programming-kubernetes.info"),
+                !ok && out.contains("failed calling webhook") && out.contains("vat-v1alpha1.cnat.programming-kubernetes.info"),
                 "admitted with the webhook down, or refused for another reason: {out}"
             );
             let (ok, out) = apply(&ns, &eru("range2", "61 * * * *", "web"))?;

@@ -114,7 +114,7 @@ type Handler =
 /// Which requests the apiserver sends to one webhook: the webhook configuration entry.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Rule {
-    /// Unique webhook name, e.g. `vat.cnat.programming-kubernetes.info`.
+    /// Unique webhook name, e.g. `vat-v1alpha1.cnat.programming-kubernetes.info`.
     pub name: &'static str,
     /// HTTP path it is served at.
     pub path: &'static str,
@@ -134,7 +134,7 @@ pub struct Rule {
 
 impl Rule {
     /// The rule of kind `K`'s validating webhook, all from the kind, as Kubebuilder names it:
-    /// `v<kind>.<group>` served at `/validate-<group with dashes>-<version>-<kind>`, for
+    /// `v<kind>-<version>.<group>` served at `/validate-<group with dashes>-<version>-<kind>`, for
     /// `CREATE` and `UPDATE` of `K`'s version, failing closed. Change what differs with
     /// [`Rule::failure_policy`], [`Rule::operations`] or [`Rule::versions`].
     pub fn validating<K: Watchable>() -> Rule {
@@ -142,7 +142,7 @@ impl Rule {
     }
 
     /// The rule of kind `K`'s defaulting webhook: as [`Rule::validating`], named
-    /// `m<kind>.<group>` and served at `/mutate-<group with dashes>-<version>-<kind>`.
+    /// `m<kind>-<version>.<group>` and served at `/mutate-<group with dashes>-<version>-<kind>`.
     pub fn mutating<K: Watchable>() -> Rule {
         Rule::of::<K>("m", "mutate")
     }
@@ -158,7 +158,7 @@ impl Rule {
             g => g.to_string(),
         };
         Rule {
-            name: intern(format!("{prefix}{kind}.{domain}")),
+            name: intern(format!("{prefix}{kind}-{version}.{domain}")),
             path: intern(format!("/{verb}-{}-{version}-{kind}", group.replace('.', "-"))),
             group: intern(group.into_owned()),
             versions: intern_list(vec![version.into_owned()]),
@@ -720,7 +720,7 @@ mod tests {
         assert_eq!(
             (v.name, v.path, v.group, v.versions, v.resource),
             (
-                "vdeployment.apps.k8s.io",
+                "vdeployment-v1.apps.k8s.io",
                 "/validate-apps-v1-deployment",
                 "apps",
                 &["v1"][..],
@@ -741,7 +741,7 @@ mod tests {
         assert_eq!(
             (m.name, m.path, m.scope),
             (
-                "mnamespace.core.k8s.io",
+                "mnamespace-v1.core.k8s.io",
                 "/mutate--v1-namespace",
                 RuleScope::Cluster
             )
