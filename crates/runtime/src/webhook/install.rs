@@ -330,6 +330,7 @@ pub async fn start(
                 hosts: hosts.clone(),
                 tx,
                 own_ca,
+                failing: None,
             };
             (CertSource::Watch(rx), source)
         }
@@ -427,6 +428,9 @@ enum Source {
         /// The CA of the certificate this process made because the Secret could not be used
         /// at start; `None` once it serves the shared one.
         own_ca: Option<String>,
+        /// The last failure logged: the same one again (a local run whose Secret namespace
+        /// does not exist fails every time) is logged at debug level only.
+        failing: Option<String>,
     },
 }
 
@@ -452,8 +456,12 @@ impl Source {
                 hosts,
                 tx,
                 own_ca,
+                failing,
             } => match shared::ensure(secrets, name, hosts).await {
                 Ok(sh) => {
+                    if failing.take().is_some() {
+                        tracing::info!("the shared webhook certificate can be read again");
+                    }
                     tx.send_if_modified(|s| {
                         let changed = *s != sh.serving;
                         *s = sh.serving.clone();
@@ -465,7 +473,13 @@ impl Source {
                     Some(sh.ca_bundle)
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, "reading the shared webhook certificate failed");
+                    let message = e.to_string();
+                    if failing.as_deref() == Some(message.as_str()) {
+                        tracing::debug!(error = %e, "reading the shared webhook certificate failed again");
+                    } else {
+                        tracing::warn!(error = %e, "reading the shared webhook certificate failed; retrying quietly while it fails the same way");
+                        *failing = Some(message);
+                    }
                     match (own_ca.as_ref(), secrets.get_opt(name).await) {
                         (Some(ca), Ok(None)) => Some(ca.clone()),
                         _ => None,
