@@ -109,22 +109,28 @@ impl Reconciler for Probe {
     }
 }
 
-/// The probe as an operator of its own.
-fn probe_operator() -> opkit::Operator<Probe> {
+/// An operator of one registry entry `name` (no CRDs, RBAC or webhooks) that `add`s its
+/// controllers from the settings.
+fn operator_of<S>(name: &'static str, add: fn(&mut opkit::Manager, &S)) -> opkit::Operator<S> {
     opkit::Operator {
         name: "opkit",
         version: "0.0.0",
-        about: "the framework probe",
+        about: "a framework test",
         registry: Registry::new(vec![Registration {
-            name: "probe",
+            name,
             crds: Vec::new,
             rbac: Vec::new,
             webhooks: |w, _| w,
-            add: |m, probe| {
-                m.add(probe.clone());
-            },
+            add,
         }]),
     }
+}
+
+/// The probe as an operator of its own.
+fn probe_operator() -> opkit::Operator<Probe> {
+    operator_of("probe", |m, probe| {
+        m.add(probe.clone());
+    })
 }
 
 /// Runs `probe` in `ns` through `opkit run`'s assembly, with the manager's `opts`.
@@ -467,20 +473,9 @@ async fn a_status_field_the_plan_stops_setting_is_gone_from_the_stored_status() 
     shared()
         .in_namespace("framework-status", |client, ns| async move {
             common::install_crd(&client, flag_crd()?).await?;
-            let op = opkit::Operator {
-                name: "opkit",
-                version: "0.0.0",
-                about: "the status probe",
-                registry: Registry::new(vec![Registration {
-                    name: "flags",
-                    crds: Vec::new,
-                    rbac: Vec::new,
-                    webhooks: |w, _| w,
-                    add: |m, _| {
-                        m.add(Flags);
-                    },
-                }]),
-            };
+            let op = operator_of("flags", |m, _: &()| {
+                m.add(Flags);
+            });
             let _op = common::start_op(&op, &client, &ns, Run::new(&["flags"]), &(), |_| {}).await?;
             let flags: Api<Flag> = Api::namespaced(client.clone(), &ns);
             let flag = Flag::new("f", FlagSpec { on: true });
@@ -589,20 +584,9 @@ async fn a_child_that_reaches_the_cache_after_observe_is_not_pruned_unseen() {
     shared()
         .in_namespace("framework-prune", |client, ns| async move {
             let keeper = Keeper::default();
-            let op = opkit::Operator {
-                name: "opkit",
-                version: "0.0.0",
-                about: "the prune probe",
-                registry: Registry::new(vec![Registration {
-                    name: "keeper",
-                    crds: Vec::new,
-                    rbac: Vec::new,
-                    webhooks: |w, _| w,
-                    add: |m, keeper: &Keeper| {
-                        m.add(keeper.clone());
-                    },
-                }]),
-            };
+            let op = operator_of("keeper", |m, keeper: &Keeper| {
+                m.add(keeper.clone());
+            });
             let op = common::start_op(&op, &client, &ns, Run::new(&["keeper"]), &keeper, |_| {}).await?;
             let api: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
             let primary = json!({"metadata": {"name": "keeper", "labels": {"opkit-keeper": "yes"}, "annotations": {"inject": ""}}});
