@@ -224,7 +224,9 @@ pub enum Requeue {
     After(Duration),
     /// As soon as the status this plan writes is stored: a step that must be recorded before
     /// the next one is taken (an intent written before the Pod it announces is created).
-    /// opkit's own writes trigger no reconcile otherwise.
+    /// opkit's own writes trigger no reconcile otherwise. A status already stored as planned
+    /// is not written, so nothing brings the object back: the plan after a step must differ
+    /// in its status (a phase, an intent), or ask for [`Requeue::After`].
     Again,
 }
 
