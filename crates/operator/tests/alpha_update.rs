@@ -97,6 +97,9 @@ fn an_update_keeps_the_users_edits_brings_the_new_templates_and_marks_the_confli
     let _ = std::fs::remove_dir_all(&root);
     let dir = root.join("guestbook");
     std::fs::create_dir_all(&dir)?;
+    // A rustfmt configuration above the project (a monorepo's, say) formats its files: the
+    // scaffolds the update compares with must be formatted the same way.
+    std::fs::write(root.join("rustfmt.toml"), "max_width = 60\n")?;
     let old = old_opkit(&root)?;
     let gvk = ["--group", "webapp", "--version", "v1", "--kind", "Guestbook"];
     run_ok(

@@ -92,7 +92,7 @@ pub(crate) fn update(args: &UpdateArgs) -> anyhow::Result<Updated> {
     git_installed()?;
     committed(&dir)?;
 
-    let scratch = Scratch::new()?;
+    let scratch = Scratch::in_dir(&dir.join("target"))?;
     let lines = replay(&project);
     scaffold_with_binary(&from_binary, &old_version, &lines, &scratch.old)?;
     scaffold_here(&lines, &scratch.new)?;
@@ -295,12 +295,21 @@ struct Scratch {
 }
 
 impl Scratch {
+    #[cfg(test)]
     fn new() -> anyhow::Result<Scratch> {
+        Scratch::in_dir(&std::env::temp_dir())
+    }
+
+    /// Scratch scaffolds under `dir`: below the project (in its ignored `target/`), rustfmt
+    /// formats them with the configuration it finds for the project's own files (a
+    /// `rustfmt.toml` in the project or a folder above it), so a file the user never touched
+    /// reads the same as its old scaffold and merges without a conflict.
+    fn in_dir(dir: &Path) -> anyhow::Result<Scratch> {
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap_or_default()
             .as_nanos();
-        let root = std::env::temp_dir().join(format!("opkit-alpha-update-{}-{nanos}", std::process::id()));
+        let root = dir.join(format!("opkit-alpha-update-{}-{nanos}", std::process::id()));
         let s = Scratch {
             old: root.join("old"),
             new: root.join("new"),
