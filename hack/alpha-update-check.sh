@@ -27,8 +27,7 @@ old=$work/old-target/debug/opkit
 new=$(cd "$root" && cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')/debug/opkit
 
 step "scaffolding with the older opkit"
-# Outside this checkout: rustfmt would format the project with this repository's
-# rustfmt.toml, and its scaffolds then differ from the ones `alpha update` makes to compare.
+# Outside this checkout, as a user's project is (and so that its build stays out of it).
 project=${PROJECT_DIR:-${TMPDIR:-/tmp}/opkit-alpha-update-check/guestbook}
 rm -rf "$project"
 mkdir -p "$project"
