@@ -227,6 +227,12 @@ fn now() -> MicroTime {
     MicroTime(Timestamp::now())
 }
 
+/// How long a Lease record holds from when it was last seen to change (`leaseDurationSeconds`;
+/// none or negative: 0).
+pub(crate) fn lease_duration(spec: &LeaseSpec) -> Duration {
+    Duration::from_secs(u64::try_from(spec.lease_duration_seconds.unwrap_or(0)).unwrap_or(0))
+}
+
 /// Whether `lease` may be taken by `identity`: ours, or unchanged for its duration since
 /// `seen_change` (on this process's monotonic clock) at `now`. That holds for a record naming
 /// no holder too: a release sets a duration of 1 s after its holder closed its gate, while a
@@ -235,10 +241,7 @@ pub fn claimable(lease: &Lease, identity: &str, seen_change: Instant, now: Insta
     let Some(spec) = &lease.spec else { return true };
     match spec.holder_identity.as_deref() {
         Some(h) if !h.is_empty() && h == identity => true,
-        _ => {
-            let secs = u64::try_from(spec.lease_duration_seconds.unwrap_or(0)).unwrap_or(0);
-            now.saturating_duration_since(seen_change) >= Duration::from_secs(secs)
-        }
+        _ => now.saturating_duration_since(seen_change) >= lease_duration(spec),
     }
 }
 
@@ -370,8 +373,7 @@ impl LeaderElector {
                         .as_deref()
                         .is_some_and(|h| !h.is_empty() && h != self.cfg.identity) =>
                 {
-                    let secs = u64::try_from(prev.lease_duration_seconds.unwrap_or(0)).unwrap_or(0);
-                    Some(Instant::now() + Duration::from_secs(secs))
+                    Some(Instant::now() + lease_duration(prev))
                 }
                 (None, None) => *deleted_until,
                 _ => None,
@@ -416,12 +418,9 @@ impl LeaderElector {
             let wait = match live.as_ref().and_then(|l| l.spec.as_ref()) {
                 // Held, or naming no holder (a release: 1 s): claimable once unchanged for
                 // its duration.
-                Some(s) => {
-                    let secs = u64::try_from(s.lease_duration_seconds.unwrap_or(0)).unwrap_or(0);
-                    (seen_change + Duration::from_secs(secs))
-                        .saturating_duration_since(Instant::now())
-                        .clamp(Duration::from_millis(100), self.cfg.lease_duration)
-                }
+                Some(s) => (seen_change + lease_duration(s))
+                    .saturating_duration_since(Instant::now())
+                    .clamp(Duration::from_millis(100), self.cfg.lease_duration),
                 None => match deleted_until {
                     Some(t) => t
                         .saturating_duration_since(Instant::now())

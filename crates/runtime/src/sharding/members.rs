@@ -13,6 +13,8 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::coordination::v1::LeaseSpec;
 
+use crate::leader::lease_duration as duration;
+
 /// The member Leases seen so far.
 #[derive(Debug, Default)]
 pub struct Members {
@@ -31,10 +33,6 @@ struct Seen {
     grace: Option<Instant>,
     /// Its Lease was deleted: it is forgotten once `grace` ends.
     deleted: bool,
-}
-
-fn duration(spec: &LeaseSpec) -> Duration {
-    Duration::from_secs(u64::try_from(spec.lease_duration_seconds.unwrap_or(0)).unwrap_or(0))
 }
 
 fn names_holder(spec: &LeaseSpec) -> bool {
@@ -249,7 +247,7 @@ mod tests {
     }
 
     #[test]
-    fn a_lease_deleted_or_cleared_by_hand_counts_as_held_for_its_duration_from_the_last_renewal() {
+    fn a_lease_deleted_or_cleared_by_hand_counts_as_held_for_its_duration_from_when_that_was_seen() {
         let t0 = Instant::now();
         let at = |s| t0 + Duration::from_secs(s);
         let mut m = Members::default();
