@@ -24,9 +24,8 @@ use axum::routing::post;
 use futures::future::BoxFuture;
 use kube::Resource;
 
-use crate::kind::Watchable;
-
 use crate::conversion::Conversion;
+use crate::kind::Watchable;
 use kube::core::DynamicObject;
 use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
 use serde::de::DeserializeOwned;
@@ -196,28 +195,27 @@ impl Rule {
 /// The one `&'static` copy of `s`: rules are made from a kind's names at start, possibly many
 /// times in one process (tests), and kept as long as the server.
 pub(crate) fn intern(s: String) -> &'static str {
-    static SEEN: std::sync::Mutex<std::collections::BTreeSet<&'static str>> =
-        std::sync::Mutex::new(std::collections::BTreeSet::new());
-    let mut seen = SEEN.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    if let Some(s) = seen.get(s.as_str()) {
-        return s;
-    }
-    let s: &'static str = Box::leak(s.into_boxed_str());
-    seen.insert(s);
-    s
+    static SEEN: Interned<str> = Interned::new(std::collections::BTreeSet::new());
+    interned(&SEEN, s.into_boxed_str())
 }
 
 fn intern_list(items: Vec<String>) -> &'static [&'static str] {
-    static SEEN: std::sync::Mutex<std::collections::BTreeSet<&'static [&'static str]>> =
-        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    static SEEN: Interned<[&'static str]> = Interned::new(std::collections::BTreeSet::new());
     let items: Vec<&'static str> = items.into_iter().map(intern).collect();
-    let mut seen = SEEN.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    if let Some(l) = seen.get(items.as_slice()) {
-        return l;
+    interned(&SEEN, items.into_boxed_slice())
+}
+
+type Interned<T> = std::sync::Mutex<std::collections::BTreeSet<&'static T>>;
+
+/// The copy of `value` in `seen`, leaked and added the first time.
+fn interned<T: Ord + ?Sized>(seen: &Interned<T>, value: Box<T>) -> &'static T {
+    let mut seen = seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(v) = seen.get(&*value) {
+        return v;
     }
-    let l: &'static [&'static str] = Box::leak(items.into_boxed_slice());
-    seen.insert(l);
-    l
+    let v: &'static T = Box::leak(value);
+    seen.insert(v);
+    v
 }
 
 /// What the apiserver does with a request when the webhook cannot answer (the operator is
@@ -711,6 +709,10 @@ pub async fn serve(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::https::tests::connect_tls;
+    use crate::tls::certified_key;
+    use kube::core::DynamicObject;
+    use std::time::Duration;
 
     #[test]
     fn a_rule_is_made_from_its_kind_as_kubebuilder_names_it() {
@@ -753,10 +755,6 @@ mod tests {
         // Made again, the same strings: nothing more is kept.
         assert!(std::ptr::eq(Rule::validating::<Deployment>().path, v.path));
     }
-    use crate::https::tests::connect_tls;
-    use crate::tls::certified_key;
-    use kube::core::DynamicObject;
-    use std::time::Duration;
 
     #[test]
     fn a_key_that_does_not_match_its_certificate_is_refused() {
