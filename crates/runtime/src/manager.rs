@@ -358,14 +358,17 @@ impl Manager {
             tracing::error!(controller = name, error = %e, "ignoring the controller's settings");
             self.tuning.clone()
         });
-        let everyones = {
-            let p = reconciler.primary();
-            crate::kind::built_in::<R::Object>() && p.labels.is_none() && p.fields.is_none()
-        };
-        let sharded = self.sharding.as_ref().filter(|_| {
-            !reconciler.singleton() && (!everyones || reconciler.shards_all_of_a_built_in_kind())
-        });
-        if self.sharding.is_some() && sharded.is_none() && everyones && !reconciler.singleton() {
+        // Every object of a built-in kind is other people's too: not sharded unless asked.
+        let primary = reconciler.primary();
+        let everyones = crate::kind::built_in::<R::Object>()
+            && primary.labels.is_none()
+            && primary.fields.is_none()
+            && !reconciler.shards_all_of_a_built_in_kind();
+        let sharded = self
+            .sharding
+            .as_ref()
+            .filter(|_| !reconciler.singleton() && !everyones);
+        if self.sharding.is_some() && everyones && !reconciler.singleton() {
             tracing::info!(
                 controller = name,
                 "not sharded: its primary is every object of a built-in kind (give it a selector, or opt in with Reconciler::shards_all_of_a_built_in_kind); it runs on the leader"
@@ -405,7 +408,6 @@ impl Manager {
             let (group, lease_ns) = (s.cfg.group.clone(), s.cfg.lease.namespace.clone());
             let namespaces = namespaces.clone();
             let metrics = self.metrics.for_controller(name);
-            let primary = reconciler.primary();
             let selectors = (primary.labels.clone(), primary.fields.clone());
             // Objects every member watches only: the sharder applies the selectors of one
             // that selects, and only in the namespaces in scope.
