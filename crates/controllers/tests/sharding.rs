@@ -144,15 +144,20 @@ async fn member(client: &Client, ns: &str, identity: &str) -> anyhow::Result<Ope
 async fn member_elected(client: &Client, election: LeaderElectionConfig) -> anyhow::Result<Operator> {
     let ns = election.namespace.clone();
     let names = [memcached::NAME];
-    let run = Run {
+    let run = sharded(&names, election);
+    common::start_op(&operator(), client, &ns, run, &Settings::default(), |_| {}).await
+}
+
+/// `controllers` run as `opkit run --leader-elect --sharding` runs them, elected by `election`.
+fn sharded<'a>(controllers: &'a [&'static str], election: LeaderElectionConfig) -> Run<'a> {
+    Run {
         opts: ManagerOptions {
             leader_election: Some(election),
             ..Default::default()
         },
         sharding: true,
-        ..Run::new(&names)
-    };
-    common::start_op(&operator(), client, &ns, run, &Settings::default(), |_| {}).await
+        ..Run::new(controllers)
+    }
 }
 
 /// A Memcached of size 0 called `name`, with `labels`.
@@ -373,14 +378,7 @@ async fn new_objects_are_placed_as_they_are_created_and_a_stranger_s_label_is_re
             // Member a serves the placement webhook, as every replica of an operator serving
             // webhooks does.
             let names = [memcached::NAME];
-            let run = Run {
-                opts: ManagerOptions {
-                    leader_election: Some(election(&ns, "pa_1")),
-                    ..Default::default()
-                },
-                sharding: true,
-                ..Run::new(&names)
-            };
+            let run = sharded(&names, election(&ns, "pa_1"));
             let mut hooks = None;
             let a = common::start_op(&operator(), &client, &ns, run, &Settings::default(), |s| {
                 hooks = Some(s.sharding_webhooks())
@@ -593,14 +591,7 @@ async fn a_singleton_runs_on_the_leader_only_while_the_others_are_sharded() {
             let mut ops = Vec::new();
             for (replica, identity) in [("a", "sa_1"), ("b", "sb_1")] {
                 let names = ["probes", memcached::NAME];
-                let run = Run {
-                    opts: ManagerOptions {
-                        leader_election: Some(election(&ns, identity)),
-                        ..Default::default()
-                    },
-                    sharding: true,
-                    ..Run::new(&names)
-                };
+                let run = sharded(&names, election(&ns, identity));
                 let probes = Probes {
                     replica,
                     planned: planned.clone(),
@@ -703,14 +694,7 @@ async fn every_object_of_a_built_in_kind_is_left_unsharded_unless_the_controller
         .in_namespace("sharding-built-in", |client, ns| async move {
             // Eru's controllers: `eru` (its own kind) and `eru-annotations` (every Deployment).
             let names = [opkit_controllers::eru::NAME];
-            let run = Run {
-                opts: ManagerOptions {
-                    leader_election: Some(election(&ns, "e_1")),
-                    ..Default::default()
-                },
-                sharding: true,
-                ..Run::new(&names)
-            };
+            let run = sharded(&names, election(&ns, "e_1"));
             let paths = Arc::new(Mutex::new(Vec::new()));
             let seen = paths.clone();
             let op = common::start_op(&operator(), &client, &ns, run, &Settings::default(), move |s| {

@@ -153,7 +153,8 @@ impl Writer {
     }
 
     /// Applies `desired` through the status subresource unless the live status (read as `S`)
-    /// is the same: a field the plan no longer sets is written away too. Returns whether it wrote. With `echo`, its watch event triggers nothing.
+    /// is the same: a field the plan no longer sets is written away too. Returns whether it
+    /// wrote. With `echo`, its watch event triggers nothing.
     #[tracing::instrument(level = "debug", name = "status", skip_all)]
     pub(crate) async fn status<K, S>(
         &self,
