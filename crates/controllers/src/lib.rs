@@ -65,7 +65,7 @@ pub fn registry() -> Registry<Settings> {
             crds: || vec![opkit_api::memcached::crd()],
             rbac: memcached::rbac_rules,
             // A missing size is a schema default: nothing left for a webhook to do.
-            webhooks: |w, _| w,
+            webhooks: |w| w,
             add: |m, s| {
                 m.add(memcached::MemcachedController {
                     image: s.memcached_image.clone(),
@@ -111,7 +111,7 @@ pub fn registry() -> Registry<Settings> {
             name: foo::NAME,
             crds: || vec![opkit_api::foo::crd()],
             rbac: foo::rbac_rules,
-            webhooks: |w, _| w,
+            webhooks: |w| w,
             add: |m, _| {
                 m.add(foo::FooController);
             },

@@ -120,7 +120,7 @@ fn operator_of<S>(name: &'static str, add: fn(&mut opkit::Manager, &S)) -> opkit
             name,
             crds: Vec::new,
             rbac: Vec::new,
-            webhooks: |w, _| w,
+            webhooks: |w| w,
             add,
         }]),
     }

@@ -42,7 +42,7 @@ fn probe_operator() -> opkit::Operator<Probes> {
                 name: "probes",
                 crds: Vec::new,
                 rbac: Vec::new,
-                webhooks: |w, _| w,
+                webhooks: |w| w,
                 add: |m, p| {
                     for singleton in [true, false] {
                         m.add(Probe {
@@ -57,7 +57,7 @@ fn probe_operator() -> opkit::Operator<Probes> {
                 name: memcached::NAME,
                 crds: || vec![opkit_api::memcached::crd()],
                 rbac: memcached::rbac_rules,
-                webhooks: |w, _| w,
+                webhooks: |w| w,
                 add: |m, _| {
                     m.add(memcached::MemcachedController {
                         image: Settings::default().memcached_image,

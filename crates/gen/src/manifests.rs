@@ -228,11 +228,10 @@ pub fn cluster_rules<S>(op: &Operator<S>, webhook_configurations: bool) -> anyho
     Ok(rules)
 }
 
-/// The operator's webhooks, for what the manifests say of them: the handlers are never
-/// called here, only their rules and conversions are read, so the client is offline.
+/// The operator's webhooks, for what the manifests say of them (their rules and
+/// conversions; no handler is called).
 pub fn webhooks<S>(op: &Operator<S>) -> anyhow::Result<opkit_runtime::webhook::Webhooks> {
-    let offline = kube::Client::try_from(kube::Config::new("https://127.0.0.1:1".parse()?))?;
-    Ok(op.registry.webhooks(&offline))
+    Ok(op.registry.webhooks())
 }
 
 /// Every CRD, those the operator converts with the conversion webhook of its Service.

@@ -93,7 +93,7 @@ fn main() -> anyhow::Result<()> {
                 events(),
             ]
         },
-        webhooks: |w, _| w,
+        webhooks: |w| w,
         add: |m, _| {
             m.add(Expose);
         },

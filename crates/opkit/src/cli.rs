@@ -427,7 +427,8 @@ pub fn main_with<S, A: Args, X: Subcommand>(
         .version(op.version)
         .about(op.about);
     let cli = Cli::<A, X>::from_arg_matches(&command.get_matches()).map_err(|e| e.exit())?;
-    // Every command needs the runtime: even generating manifests builds an (offline) client.
+    // `run`, `migrate-storage` and an operator's own commands may need the async runtime;
+    // generating files needs no client and no cluster.
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let _guard = runtime.enter();
     match cli.command {

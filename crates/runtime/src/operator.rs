@@ -315,7 +315,7 @@ impl<S> Operator<S> {
             // are shared by all replicas and must not depend on one process's `controllers`.
             // With sharding, also the webhooks that place new objects on their members.
             let hooks = registry
-                .webhooks(&client)
+                .webhooks()
                 .merge(manager.sharding_webhooks())
                 .with_metrics(manager.metrics().clone());
             let webhook_opts = crate::webhook::WebhookOptions {

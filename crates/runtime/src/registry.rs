@@ -3,7 +3,6 @@
 //! its folder plus one line here.
 use k8s_openapi::api::rbac::v1::PolicyRule;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::Client;
 
 use crate::manager::Manager;
 use crate::rbac;
@@ -21,8 +20,10 @@ pub struct Registration<S> {
     /// apply that makes a child also needs `create`), `delete` where children are pruned or
     /// an object deletes itself, `get` only where `observe` reads through the client.
     pub rbac: fn() -> Vec<PolicyRule>,
-    /// Its admission webhooks (none: `|w, _| w`).
-    pub webhooks: fn(Webhooks, &Client) -> Webhooks,
+    /// Its admission webhooks and conversions (none: `|w| w`). Declared without a client
+    /// (a handler that reads the cluster gets one from its [`crate::webhook::Review`]), so
+    /// the manifests list them without a cluster.
+    pub webhooks: fn(Webhooks) -> Webhooks,
     /// Adds its reconcilers to a manager.
     pub add: fn(&mut Manager, &S),
 }
@@ -74,8 +75,8 @@ impl<S> Registry<S> {
     }
 
     /// Every entry's webhooks.
-    pub fn webhooks(&self, client: &Client) -> Webhooks {
-        webhooks(&self.all(), client)
+    pub fn webhooks(&self) -> Webhooks {
+        webhooks(&self.all())
     }
 }
 
@@ -91,8 +92,6 @@ pub(crate) fn crds<S>(entries: &[&Registration<S>]) -> Vec<CustomResourceDefinit
 }
 
 /// The webhooks of `entries`.
-pub(crate) fn webhooks<S>(entries: &[&Registration<S>], client: &Client) -> Webhooks {
-    entries
-        .iter()
-        .fold(Webhooks::new(), |w, e| (e.webhooks)(w, client))
+pub(crate) fn webhooks<S>(entries: &[&Registration<S>]) -> Webhooks {
+    entries.iter().fold(Webhooks::new(), |w, e| (e.webhooks)(w))
 }

@@ -1038,11 +1038,11 @@ pub fn create_webhook(args: &WebhookArgs) -> anyhow::Result<Report> {
     let line = match (has_admission, has_conversion) {
         (true, false) => format!("webhooks: {}_webhook::webhooks,", res.kind_snake),
         (false, true) => format!(
-            "webhooks: |w, _| w.conversion({}_conversion::conversion()),",
+            "webhooks: |w| w.conversion({}_conversion::conversion()),",
             res.kind_snake
         ),
         _ => format!(
-            "webhooks: |w, c| {0}_webhook::webhooks(w, c).conversion({0}_conversion::conversion()),",
+            "webhooks: |w| {0}_webhook::webhooks(w).conversion({0}_conversion::conversion()),",
             res.kind_snake
         ),
     };
@@ -1263,7 +1263,7 @@ mod tests {
         );
         let lib = read(&d, "crates/controllers/src/lib.rs");
         assert!(
-            lib.contains("webhooks: |w, _| w.conversion(guestbook_conversion::conversion()),"),
+            lib.contains("webhooks: |w| w.conversion(guestbook_conversion::conversion()),"),
             "{lib}"
         );
         assert!(read(&d, "PROJECT").contains("spokes:\n  - v2"));
@@ -1272,9 +1272,9 @@ mod tests {
         create_webhook(&webhook_args(&d, &format!("{gvk} --defaulting"))).unwrap();
         let lib = read(&d, "crates/controllers/src/lib.rs");
         assert!(
-            lib.contains("webhooks: |w, c| {")
+            lib.contains("webhooks: |w| {")
                 && lib.contains(
-                    "guestbook_webhook::webhooks(w, c).conversion(guestbook_conversion::conversion())"
+                    "guestbook_webhook::webhooks(w).conversion(guestbook_conversion::conversion())"
                 ),
             "{lib}"
         );

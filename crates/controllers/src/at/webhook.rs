@@ -2,7 +2,6 @@
 //! (almost certainly a typo), one merely in the past gets a warning (it runs at once); the spec
 //! cannot change once the At has started. CEL in the CRD already checks the schedule's shape.
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
-use kube::Client;
 use kube::core::admission::Operation;
 use opkit::webhook::{FailurePolicy, Review, Rule, Verdict, Webhooks};
 use opkit_api::at::{At, Phase};
@@ -60,7 +59,7 @@ pub fn validate_at(review: &Review<At>, now: Timestamp) -> Verdict {
 }
 
 /// Adds the At webhooks.
-pub fn webhooks(w: Webhooks, _: &Client) -> Webhooks {
+pub fn webhooks(w: Webhooks) -> Webhooks {
     let rule = Rule::validating::<At>()
         // Fail: what this refuses cannot be put right afterwards. An At scheduled years in the
         // past (a mistyped year) runs its command at once, and a spec changed after the run no
@@ -97,12 +96,7 @@ mod tests {
     }
 
     fn review(op: Operation, new: At, old: Option<At>) -> Review<At> {
-        Review {
-            operation: op,
-            object: Some(new),
-            old_object: old,
-            namespace: Some("ns".into()),
-        }
+        Review::new(op, Some(new), old, Some("ns"))
     }
 
     #[test]

@@ -1,7 +1,6 @@
 //! ConfigMirror admission: a selector the apiserver would not accept, or an empty source, is
 //! refused at `kubectl apply` with the field named — the same check the plan repeats for
 //! objects stored while the webhook was not there.
-use kube::Client;
 use kube::core::admission::Operation;
 use opkit::webhook::{FailurePolicy, Review, Rule, Verdict, Webhooks};
 use opkit_api::config_mirror::{ConfigMirror, ConfigMirrorSpec};
@@ -17,7 +16,7 @@ pub fn validate_spec(spec: &ConfigMirrorSpec) -> Result<(), String> {
 }
 
 /// Adds the ConfigMirror webhook.
-pub fn webhooks(w: Webhooks, _: &Client) -> Webhooks {
+pub fn webhooks(w: Webhooks) -> Webhooks {
     let rule = Rule::validating::<ConfigMirror>()
         // Fail: an invalid selector stored while the operator is down would only be reported
         // later, as a condition; refusing it then costs nothing but a retry.

@@ -5,7 +5,6 @@
 //! naming the field. `v2`'s `timeZone` (absent in `v1`) and `v1`'s spacing inside `cronSpec`
 //! survive a trip through the other version (opkit keeps them in an annotation).
 use k8s_openapi::api::rbac::v1::PolicyRule;
-use kube::Client;
 use opkit::conversion::{Conversion, ConversionError};
 use opkit::webhook::Webhooks;
 use opkit_api::crontab::{v1, v2};
@@ -67,7 +66,7 @@ pub fn conversion() -> Conversion {
 }
 
 /// The conversion webhook.
-pub fn webhooks(w: Webhooks, _: &Client) -> Webhooks {
+pub fn webhooks(w: Webhooks) -> Webhooks {
     w.conversion(conversion())
 }
 

@@ -2,7 +2,7 @@
 //! and a missing target Deployment is warned about.
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::jiff::Timestamp;
-use kube::{Api, Client};
+use kube::Api;
 use opkit::webhook::{FailurePolicy, Review, Rule, Verdict, Webhooks};
 use opkit_api::eru::Eru;
 
@@ -21,29 +21,30 @@ pub fn validate_eru(eru: &Eru, deployment_exists: Option<bool>) -> Verdict {
 }
 
 /// Adds the Eru webhooks.
-pub fn webhooks(w: Webhooks, client: &Client) -> Webhooks {
+pub fn webhooks(w: Webhooks) -> Webhooks {
     let rule = Rule::validating::<Eru>()
         // Ignore: the controller checks the same spec and reports an impossible schedule as a
         // condition and a Warning Event; nothing restarts off schedule, so an outage only moves
         // the message from `kubectl apply` to `kubectl describe`.
         .failure_policy(FailurePolicy::Ignore);
-    let client = client.clone();
-    w.validating(rule, move |r: Review<Eru>| {
-        let client = client.clone();
-        async move {
-            let Some(eru) = &r.object else {
-                return Verdict::allow();
-            };
-            let ns = r.namespace.clone().unwrap_or_default();
-            let deploys: Api<Deployment> = Api::namespaced(client, &ns);
-            // Unknown (API error) is not a reason to refuse or warn.
-            let exists = deploys
-                .get_opt(&eru.spec.deployment_name)
-                .await
-                .ok()
-                .map(|d| d.is_some());
-            validate_eru(eru, exists)
-        }
+    w.validating(rule, |r: Review<Eru>| async move {
+        let Some(eru) = &r.object else {
+            return Verdict::allow();
+        };
+        // Unknown (no client, an API error) is not a reason to refuse or warn.
+        let exists = match r.client() {
+            Some(client) => {
+                let ns = r.namespace.as_deref().unwrap_or_default();
+                let deploys: Api<Deployment> = Api::namespaced(client.clone(), ns);
+                deploys
+                    .get_opt(&eru.spec.deployment_name)
+                    .await
+                    .ok()
+                    .map(|d| d.is_some())
+            }
+            None => None,
+        };
+        validate_eru(eru, exists)
     })
 }
 

@@ -181,12 +181,7 @@ mod tests {
         let mut o = PartialObjectMeta::<ConfigMap>::default();
         o.metadata.name = name.map(String::from);
         o.metadata.labels = labels.map(|l| l.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
-        Review {
-            operation: op,
-            object: Some(o),
-            old_object: None,
-            namespace: Some("ns".into()),
-        }
+        Review::new(op, Some(o), None, Some("ns"))
     }
 
     fn applied(r: &Review<PartialObjectMeta<ConfigMap>>, v: &Verdict) -> serde_json::Value {

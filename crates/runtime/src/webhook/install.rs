@@ -335,7 +335,8 @@ pub async fn start(
             (CertSource::Watch(rx), source)
         }
     };
-    let server = serve(webhooks, opts.bind, certs, opts.http2, shutdown.clone()).await?;
+    let served = webhooks.clone().with_client(client.clone());
+    let server = serve(&served, opts.bind, certs, opts.http2, shutdown.clone()).await?;
     let configure = opts.configure;
     let mut source = source;
     let mut bundle = source.bundle().await;

@@ -22,7 +22,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use futures::future::BoxFuture;
-use kube::Resource;
+use kube::{Client, Resource};
 
 use crate::conversion::Conversion;
 use crate::kind::Watchable;
@@ -95,7 +95,10 @@ impl Verdict {
     }
 }
 
-/// The request as a handler sees it: operation, the new object and the old one (on updates).
+/// The request as a handler sees it: operation, the new object and the old one (on updates),
+/// and the operator's client for a handler that must read the cluster. Declaring webhooks
+/// needs no client, so generating their configurations needs no cluster.
+#[non_exhaustive]
 pub struct Review<K> {
     /// `Create`, `Update`, `Delete` or `Connect`.
     pub operation: Operation,
@@ -105,10 +108,38 @@ pub struct Review<K> {
     pub old_object: Option<K>,
     /// The request's namespace (absent for cluster-scoped kinds).
     pub namespace: Option<String>,
+    client: Option<Client>,
 }
 
-type Handler =
-    Arc<dyn Fn(AdmissionRequest<DynamicObject>) -> BoxFuture<'static, AdmissionResponse> + Send + Sync>;
+impl<K> Review<K> {
+    /// A request without a client, for a handler's unit test.
+    pub fn new(
+        operation: Operation,
+        object: Option<K>,
+        old_object: Option<K>,
+        namespace: Option<&str>,
+    ) -> Self {
+        Review {
+            operation,
+            object,
+            old_object,
+            namespace: namespace.map(String::from),
+            client: None,
+        }
+    }
+
+    /// The operator's client (with its write gate), for a handler that reads the cluster.
+    /// Always there when the operator serves the request; `None` in a [`Review::new`].
+    pub fn client(&self) -> Option<&Client> {
+        self.client.as_ref()
+    }
+}
+
+type Handler = Arc<
+    dyn Fn(AdmissionRequest<DynamicObject>, Option<Client>) -> BoxFuture<'static, AdmissionResponse>
+        + Send
+        + Sync,
+>;
 
 /// Which requests the apiserver sends to one webhook: the webhook configuration entry.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -270,6 +301,7 @@ pub struct Webhooks {
     /// Paths whose requests only come from some namespaces (a controller's scope).
     pub(crate) scoped: HashMap<String, Vec<String>>,
     metrics: Option<crate::metrics::Metrics>,
+    client: Option<Client>,
 }
 
 /// Where the apiserver sends ConversionReviews (one path for every kind, as Kubebuilder does).
@@ -364,40 +396,45 @@ impl Webhooks {
         Fut: std::future::Future<Output = Verdict> + Send + 'static,
     {
         let handler = Arc::new(handler);
-        let h: Handler = Arc::new(move |req: AdmissionRequest<DynamicObject>| {
-            let handler = handler.clone();
-            Box::pin(async move {
-                let base = AdmissionResponse::from(&req);
-                let (object, old_object) = match (typed::<K>(&req.object), typed::<K>(&req.old_object)) {
-                    (Ok(o), Ok(old)) => (o, old),
-                    (Err(e), _) | (_, Err(e)) if mutating => {
-                        tracing::debug!(error = %e, "not defaulted: the object does not read; the schema decides");
-                        return base;
+        let h: Handler = Arc::new(
+            move |req: AdmissionRequest<DynamicObject>, client: Option<Client>| {
+                let handler = handler.clone();
+                Box::pin(async move {
+                    let base = AdmissionResponse::from(&req);
+                    let (object, old_object) = match (typed::<K>(&req.object), typed::<K>(&req.old_object)) {
+                        (Ok(o), Ok(old)) => (o, old),
+                        (Err(e), _) | (_, Err(e)) if mutating => {
+                            tracing::debug!(error = %e, "not defaulted: the object does not read; the schema decides");
+                            return base;
+                        }
+                        (Err(e), _) | (_, Err(e)) => {
+                            return base.deny(format!("cannot read the object: {e}"));
+                        }
+                    };
+                    let verdict = handler(Review {
+                        operation: req.operation.clone(),
+                        object,
+                        old_object,
+                        namespace: req.namespace.clone(),
+                        client,
+                    })
+                    .await;
+                    let mut resp = match verdict.denied {
+                        Some(m) if !verdict.invalid.is_empty() => invalid(base, &req, m, verdict.invalid),
+                        Some(m) => base.deny(m),
+                        None if verdict.patch.is_empty() => base,
+                        None => match base.clone().with_patch(json_patch::Patch(verdict.patch)) {
+                            Ok(r) => r,
+                            Err(e) => base.deny(format!("internal error encoding the patch: {e}")),
+                        },
+                    };
+                    if !verdict.warnings.is_empty() {
+                        resp.warnings = Some(verdict.warnings);
                     }
-                    (Err(e), _) | (_, Err(e)) => return base.deny(format!("cannot read the object: {e}")),
-                };
-                let verdict = handler(Review {
-                    operation: req.operation.clone(),
-                    object,
-                    old_object,
-                    namespace: req.namespace.clone(),
+                    resp
                 })
-                .await;
-                let mut resp = match verdict.denied {
-                    Some(m) if !verdict.invalid.is_empty() => invalid(base, &req, m, verdict.invalid),
-                    Some(m) => base.deny(m),
-                    None if verdict.patch.is_empty() => base,
-                    None => match base.clone().with_patch(json_patch::Patch(verdict.patch)) {
-                        Ok(r) => r,
-                        Err(e) => base.deny(format!("internal error encoding the patch: {e}")),
-                    },
-                };
-                if !verdict.warnings.is_empty() {
-                    resp.warnings = Some(verdict.warnings);
-                }
-                resp
-            })
-        });
+            },
+        );
         self.handlers.insert(path.to_string(), h);
         self
     }
@@ -417,6 +454,13 @@ impl Webhooks {
         self
     }
 
+    /// Hands `client` to every handler in its [`Review`] ([`start`] does this with the
+    /// operator's client).
+    pub fn with_client(mut self, client: Client) -> Self {
+        self.client = Some(client);
+        self
+    }
+
     /// Adds every webhook of `other`.
     pub fn merge(mut self, other: Webhooks) -> Self {
         self.handlers.extend(other.handlers);
@@ -424,6 +468,7 @@ impl Webhooks {
         self.validating.extend(other.validating);
         self.conversions.extend(other.conversions);
         self.scoped.extend(other.scoped);
+        self.client = self.client.or(other.client);
         self
     }
 
@@ -459,10 +504,10 @@ impl Webhooks {
     pub fn router(&self) -> Router {
         let mut r = Router::new();
         for (path, h) in &self.handlers {
-            let h = h.clone();
+            let (h, client) = (h.clone(), self.client.clone());
             r = r.route(
                 path,
-                post(move |body: Bytes| review(h.clone(), body))
+                post(move |body: Bytes| review(h.clone(), client.clone(), body))
                     .layer(axum::extract::DefaultBodyLimit::max(limits::BODY)),
             );
         }
@@ -591,7 +636,7 @@ async fn convert(conversions: Arc<Vec<Conversion>>, body: Bytes) -> Response {
 }
 
 /// Decodes an `AdmissionReview`; a body that is not one gets a 400 with the reason.
-async fn review(h: Handler, body: Bytes) -> Response {
+async fn review(h: Handler, client: Option<Client>, body: Bytes) -> Response {
     let review: AdmissionReview<DynamicObject> = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(e) => return (StatusCode::BAD_REQUEST, format!("not an AdmissionReview: {e}")).into_response(),
@@ -606,7 +651,7 @@ async fn review(h: Handler, body: Bytes) -> Response {
                 .into_response();
         }
     };
-    let resp = h(req).await;
+    let resp = h(req, client).await;
     match serde_json::to_vec(&resp.into_review()) {
         Ok(body) => ([(axum::http::header::CONTENT_TYPE, "application/json")], body).into_response(),
         Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
@@ -811,13 +856,13 @@ mod tests {
                 serde_json::json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c"}, "data": {"a": 1}}),
             )
         };
-        let m = (hooks.handlers["/m"])(review()).await;
+        let m = (hooks.handlers["/m"])(review(), None).await;
         assert!(
             m.allowed && m.patch.is_none(),
             "admitted unchanged: {:?}",
             m.result
         );
-        let v = (hooks.handlers["/v"])(review()).await;
+        let v = (hooks.handlers["/v"])(review(), None).await;
         assert!(
             !v.allowed && v.result.message.contains("cannot read the object"),
             "{:?}",
@@ -872,7 +917,7 @@ mod tests {
             ("cache.example.com", "Memcached", "memcacheds"),
             serde_json::json!({"apiVersion": "cache.example.com/v1", "kind": "Memcached", "metadata": {"name": "m"}}),
         );
-        let resp = (hooks.handlers["/v"])(req).await;
+        let resp = (hooks.handlers["/v"])(req, None).await;
         let v = serde_json::to_value(resp.into_review()).unwrap();
         let (r, status) = (&v["response"], &v["response"]["status"]);
         assert_eq!(r["allowed"], false, "{v}");
