@@ -231,7 +231,7 @@ impl<S> Operator<S> {
     /// };
     /// let mut config = RunConfig::default();
     /// config.manager.leader_election = Some(LeaderElectionConfig::new("demo-system", operator.lease()));
-    /// let kube_config = opkit_runtime::kube::Config::infer().await?;
+    /// let kube_config = kube::Config::infer().await?;
     /// operator.run(Connect::Config(kube_config), config, &()).await?;
     /// # Ok(())
     /// # }
