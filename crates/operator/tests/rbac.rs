@@ -318,6 +318,27 @@ async fn every_verb_the_generated_roles_grant_is_used_by_the_operator() -> anyho
     println!("[{:5.1}s] scenario done", start.elapsed().as_secs_f64());
     let audit_log = cp.dir().join("audit.log");
     let user = format!("system:serviceaccount:{NS}:{SA}");
+
+    // Forty requests at once with one made-up token: one TokenReview, not forty, and each
+    // refused. (The audit log is written before each request is answered: complete.)
+    let reviews = || -> anyhow::Result<usize> {
+        Ok(read_audit(&audit_log)?
+            .iter()
+            .filter(|a| a.user == user && a.resource == "tokenreviews")
+            .count())
+    };
+    let before = reviews()?;
+    let addr = ([127, 0, 0, 1], metrics).into();
+    let flood = (0..40).map(|_| https_get(addr, "/metrics", Some("made-up-token")));
+    for answer in futures::future::join_all(flood).await {
+        let (code, body) = answer?;
+        ensure!(code == 401, "a made-up token got {code}: {body}");
+    }
+    let made = reviews()? - before;
+    ensure!(
+        made == 1,
+        "{made} TokenReviews for one token asked about 40 times at once"
+    );
     wait_for("the standby to watch the Lease", T, || async {
         let watching = read_audit(&audit_log)?
             .iter()

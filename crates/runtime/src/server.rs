@@ -54,15 +54,156 @@ async fn readyz(State(r): State<Readiness>) -> impl IntoResponse {
 }
 
 /// Checks who reads `/metrics`: TokenReview, then SubjectAccessReview for `get /metrics`.
-/// Decisions are remembered for a minute per token, so a scrape every few seconds costs the
-/// apiserver two requests a minute.
+/// Decisions are remembered per token ([`Decisions`]), so a scrape every few seconds costs the
+/// apiserver two requests a minute, and a flood of made-up tokens costs bounded memory and
+/// a bounded number of reviews at once.
 #[derive(Clone)]
 pub struct MetricsAuth {
     client: kube::Client,
-    decisions: Arc<Mutex<HashMap<String, (Instant, StatusCode)>>>,
+    decisions: Decisions,
 }
 
-const DECISION_TTL: Duration = Duration::from_secs(60);
+/// How long an allowed token is trusted without asking again.
+const ALLOWED_TTL: Duration = Duration::from_secs(60);
+/// How long a refusal is remembered: short, so a token granted access a moment ago is not
+/// refused for long, and long enough that a scraper retrying a bad token costs little.
+const REFUSED_TTL: Duration = Duration::from_secs(5);
+/// Decisions remembered at most (the least recently used goes first): a few hundred bytes
+/// each, whatever the tokens a client makes up.
+const DECISIONS: usize = 1024;
+/// Token reviews in flight at most; further requests wait their turn.
+const REVIEWS: usize = 4;
+/// A longer bearer token is refused unread (service account and OIDC tokens are a few KiB).
+const MAX_TOKEN: usize = 16 * 1024;
+
+/// A token's decision: who may read `/metrics`, remembered by the token's SHA-256 (never the
+/// token itself), bounded in number, with one review in flight per token and [`REVIEWS`] in
+/// all.
+#[derive(Clone)]
+struct Decisions {
+    inner: Arc<Mutex<DecisionMap>>,
+    reviews: Arc<tokio::sync::Semaphore>,
+    /// How long an allowed and a refused decision last.
+    ttl: (Duration, Duration),
+}
+
+type TokenKey = [u8; 32];
+type Pending = Arc<tokio::sync::OnceCell<(StatusCode, String)>>;
+
+#[derive(Default)]
+struct DecisionMap {
+    ttl: (Duration, Duration),
+    /// Decision, when it was made and when it was last used.
+    known: HashMap<TokenKey, (StatusCode, Instant, Instant)>,
+    /// Reviews under way, shared by every request with that token.
+    pending: HashMap<TokenKey, Pending>,
+}
+
+impl Default for Decisions {
+    fn default() -> Self {
+        Decisions::lasting(ALLOWED_TTL, REFUSED_TTL)
+    }
+}
+
+impl Decisions {
+    fn lasting(allowed: Duration, refused: Duration) -> Self {
+        let ttl = (allowed, refused);
+        Decisions {
+            inner: Arc::new(Mutex::new(DecisionMap {
+                ttl,
+                ..Default::default()
+            })),
+            reviews: Arc::new(tokio::sync::Semaphore::new(REVIEWS)),
+            ttl,
+        }
+    }
+
+    /// The decision for `token`: remembered, or made by `review` (once, however many
+    /// requests carry the token meanwhile). An error of `review` is not remembered.
+    async fn decide<F, Fut>(&self, token: &str, review: F) -> (StatusCode, String)
+    where
+        F: FnOnce() -> Fut,
+        Fut: std::future::Future<Output = kube::Result<(StatusCode, String)>>,
+    {
+        if token.len() > MAX_TOKEN {
+            return (
+                StatusCode::UNAUTHORIZED,
+                format!("a bearer token longer than {MAX_TOKEN} bytes is not reviewed"),
+            );
+        }
+        let key: TokenKey = ring::digest::digest(&ring::digest::SHA256, token.as_bytes())
+            .as_ref()
+            .try_into()
+            .unwrap_or_default();
+        let pending = {
+            let mut m = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+            let now = Instant::now();
+            if let Some((code, at, used)) = m.known.get_mut(&key) {
+                let ttl = if *code == StatusCode::OK {
+                    self.ttl.0
+                } else {
+                    self.ttl.1
+                };
+                if now.duration_since(*at) < ttl {
+                    *used = now;
+                    return (*code, String::new());
+                }
+            }
+            m.pending.entry(key).or_default().clone()
+        };
+        let (code, why) = pending
+            .get_or_init(|| async {
+                let _turn = self.reviews.acquire().await;
+                match review().await {
+                    Ok(d) => d,
+                    Err(e) => (
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        format!("reviewing the token: {e}"),
+                    ),
+                }
+            })
+            .await
+            .clone();
+        let mut m = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        if m.pending.get(&key).is_some_and(|p| Arc::ptr_eq(p, &pending)) {
+            m.pending.remove(&key);
+            if code != StatusCode::SERVICE_UNAVAILABLE {
+                m.remember(key, code);
+            }
+        }
+        (code, why)
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).known.len()
+    }
+}
+
+impl DecisionMap {
+    fn remember(&mut self, key: TokenKey, code: StatusCode) {
+        let now = Instant::now();
+        if self.known.len() >= DECISIONS && !self.known.contains_key(&key) {
+            // Expired ones first; then the least recently used refusal (made-up tokens cannot
+            // push out the scraper's), then the least recently used.
+            let (allowed, refused) = self.ttl;
+            self.known.retain(|_, (code, at, _)| {
+                let ttl = if *code == StatusCode::OK { allowed } else { refused };
+                now.duration_since(*at) < ttl
+            });
+            if self.known.len() >= DECISIONS
+                && let Some(oldest) = self
+                    .known
+                    .iter()
+                    .min_by_key(|(_, (code, _, used))| (*code == StatusCode::OK, *used))
+                    .map(|(k, _)| *k)
+            {
+                self.known.remove(&oldest);
+            }
+        }
+        self.known.insert(key, (code, now, now));
+    }
+}
 
 impl MetricsAuth {
     /// Reviews tokens through `client` (not the controllers' gated client: a standby must
@@ -70,38 +211,14 @@ impl MetricsAuth {
     pub fn new(client: kube::Client) -> Self {
         MetricsAuth {
             client,
-            decisions: Arc::default(),
+            decisions: Decisions::default(),
         }
     }
 
     /// `OK`, `UNAUTHORIZED` (no token, or one the apiserver does not know) or `FORBIDDEN`
     /// (its user may not `get /metrics`); `SERVICE_UNAVAILABLE` if the apiserver cannot say.
     async fn decide(&self, token: &str) -> (StatusCode, String) {
-        let now = Instant::now();
-        if let Some((at, code)) = self
-            .decisions
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(token)
-            && now.duration_since(*at) < DECISION_TTL
-        {
-            return (*code, String::new());
-        }
-        let (code, why) = match self.review(token).await {
-            Ok(d) => d,
-            Err(e) => {
-                return (
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    format!("reviewing the token: {e}"),
-                );
-            }
-        };
-        let mut d = self.decisions.lock().unwrap_or_else(|p| p.into_inner());
-        if d.len() > 1000 {
-            d.retain(|_, (at, _)| now.duration_since(*at) < DECISION_TTL);
-        }
-        d.insert(token.to_string(), (now, code));
-        (code, why)
+        self.decisions.decide(token, || self.review(token)).await
     }
 
     async fn review(&self, token: &str) -> kube::Result<(StatusCode, String)> {
@@ -294,7 +411,106 @@ pub(crate) async fn serve(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::AtomicUsize;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A review that counts its calls and the most in flight at once, and answers `code`.
+    #[derive(Clone, Default)]
+    struct Reviews {
+        calls: Arc<AtomicUsize>,
+        running: Arc<AtomicUsize>,
+        most: Arc<AtomicUsize>,
+    }
+
+    impl Reviews {
+        async fn review(&self, code: StatusCode) -> kube::Result<(StatusCode, String)> {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;
+            self.most.fetch_max(now, Ordering::SeqCst);
+            tokio::task::yield_now().await;
+            self.running.fetch_sub(1, Ordering::SeqCst);
+            Ok((code, String::new()))
+        }
+        fn calls(&self) -> usize {
+            self.calls.load(Ordering::SeqCst)
+        }
+    }
+
+    #[tokio::test]
+    async fn ten_thousand_made_up_tokens_cost_bounded_memory_and_reviews_and_keep_the_scrapers() {
+        let (d, r) = (Decisions::default(), Reviews::default());
+        let scraper = "the-scraper";
+        assert_eq!(
+            d.decide(scraper, || r.review(StatusCode::OK)).await.0,
+            StatusCode::OK
+        );
+        let flood = (0..10_000).map(|i| {
+            let (d, r) = (d.clone(), r.clone());
+            async move {
+                d.decide(&format!("made-up-{i}"), || r.review(StatusCode::UNAUTHORIZED))
+                    .await
+                    .0
+            }
+        });
+        let codes = futures::future::join_all(flood).await;
+        assert!(codes.iter().all(|c| *c == StatusCode::UNAUTHORIZED));
+        assert_eq!(r.calls(), 10_001, "one review per distinct token");
+        assert!(
+            r.most.load(Ordering::SeqCst) <= REVIEWS,
+            "at most {REVIEWS} reviews at once"
+        );
+        assert!(d.len() <= DECISIONS, "{} decisions kept", d.len());
+        // The scraper's decision outlived the flood: no new review.
+        assert_eq!(
+            d.decide(scraper, || r.review(StatusCode::OK)).await.0,
+            StatusCode::OK
+        );
+        assert_eq!(r.calls(), 10_001);
+    }
+
+    #[tokio::test]
+    async fn requests_with_one_token_share_one_review_and_a_refusal_is_remembered_briefly() {
+        let (allowed, refused) = (Duration::from_millis(1200), Duration::from_millis(300));
+        let (d, r) = (Decisions::lasting(allowed, refused), Reviews::default());
+        let same = (0..100).map(|_| d.decide("t", || r.review(StatusCode::FORBIDDEN)));
+        let codes = futures::future::join_all(same).await;
+        let refused_at = Instant::now();
+        assert!(codes.iter().all(|(c, _)| *c == StatusCode::FORBIDDEN));
+        assert_eq!(r.calls(), 1, "one review in flight per token");
+        d.decide("t", || r.review(StatusCode::OK)).await;
+        assert!(
+            refused_at.elapsed() < refused,
+            "checked within the refusal's life"
+        );
+        assert_eq!(r.calls(), 1, "a refusal is remembered");
+        tokio::time::sleep(refused).await;
+        assert_eq!(d.decide("t", || r.review(StatusCode::OK)).await.0, StatusCode::OK);
+        let allowed_at = Instant::now();
+        assert_eq!(r.calls(), 2, "then asked again");
+        tokio::time::sleep(refused * 2).await;
+        d.decide("t", || r.review(StatusCode::OK)).await;
+        assert!(
+            allowed_at.elapsed() < allowed,
+            "checked within the decision's life"
+        );
+        assert_eq!(r.calls(), 2, "an allowed token is trusted longer");
+    }
+
+    #[tokio::test]
+    async fn an_oversized_token_is_refused_unreviewed_and_a_failed_review_is_not_remembered() {
+        let (d, r) = (Decisions::default(), Reviews::default());
+        let (code, why) = d
+            .decide(&"x".repeat(MAX_TOKEN + 1), || r.review(StatusCode::OK))
+            .await;
+        assert_eq!((code, r.calls()), (StatusCode::UNAUTHORIZED, 0), "{why}");
+        let failed = d
+            .decide("t", || async {
+                Err(kube::Error::LinesCodecMaxLineLengthExceeded)
+            })
+            .await;
+        assert_eq!(failed.0, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(d.decide("t", || r.review(StatusCode::OK)).await.0, StatusCode::OK);
+    }
 
     /// The status line of `GET path` on a new connection to `addr`.
     async fn get(addr: SocketAddr, path: &str) -> std::io::Result<String> {
