@@ -496,7 +496,7 @@ fn store_crontabs_as(version: &str) -> anyhow::Result<()> {
 }
 
 #[tokio::test]
-async fn migrating_the_storage_version_rewrites_every_crontab_and_trims_stored_versions() {
+async fn migrating_the_storage_version_goes_past_refused_objects_and_trims_stored_versions_once_all_are_rewritten() {
     use serde_json::json;
     shared()
         .in_namespace("migrate", |_client, ns| async move {
@@ -542,6 +542,53 @@ async fn migrating_the_storage_version_rewrites_every_crontab_and_trims_stored_v
                 };
                 let before = (specs(v1)()?, specs(v2)()?);
                 ensure!(before.0.len() == 20, "{:?}", before.0);
+
+                // A policy refuses any update of two of them: the migration goes past them,
+                // names both, and leaves storedVersions as it was.
+                let policy = format!("refuse-rewrites-{ns}");
+                let refuse = json!({
+                    "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
+                    "metadata": {"name": policy},
+                    "spec": {
+                        "failurePolicy": "Fail",
+                        "matchConstraints": {
+                            "resourceRules": [{"apiGroups": ["stable.example.com"], "apiVersions": ["*"], "operations": ["UPDATE"], "resources": ["crontabs"]}],
+                            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}},
+                        },
+                        "validations": [{"expression": "!(object.metadata.name in ['old-3', 'old-4'])", "message": "not these two"}],
+                    },
+                });
+                let binding = json!({
+                    "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
+                    "metadata": {"name": policy},
+                    "spec": {"policyName": policy, "validationActions": ["Deny"]},
+                });
+                for o in [&refuse, &binding] {
+                    let (ok, out) = apply(&ns, &o.to_string())?;
+                    ensure!(ok, "{out}");
+                }
+                wait_for("the policy to refuse updates of old-3", T, || async {
+                    let r = kubectl(&["label", "crontab", "old-3", "-n", &ns, "probe=x", "--overwrite"]);
+                    ensure!(r.as_ref().is_err_and(|e| e.to_string().contains("not these two")), "{r:?}");
+                    Ok(())
+                })
+                .await?;
+                let out = common::opkit(&["migrate-storage", "--crd", "crontabs.stable.example.com"]).output()?;
+                let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+                ensure!(!out.status.success(), "{said}");
+                ensure!(
+                    said.contains("2 objects could not be rewritten (18 were)")
+                        && said.contains(&format!("{ns}/old-3: "))
+                        && said.contains(&format!("{ns}/old-4: ")),
+                    "{said}"
+                );
+                let stored = kubectl(&["get", "crd", "crontabs.stable.example.com", "-o", "jsonpath={.status.storedVersions}"])?;
+                ensure!(stored.contains("v1"), "storedVersions trimmed after a failure: {stored}");
+                kubectl(&["delete", "validatingadmissionpolicybinding,validatingadmissionpolicy", &policy])?;
+                wait_for("the policy to be gone", T, || async {
+                    kubectl(&["label", "crontab", "old-3", "-n", &ns, "probe=y", "--overwrite"]).map(|_| ())
+                })
+                .await?;
 
                 let out = common::opkit(&["migrate-storage", "--crd", "crontabs.stable.example.com"]).output()?;
                 let said = String::from_utf8_lossy(&out.stdout).to_string();

@@ -462,10 +462,19 @@ pub fn main_with<S, A: Args, X: Subcommand>(
                 true => op.registry.crds().iter().map(|c| c.name_any()).collect(),
                 false => crds,
             };
+            // Every CRD is tried; what failed is reported at the end.
+            let mut failed = Vec::new();
             for name in names {
-                println!("{}", crate::migrate::migrate_storage(&client, &name).await?);
+                match crate::migrate::migrate_storage(&client, &name).await {
+                    Ok(done) => println!("{done}"),
+                    Err(e) if e.to_string().starts_with(&name) => failed.push(e.to_string()),
+                    Err(e) => failed.push(format!("{name}: {e}")),
+                }
             }
-            anyhow::Ok(())
+            match failed.is_empty() {
+                true => anyhow::Ok(()),
+                false => Err(anyhow::anyhow!("{}", failed.join("\n"))),
+            }
         }),
         Command::Extra(x) => extra(x),
     }

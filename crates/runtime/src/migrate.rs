@@ -77,10 +77,37 @@ pub enum MigrateError {
     /// A request failed.
     #[error(transparent)]
     Kube(#[from] kube::Error),
-    /// The CRD or the apiserver is not in a state to migrate, or an object could not be
-    /// rewritten; the message says which.
+    /// The CRD or the apiserver is not in a state to migrate; the message says why.
     #[error("{0}")]
     Refused(String),
+    /// Every other object was rewritten, these were not (a webhook or policy refused the
+    /// update, ...), so `status.storedVersions` was left as it was.
+    #[error("{}", failed_message(.crd, .rewritten, .failures))]
+    Failed {
+        /// The CRD's name.
+        crd: String,
+        /// Objects rewritten.
+        rewritten: usize,
+        /// `namespace/name: why` of every object that could not be rewritten.
+        failures: Vec<String>,
+    },
+}
+
+/// Objects listed by name in [`MigrateError::Failed`]'s message; the rest are counted.
+const LISTED: usize = 20;
+
+fn failed_message(crd: &str, rewritten: &usize, failures: &[String]) -> String {
+    let mut m = format!(
+        "{crd}: {} objects could not be rewritten ({rewritten} were); storedVersions is left as it was: fix them and run again",
+        failures.len()
+    );
+    for f in failures.iter().take(LISTED) {
+        m += &format!("\n  {f}");
+    }
+    if failures.len() > LISTED {
+        m += &format!("\n  ... and {} more", failures.len() - LISTED);
+    }
+    m
 }
 
 /// What one migration did.
@@ -138,6 +165,7 @@ pub async fn migrate_storage(client: &Client, name: &str) -> Result<Migrated, Mi
     let all: Api<DynamicObject> = Api::all_with(client.clone(), &resource);
     let namespaced = crd.spec.scope == "Namespaced";
     let (mut rewritten, mut skipped) = (0, 0);
+    let mut failures = Vec::new();
     let mut done: HashSet<String> = HashSet::new();
     let mut lp = ListParams::default().limit(500);
     loop {
@@ -164,19 +192,25 @@ pub async fn migrate_storage(client: &Client, name: &str) -> Result<Migrated, Mi
             match api.replace(&obj.name_any(), &PostParams::default(), obj).await {
                 Ok(_) => rewritten += 1,
                 Err(kube::Error::Api(e)) if e.code == 409 || e.code == 404 => skipped += 1,
-                Err(e) => {
-                    return Err(MigrateError::Refused(format!(
-                        "rewriting {} {}: {e}",
-                        resource.kind,
-                        obj.name_any()
-                    )));
-                }
+                // Go on: one object a policy refuses must not leave the others unmigrated.
+                Err(e) => failures.push(format!(
+                    "{}{}: {e}",
+                    obj.namespace().map(|ns| format!("{ns}/")).unwrap_or_default(),
+                    obj.name_any()
+                )),
             }
         }
         match page.metadata.continue_ {
             Some(c) if !c.is_empty() => lp = lp.continue_token(&c),
             _ => break,
         }
+    }
+    if !failures.is_empty() {
+        return Err(MigrateError::Failed {
+            crd: name.to_string(),
+            rewritten,
+            failures,
+        });
     }
     // Only if the CRD is as it was: a storage version changed meanwhile may have written
     // objects in a version that this would drop from the list.
@@ -212,5 +246,22 @@ mod tests {
         assert_eq!(storage_version_hash("apps", "v1", "Deployment"), "8aSe+NMegvE=");
         assert_eq!(base64(b"Man"), "TWFu");
         assert_eq!(base64(b"Ma"), "TWE=");
+    }
+
+    #[test]
+    fn a_failed_migration_names_its_objects_and_counts_those_past_the_list() {
+        let failures: Vec<String> = (0..25).map(|i| format!("ns/o-{i}: denied")).collect();
+        let m = MigrateError::Failed {
+            crd: "crontabs.stable.example.com".into(),
+            rewritten: 7,
+            failures,
+        }
+        .to_string();
+        assert!(
+            m.starts_with("crontabs.stable.example.com: 25 objects could not be rewritten (7 were)"),
+            "{m}"
+        );
+        assert!(m.contains("ns/o-19: denied") && !m.contains("ns/o-20"), "{m}");
+        assert!(m.ends_with("... and 5 more"), "{m}");
     }
 }
