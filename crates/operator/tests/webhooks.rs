@@ -496,7 +496,8 @@ fn store_crontabs_as(version: &str) -> anyhow::Result<()> {
 }
 
 #[tokio::test]
-async fn migrating_the_storage_version_goes_past_refused_objects_and_trims_stored_versions_once_all_are_rewritten() {
+async fn migrating_the_storage_version_goes_past_refused_objects_and_trims_stored_versions_once_all_are_rewritten()
+ {
     use serde_json::json;
     shared()
         .in_namespace("migrate", |_client, ns| async move {

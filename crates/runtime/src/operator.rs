@@ -261,6 +261,7 @@ impl<S> Operator<S> {
                 "--request-timeout must be at least 1 second".into(),
             ));
         }
+        raise_open_files();
         let opts = config.manager;
         let mut manager = match connect {
             Connect::Config(kube_config) => {
@@ -492,4 +493,20 @@ pub async fn install_crd(
         Ok(Err(source)) => Err(CrdError::Wait { name, source }),
         Err(_) => Err(CrdError::NotEstablished { name }),
     }
+}
+
+/// Raises the soft limit on open files to the hard one, as every Go program (so every
+/// controller-runtime operator) does at start: each connection, watch and webhook client holds
+/// a descriptor, and the common soft limit of 1024 is a few hundred idle connections away from
+/// failing Lease renewals. Done once per process.
+fn raise_open_files() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| match rlimit::Resource::NOFILE.get() {
+        Ok((soft, hard)) if soft < hard => match rlimit::increase_nofile_limit(hard) {
+            Ok(now) => tracing::debug!(from = soft, to = now, "raised the open files limit"),
+            Err(e) => tracing::warn!(error = %e, soft, hard, "cannot raise the open files limit"),
+        },
+        Ok(_) => {}
+        Err(e) => tracing::warn!(error = %e, "cannot read the open files limit"),
+    });
 }
