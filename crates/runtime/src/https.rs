@@ -22,6 +22,7 @@ use tokio_util::sync::CancellationToken;
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Limits {
     /// Connections served at once. When all are taken, a new connection takes the slot of the
+    /// oldest one that has had no request answered, if open for [`UNPROVEN`], or else of the
     /// one idle longest, if idle for [`Limits::reclaim`]; otherwise it waits (then in the
     /// listen backlog).
     pub connections: usize,
@@ -57,6 +58,12 @@ pub(crate) const IDLE: Duration = Duration::from_secs(120);
 /// Idle this long, a connection gives its slot up when all are taken: see [`Limits::reclaim`].
 pub(crate) const RECLAIM: Duration = Duration::from_secs(30);
 
+/// A connection that has not had a request answered yet (its TLS handshake or first request
+/// still under way) this long gives its slot up when all are taken: a real client's takes
+/// milliseconds, and silent or trickling connections would otherwise hold every slot for the
+/// handshake or header timeout.
+pub(crate) const UNPROVEN: Duration = Duration::from_secs(1);
+
 /// Pause after a failed `accept` (out of file descriptors, ...), doubling up to 1 s.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
 
@@ -71,6 +78,10 @@ struct Activity {
     since: Mutex<Instant>,
     /// Answer the next request with `Connection: close`.
     close_next: AtomicBool,
+    /// A request has been answered (or is being): the client is a real one.
+    proven: AtomicBool,
+    /// When the connection was accepted.
+    opened: Instant,
     /// Any of the above changed.
     changed: Notify,
     /// The server needs this connection's slot: close it if it is idle.
@@ -84,6 +95,8 @@ impl Activity {
             reading: AtomicBool::new(false),
             since: Mutex::new(Instant::now()),
             close_next: AtomicBool::new(false),
+            proven: AtomicBool::new(false),
+            opened: Instant::now(),
             changed: Notify::new(),
             reclaim: Notify::new(),
         }
@@ -106,6 +119,7 @@ impl Activity {
     }
 
     fn begin(&self) {
+        self.proven.store(true, Ordering::Release);
         self.inflight.fetch_add(1, Ordering::AcqRel);
         self.reading.store(false, Ordering::Release);
         self.changed.notify_one();
@@ -119,6 +133,11 @@ impl Activity {
 
     fn idle(&self) -> bool {
         self.inflight.load(Ordering::Acquire) == 0
+    }
+
+    /// No request answered yet: see [`UNPROVEN`].
+    fn unproven(&self) -> bool {
+        !self.proven.load(Ordering::Acquire)
     }
 
     /// Answering nothing, and no request on its way.
@@ -203,18 +222,22 @@ impl Connections {
         Registered(self.clone(), id)
     }
 
-    /// Asks the connection quiet longest, if quiet for `after`, to close.
+    /// Asks one connection to close: the oldest that has had no request answered, if open for
+    /// [`UNPROVEN`]; else the one quiet longest, if quiet for `after`.
     fn reclaim_one(&self, after: Duration) {
         let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
-        let oldest = open
-            .iter()
-            .filter(|(_, a)| a.quiet())
-            .map(|(id, a)| (*id, a.since()))
-            .min_by_key(|(_, since)| *since);
-        if let Some((id, since)) = oldest
-            && since.elapsed() >= after
-            && let Some(a) = open.remove(&id)
-        {
+        let oldest = |unproven: bool| {
+            open.iter()
+                .filter(|(_, a)| if unproven { a.unproven() } else { a.quiet() })
+                .map(|(id, a)| (*id, if unproven { a.opened } else { a.since() }))
+                .min_by_key(|(_, since)| *since)
+        };
+        let pick = match (oldest(true), oldest(false)) {
+            (Some((id, opened)), _) if opened.elapsed() >= UNPROVEN => Some(id),
+            (_, Some((id, since))) if since.elapsed() >= after => Some(id),
+            _ => None,
+        };
+        if let Some(a) = pick.and_then(|id| open.remove(&id)) {
             a.reclaim.notify_one();
         }
     }
@@ -347,8 +370,10 @@ impl Server {
     ) {
         let _permit = permit;
         let (what, limits) = (self.what, self.limits);
-        let opened = Instant::now();
         let activity = Arc::new(Activity::new());
+        let opened = activity.opened;
+        // Registered from the start: a connection still handshaking can be asked for its slot.
+        let _registered = self.conns.add(activity.clone());
         let stream = Tracked {
             io: stream,
             activity: activity.clone(),
@@ -357,14 +382,21 @@ impl Server {
             // Plain HTTP: the first request's headers are due as a TLS handshake would be.
             return self.serve_io(stream, false, activity, opened, closing).await;
         };
-        let tls = match tokio::time::timeout(limits.handshake, acceptor.accept(stream)).await {
-            Ok(Ok(t)) => t,
-            Ok(Err(e)) => {
-                tracing::debug!(server = what, error = %e, "TLS handshake failed");
-                return;
-            }
-            Err(_) => {
-                tracing::debug!(server = what, "TLS handshake timed out");
+        let handshake = tokio::time::timeout(limits.handshake, acceptor.accept(stream));
+        let tls = tokio::select! {
+            r = handshake => match r {
+                Ok(Ok(t)) => t,
+                Ok(Err(e)) => {
+                    tracing::debug!(server = what, error = %e, "TLS handshake failed");
+                    return;
+                }
+                Err(_) => {
+                    tracing::debug!(server = what, "TLS handshake timed out");
+                    return;
+                }
+            },
+            _ = activity.reclaim.notified() => {
+                tracing::debug!(server = what, "a connection still handshaking gives its slot up");
                 return;
             }
         };
@@ -388,7 +420,6 @@ impl Server {
         // The first request is on its way: its headers must come within the header timeout.
         activity.set_since(Instant::now());
         activity.reading.store(true, Ordering::Release);
-        let _registered = self.conns.add(activity.clone());
 
         let svc = {
             let (app, activity, stopping) = (self.app.clone(), activity.clone(), self.stopping.clone());
@@ -459,6 +490,10 @@ impl Server {
                 r = conn.as_mut() => break Exit::Ended(r),
                 _ = activity.changed.notified() => {}
                 _ = activity.reclaim.notified() => {
+                    if activity.unproven() {
+                        tracing::debug!(server = what, "a connection with no request yet gives its slot up");
+                        break Exit::Cut;
+                    }
                     if activity.quiet() {
                         tracing::debug!(server = what, "an idle connection gives its slot up");
                         break Exit::Close;
