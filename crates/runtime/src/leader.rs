@@ -115,9 +115,11 @@ pub enum LeaderError {
 }
 
 /// Whether this process may write: always without leader election; with it, only while the
-/// lease it last renewed is valid with a margin, judged on the monotonic clock. A process
-/// that was stopped (SIGSTOP, a VM pause) or cut off finds the gate closed when it runs again,
-/// before it learns anything from the apiserver.
+/// lease it last renewed is valid with a margin, judged on the monotonic clock and on the wall
+/// clock alike: the monotonic one keeps counting through a SIGSTOP but stops while the machine
+/// is suspended, when the wall clock goes on. A process that was stopped, suspended or cut
+/// off finds the gate closed when it runs again, before it learns anything from the
+/// apiserver. (A wall clock stepped forward closes the gate early, until the next renewal.)
 #[derive(Clone, Debug)]
 pub struct WriteGate {
     inner: Arc<GateInner>,
@@ -129,6 +131,8 @@ struct GateInner {
     enforced: AtomicBool,
     /// Nanoseconds after `base` until which writes may start; 0: closed.
     open_until: AtomicU64,
+    /// The same moment on the wall clock, in nanoseconds since the Unix epoch.
+    wall_until: AtomicU64,
     refused: AtomicU64,
 }
 
@@ -144,6 +148,7 @@ impl Default for WriteGate {
                 base: Instant::now(),
                 enforced: AtomicBool::new(false),
                 open_until: AtomicU64::new(0),
+                wall_until: AtomicU64::new(0),
                 refused: AtomicU64::new(0),
             }),
         }
@@ -164,8 +169,12 @@ impl WriteGate {
 
     /// Lets writes start until `until`.
     pub fn open_until(&self, until: Instant) {
+        let left = until.saturating_duration_since(Instant::now());
         let ns = until.saturating_duration_since(self.inner.base).as_nanos();
         let ns = u64::try_from(ns).unwrap_or(u64::MAX).max(1);
+        self.inner
+            .wall_until
+            .store(wall_nanos().saturating_add(nanos(left)), Ordering::SeqCst);
         self.inner.open_until.store(ns, Ordering::SeqCst);
     }
 
@@ -183,7 +192,8 @@ impl WriteGate {
         let now = Instant::now()
             .saturating_duration_since(self.inner.base)
             .as_nanos();
-        if until != 0 && now < u128::from(until) {
+        let wall_until = self.inner.wall_until.load(Ordering::SeqCst);
+        if until != 0 && now < u128::from(until) && wall_nanos() < wall_until {
             Ok(())
         } else {
             self.inner.refused.fetch_add(1, Ordering::Relaxed);
@@ -207,6 +217,18 @@ impl WriteGate {
     pub fn refused(&self) -> u64 {
         self.inner.refused.load(Ordering::Relaxed)
     }
+}
+
+/// Nanoseconds since the Unix epoch on the wall clock (0 before it).
+fn wall_nanos() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(nanos)
+        .unwrap_or(0)
+}
+
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// Acquires, renews and releases one Lease.
@@ -606,5 +628,23 @@ mod tests {
         gate.close();
         assert!(gate.check().is_err());
         assert_eq!(gate.refused(), 3);
+    }
+
+    #[test]
+    fn the_gate_closes_when_the_wall_clock_passes_the_lease_though_the_monotonic_one_did_not() {
+        let gate = WriteGate::new();
+        gate.enforce();
+        gate.open_until(Instant::now() + Duration::from_secs(60));
+        assert!(gate.check().is_ok());
+        // What a suspend of the machine looks like afterwards: the wall clock went on past
+        // the lease, the monotonic clock did not.
+        let slept = nanos(Duration::from_secs(61));
+        let until = gate.inner.wall_until.load(Ordering::SeqCst);
+        gate.inner.wall_until.store(until - slept, Ordering::SeqCst);
+        assert!(gate.check().is_err());
+        assert!(gate.deadline().is_err());
+        // The next renewal opens it again.
+        gate.open_until(Instant::now() + Duration::from_secs(60));
+        assert!(gate.check().is_ok());
     }
 }
