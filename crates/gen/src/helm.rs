@@ -131,6 +131,18 @@ pub fn chart<S>(op: &Operator<S>) -> anyhow::Result<Vec<(String, String)>> {
             ),
         ),
     ));
+    let (policy, policy_binding) = manifests::shard_label_policy(op)?;
+    files.push((
+        "templates/sharding/shard_label_policy.yaml".into(),
+        enabled(
+            "sharding.enable",
+            &format!(
+                "{}---\n{}",
+                template(&ns, &policy)?,
+                template(&ns, &policy_binding)?
+            ),
+        ),
+    ));
     files.push((
         "templates/rbac/service_account.yaml".into(),
         template(&ns, &manifests::service_account(op))?,

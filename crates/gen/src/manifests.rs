@@ -416,6 +416,17 @@ fn role_in_own_namespace<S>(op: &Operator<S>, what: &str, rules: Vec<PolicyRule>
 /// adoption), where their rules do not grant it already. Derived from the registry, and
 /// granted only with sharding, so that the default install keeps exactly what it uses.
 pub fn sharding_cluster_rules<S>(op: &Operator<S>) -> Vec<PolicyRule> {
+    let out = labelled_kinds(op, false)
+        .iter()
+        .map(|(group, resource)| rule(&[group.as_str()], &[resource.as_str()], &["patch"]))
+        .collect();
+    opkit_runtime::rbac::merge([out])
+}
+
+/// The kinds `--sharding` labels: those served (the primaries) and those created (the
+/// children), as `(group, resource)`; with `patching`, also those the controllers already
+/// patch.
+fn labelled_kinds<S>(op: &Operator<S>, patching: bool) -> Vec<(String, String)> {
     let served: Vec<(String, String)> = op
         .registry
         .crds()
@@ -424,19 +435,27 @@ pub fn sharding_cluster_rules<S>(op: &Operator<S>) -> Vec<PolicyRule> {
         .collect();
     let mut out = Vec::new();
     for r in op.registry.rbac() {
-        if r.resource_names.is_some() || r.verbs.iter().any(|v| v == "patch" || v == "*") {
+        let patches = r.verbs.iter().any(|v| v == "patch" || v == "*");
+        if r.resource_names.is_some() || (patches && !patching) {
             continue;
         }
         let creates = r.verbs.iter().any(|v| v == "create");
         for group in r.api_groups.iter().flatten() {
-            for resource in r.resources.iter().flatten().filter(|r| !r.contains('/')) {
-                if creates || served.contains(&(group.clone(), resource.clone())) {
-                    out.push(rule(&[group.as_str()], &[resource.as_str()], &["patch"]));
+            // Events are created, never labelled.
+            for resource in r
+                .resources
+                .iter()
+                .flatten()
+                .filter(|r| !r.contains('/') && *r != "events")
+            {
+                let kind = (group.clone(), resource.clone());
+                if (creates || served.contains(&kind)) && !out.contains(&kind) {
+                    out.push(kind);
                 }
             }
         }
     }
-    opkit_runtime::rbac::merge([out])
+    out
 }
 
 /// [`sharding_cluster_rules`] for the manager's ServiceAccount, cluster-wide (the objects
@@ -444,9 +463,12 @@ pub fn sharding_cluster_rules<S>(op: &Operator<S>) -> Vec<PolicyRule> {
 /// `sharding.enable`.
 pub fn sharding_cluster_role<S>(op: &Operator<S>) -> (ClusterRole, ClusterRoleBinding) {
     let name = format!("{}-sharding-manager-role", op.name);
+    let mut rules = sharding_cluster_rules(op);
+    // What [`shard_label_policy`] asks of whoever changes a shard or drain label.
+    rules.push(rule(&[SHARD_LABELS_GROUP], &["labels"], &["update"]));
     let role = ClusterRole {
         metadata: meta(op, &name, None),
-        rules: Some(sharding_cluster_rules(op)),
+        rules: Some(rules),
         ..Default::default()
     };
     let binding = ClusterRoleBinding {
@@ -459,6 +481,78 @@ pub fn sharding_cluster_role<S>(op: &Operator<S>) -> (ClusterRole, ClusterRoleBi
         subjects: Some(service_account_subject(op)),
     };
     (role, binding)
+}
+
+/// The API group of the made-up resource `labels` whose `update` right
+/// [`shard_label_policy`] asks of whoever changes a shard or drain label (RBAC may name
+/// resources that do not exist; granted to the manager by [`sharding_cluster_role`], and to
+/// anyone by a cluster-wide `*` rule).
+pub const SHARD_LABELS_GROUP: &str = "shard.opkit.dev";
+
+/// A ValidatingAdmissionPolicy and its binding that refuse an update changing a shard or
+/// drain label (`shard.opkit.dev/*`, `drain.shard.opkit.dev/*`), of the kinds the sharder
+/// labels and of the member Leases, unless its user may `update` `labels.shard.opkit.dev`:
+/// moving an object between live replicas by hand skips the handover that keeps two of them
+/// from writing it. Objects whose labels stay as they were are not looked at further.
+pub fn shard_label_policy<S>(op: &Operator<S>) -> anyhow::Result<(serde_json::Value, serde_json::Value)> {
+    let name = format!("{}-shard-labels", op.name);
+    let mut kinds = labelled_kinds(op, true);
+    kinds
+        .retain(|(group, resource)| (group.as_str(), resource.as_str()) != ("coordination.k8s.io", "leases"));
+    let mut rules: Vec<serde_json::Value> = kinds
+        .into_iter()
+        .map(|(group, resource)| {
+            json!({
+                "apiGroups": [group], "apiVersions": ["*"], "operations": ["UPDATE"],
+                "resources": [resource],
+            })
+        })
+        .collect();
+    rules.push(json!({
+        "apiGroups": ["coordination.k8s.io"], "apiVersions": ["v1"], "operations": ["UPDATE"],
+        "resources": ["leases"],
+    }));
+    let (shard, drain) = (
+        opkit_runtime::sharding::shard_label(""),
+        opkit_runtime::sharding::drain_label(""),
+    );
+    let ours = format!("(k.startsWith('{shard}') || k.startsWith('{drain}'))");
+    let same = |a: &str, b: &str| {
+        format!(
+            "variables.{a}.all(k, !{ours} || (k in variables.{b} && variables.{b}[k] == variables.{a}[k]))"
+        )
+    };
+    let policy = json!({
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicy",
+        "metadata": meta(op, &name, None),
+        "spec": {
+            "failurePolicy": "Fail",
+            "matchConstraints": {"resourceRules": rules},
+            "variables": [
+                {"name": "old", "expression": "oldObject.metadata.?labels.orValue({})"},
+                {"name": "new", "expression": "object.metadata.?labels.orValue({})"},
+            ],
+            "validations": [{
+                "expression": format!(
+                    "({} && {}) || authorizer.group('{SHARD_LABELS_GROUP}').resource('labels').check('update').allowed()",
+                    same("old", "new"),
+                    same("new", "old"),
+                ),
+                "message": format!(
+                    "the {shard}* and {drain}* labels place this object on one of the operator's replicas; only the operator changes them (who may: `update` on `labels.{SHARD_LABELS_GROUP}`)"
+                ),
+                "reason": "Forbidden",
+            }],
+        },
+    });
+    let binding = json!({
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicyBinding",
+        "metadata": meta(op, &name, None),
+        "spec": {"policyName": name, "validationActions": ["Deny"]},
+    });
+    Ok((policy, binding))
 }
 
 /// The replicas `config/sharding` runs; a user's overlay of it sets its own count.
@@ -804,6 +898,7 @@ pub fn all<S>(op: &Operator<S>, namespaces: &[String]) -> anyhow::Result<Vec<(St
 fn sharding_files<S>(op: &Operator<S>, namespaces: &[String]) -> anyhow::Result<Vec<(String, String)>> {
     let (role, binding) = sharding_role(op);
     let (cluster_role, cluster_binding) = sharding_cluster_role(op);
+    let (policy, policy_binding) = shard_label_policy(op)?;
     let kustomization = json!({
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",
@@ -813,6 +908,7 @@ fn sharding_files<S>(op: &Operator<S>, namespaces: &[String]) -> anyhow::Result<
             "sharding_role_binding.yaml",
             "sharding_cluster_role.yaml",
             "sharding_cluster_role_binding.yaml",
+            "shard_label_policy.yaml",
         ],
         "replicas": [{"name": op.manager(), "count": SHARDED_REPLICAS}],
         "patches": [{
@@ -839,6 +935,10 @@ fn sharding_files<S>(op: &Operator<S>, namespaces: &[String]) -> anyhow::Result<
             "sharding/sharding_cluster_role_binding.yaml".into(),
             to_yaml(&[cluster_binding])?,
         ),
+        (
+            "sharding/shard_label_policy.yaml".into(),
+            to_yaml(&[policy, policy_binding])?,
+        ),
     ])
 }
 
@@ -850,6 +950,8 @@ const SHARDING_NOTE: &str = "\
 # `resources: [<path to>/config/sharding]` and its own `replicas:` entry. The Role grants
 # every Lease of the namespace: member Leases are found by label, which RBAC cannot select.
 # The ClusterRole grants patch on the served and created kinds: the shard labels, adoption.
+# The ValidatingAdmissionPolicy refuses changes to those labels by anyone else (Kubernetes
+# 1.30 or later).
 ";
 
 /// Kubebuilder's opt-in for the ServiceMonitor and alerts: they need the Prometheus

@@ -632,3 +632,116 @@ fn a_grant_no_allowed_request_used_is_reported() {
     let (unused, _) = unused_and_refused(&granted, &audit, "someone");
     assert_eq!(unused.len(), granted.len());
 }
+
+/// The documents of a generated YAML file, as JSON.
+fn yaml_docs(path: &Path) -> anyhow::Result<Vec<serde_json::Value>> {
+    let text = std::fs::read_to_string(path)?;
+    let mut out = Vec::new();
+    for doc in serde_yaml::Deserializer::from_str(&text) {
+        let v: serde_json::Value = serde::Deserialize::deserialize(doc)?;
+        if !v.is_null() {
+            out.push(v);
+        }
+    }
+    Ok(out)
+}
+
+/// `config/sharding`'s ValidatingAdmissionPolicy, bound to one namespace: a user with patch
+/// rights cannot change, add or remove a shard or drain label, nor a member Lease's labels,
+/// while changing any other label; the manager's ServiceAccount, with the sharding
+/// ClusterRole, can.
+#[tokio::test]
+async fn only_the_operator_changes_shard_and_drain_labels() {
+    opkit_testenv::shared()
+        .in_namespace("shard-labels", |_client, ns| async move {
+            common::install_crds()?;
+            let sharding = root().join("config/sharding");
+            let mut objects = yaml_docs(&sharding.join("shard_label_policy.yaml"))?;
+            objects.extend(yaml_docs(&sharding.join("sharding_cluster_role.yaml"))?);
+            let name = format!("shard-labels-{ns}");
+            for o in &mut objects {
+                o["metadata"]["name"] = json!(name);
+                match o["kind"].as_str() {
+                    Some("ValidatingAdmissionPolicyBinding") => {
+                        o["spec"]["policyName"] = json!(name);
+                        o["spec"]["matchResources"] =
+                            json!({"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}});
+                    }
+                    Some("ClusterRole") | Some("ValidatingAdmissionPolicy") => {}
+                    other => anyhow::bail!("unexpected {other:?}"),
+                }
+            }
+            objects.push(json!({
+                "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+                "metadata": {"name": name},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+                "subjects": [{"kind": "ServiceAccount", "name": "manager", "namespace": ns}],
+            }));
+            // alice may patch Memcacheds and Leases here, as a namespace's editor may: the
+            // policy, not RBAC, must stop her.
+            objects.push(json!({
+                "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+                "metadata": {"name": "editor", "namespace": ns},
+                "rules": [
+                    {"apiGroups": ["cache.example.com"], "resources": ["memcacheds"], "verbs": ["get", "patch", "update"]},
+                    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "patch", "update"]},
+                ],
+            }));
+            objects.push(json!({
+                "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+                "metadata": {"name": "editor", "namespace": ns},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "editor"},
+                "subjects": [
+                    {"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "alice"},
+                    // The manager reads what it labels (its own ClusterRole grants that).
+                    {"kind": "ServiceAccount", "name": "manager", "namespace": ns},
+                ],
+            }));
+            objects.push(json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "manager", "namespace": ns}}));
+            objects.push(json!({
+                "apiVersion": "cache.example.com/v1", "kind": "Memcached",
+                "metadata": {"name": "m", "namespace": ns, "labels": {"app": "x", "shard.opkit.dev/memcached": "a"}},
+                "spec": {"size": 1},
+            }));
+            objects.push(json!({
+                "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                "metadata": {"name": "member-a", "namespace": ns,
+                             "labels": {"shard.opkit.dev/group": "g", "shard.opkit.dev/member": "a"}},
+            }));
+            let list = json!({"apiVersion": "v1", "kind": "List", "items": objects});
+            let (ok, out) = common::kubectl_stdin(&["apply", "-f", "-"], list.to_string().as_bytes())?;
+            ensure!(ok, "{out}");
+            let result = async {
+                let label = |user: &str, kind: &str, obj: &str, change: &str| {
+                    common::kubectl(&["--as", user, "label", kind, obj, "-n", &ns, change, "--overwrite"])
+                };
+                let refused = |r: anyhow::Result<String>| match r {
+                    Err(e) if e.to_string().contains("only the operator changes them") => Ok(()),
+                    other => Err(anyhow!("not refused by the policy: {other:?}")),
+                };
+                wait_for("the policy to refuse alice's shard label", T, || async {
+                    refused(label("alice", "memcached", "m", "shard.opkit.dev/memcached=b"))
+                })
+                .await?;
+                label("alice", "memcached", "m", "app=y").context("another label")?;
+                refused(label("alice", "memcached", "m", "shard.opkit.dev/memcached-"))?;
+                refused(label("alice", "memcached", "m", "drain.shard.opkit.dev/memcached=b"))?;
+                refused(label("alice", "lease", "member-a", "shard.opkit.dev/member-"))?;
+                label("alice", "lease", "member-a", "note=x").context("another Lease label")?;
+                let manager = format!("system:serviceaccount:{ns}:manager");
+                label(&manager, "memcached", "m", "shard.opkit.dev/memcached=b").context("the manager")?;
+                label(&manager, "memcached", "m", "drain.shard.opkit.dev/memcached=c").context("the manager")?;
+                let labels = common::kubectl(&["get", "memcached", "m", "-n", &ns, "-o", "jsonpath={.metadata.labels}"])?;
+                ensure!(labels.contains("\"shard.opkit.dev/memcached\":\"b\"") && labels.contains("\"app\":\"y\""), "{labels}");
+                anyhow::Ok(())
+            }
+            .await;
+            let _ = common::kubectl(&[
+                "delete",
+                "validatingadmissionpolicybinding,validatingadmissionpolicy,clusterrolebinding,clusterrole",
+                &name,
+            ]);
+            result
+        })
+        .await;
+}
