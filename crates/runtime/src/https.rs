@@ -22,7 +22,8 @@ use tokio_util::sync::CancellationToken;
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Limits {
     /// Connections served at once. When all are taken, a new connection takes the slot of the
-    /// oldest one that has had no request answered, if open for [`UNPROVEN`], or else of the
+    /// oldest one that has had no request answered, if open for [`UNPROVEN`] (with TLS; else
+    /// [`UNPROVEN_PLAIN`]), or else of the
     /// one idle longest, if idle for [`Limits::reclaim`]; otherwise it waits (then in the
     /// listen backlog).
     pub connections: usize,
@@ -63,6 +64,10 @@ pub(crate) const RECLAIM: Duration = Duration::from_secs(30);
 /// milliseconds, and silent or trickling connections would otherwise hold every slot for the
 /// handshake or header timeout.
 pub(crate) const UNPROVEN: Duration = Duration::from_secs(1);
+
+/// [`UNPROVEN`] without TLS (the probe port, plain `/metrics`): a real client's request
+/// arrives with its connection, and the kubelet gives a probe 1 s in all.
+pub(crate) const UNPROVEN_PLAIN: Duration = Duration::from_millis(100);
 
 /// Pause after a failed `accept` (out of file descriptors, ...), doubling up to 1 s.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
@@ -223,8 +228,8 @@ impl Connections {
     }
 
     /// Asks one connection to close: the oldest that has had no request answered, if open for
-    /// [`UNPROVEN`]; else the one quiet longest, if quiet for `after`.
-    fn reclaim_one(&self, after: Duration) {
+    /// `unproven`; else the one quiet longest, if quiet for `after`.
+    fn reclaim_one(&self, unproven: Duration, after: Duration) {
         let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
         let oldest = |unproven: bool| {
             open.iter()
@@ -233,7 +238,7 @@ impl Connections {
                 .min_by_key(|(_, since)| *since)
         };
         let pick = match (oldest(true), oldest(false)) {
-            (Some((id, opened)), _) if opened.elapsed() >= UNPROVEN => Some(id),
+            (Some((id, opened)), _) if opened.elapsed() >= unproven => Some(id),
             (_, Some((id, since))) if since.elapsed() >= after => Some(id),
             _ => None,
         };
@@ -268,6 +273,11 @@ pub(crate) fn serve(
     shutdown: CancellationToken,
 ) -> JoinHandle<()> {
     let slots = Arc::new(tokio::sync::Semaphore::new(limits.connections));
+    let unproven = if acceptor.is_some() {
+        UNPROVEN
+    } else {
+        UNPROVEN_PLAIN
+    };
     let conns = Arc::new(Connections::default());
     let closing = CancellationToken::new();
     {
@@ -312,7 +322,7 @@ pub(crate) fn serve(
                     Err(tokio::sync::TryAcquireError::Closed) => break 'accept,
                     Err(tokio::sync::TryAcquireError::NoPermits) => {}
                 }
-                server.conns.reclaim_one(limits.reclaim);
+                server.conns.reclaim_one(unproven, limits.reclaim);
                 tokio::select! {
                     _ = closing.cancelled() => break 'accept,
                     p = tokio::time::timeout(Duration::from_millis(100), slots.clone().acquire_owned()) => {
