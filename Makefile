@@ -60,9 +60,10 @@ test: testenv-build ## Run every test: unit tests and controller tests on the re
 	OPKIT_TESTENV_REAL_NODE=$(REAL_NODE) cargo test --workspace
 
 .PHONY: chaos
-chaos: testenv-build ## Full chaos runs: two replicas (300 Memcacheds, 100 Ats; leader frozen/killed, apiserver/etcd restarted, etcd compacted, rolling restart, 429s, a hung connection), then three sharded replicas (3000 Memcacheds, 300 Ats; one killed, one frozen, two joining), then 60 s of connection floods (15000 idle probe connections)
+chaos: testenv-build ## Full chaos runs: two replicas (300 Memcacheds, 100 Ats; leader frozen/killed, apiserver/etcd restarted, etcd compacted, rolling restart, 429s, a hung connection), then three sharded replicas (3000 Memcacheds, 300 Ats; one killed, one frozen, two joining), then 60 s of connection floods (15000 idle probe connections), then a write cut off by a partition (iptables, root)
 	OPKIT_CHAOS=full cargo test -p opkit-operator --test chaos --test sharded -- --nocapture
 	OPKIT_CHAOS=full cargo test -p opkit-operator --test webhooks -- a_flood --nocapture
+	cargo test -p opkit-runtime --lib -- --ignored partition --nocapture
 
 .PHONY: bench
 bench: ## Benchmark opkit vs Go peers vs a direct client: BENCH=foo (sample-controller, N=300) or BENCH=memcached (controller-runtime, as scaffolded and tuned); BENCH_REPEAT=3 for medians, BENCH_LANES=a,b for some lanes; e.g. make bench BENCH=memcached N=10000

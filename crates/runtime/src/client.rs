@@ -16,6 +16,11 @@
 //! Writes also travel on connections of their own, which check the gate again before every
 //! byte they send: a process frozen (SIGSTOP, a VM pause) after the attempt's check but before
 //! its request left finds the gate closed when it runs again, and the request never leaves.
+//! With leader election their sockets have a TCP user timeout of half the Lease's margin
+//! (duration less renew deadline): bytes the apiserver has not acknowledged by then are not
+//! sent again, so a write cut off by a partition cannot land once the partition heals, after
+//! another replica took over. (Bytes the apiserver's kernel acknowledged are read by the
+//! apiserver even after the connection is reset: no client can take those back.)
 //! Reads keep kube's connections (and its idle timeout on watches).
 use std::future::Future;
 use std::pin::Pin;
@@ -363,12 +368,19 @@ impl Service<http::Uri> for GatedConnector {
     fn call(&mut self, uri: http::Uri) -> Self::Future {
         let (connecting, gate) = (self.http.call(uri), self.gate.clone());
         Box::pin(async move {
-            Ok(GatedStream {
-                inner: connecting.await?,
-                gate,
-            })
+            let inner = connecting.await?;
+            if let Some(timeout) = user_timeout(&gate) {
+                socket2::SockRef::from(inner.inner()).set_tcp_user_timeout(Some(timeout))?;
+            }
+            Ok(GatedStream { inner, gate })
         })
     }
+}
+
+/// How long a write connection's unacknowledged bytes are sent again before it gives up:
+/// half the gate's margin, at least 1 s; none without leader election.
+fn user_timeout(gate: &WriteGate) -> Option<Duration> {
+    gate.margin().map(|m| (m / 2).max(Duration::from_secs(1)))
 }
 
 /// A TCP connection that sends nothing while the write gate is closed: the last check before
@@ -475,6 +487,133 @@ mod tests {
             }
         });
         (port, rx)
+    }
+
+    #[tokio::test]
+    async fn write_connections_give_up_on_unacknowledged_bytes_within_half_the_margin() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let uri: http::Uri = format!("http://{}", listener.local_addr().unwrap())
+            .parse()
+            .unwrap();
+        let mut http = HttpConnector::new();
+        http.enforce_http(false);
+        let gate = WriteGate::new();
+        let timeout_of = |c: &GatedStream| {
+            socket2::SockRef::from(c.inner.inner())
+                .tcp_user_timeout()
+                .unwrap()
+        };
+        let mut connector = GatedConnector {
+            http,
+            gate: gate.clone(),
+        };
+        let without = connector.call(uri.clone()).await.unwrap();
+        assert_eq!(
+            timeout_of(&without),
+            None,
+            "no leader election: the kernel's default"
+        );
+        // The default Lease: 15 s, renewed within 10 s.
+        let cfg = crate::leader::LeaderElectionConfig::new("ns", "lease");
+        let client = Client::try_from(Config::new(uri.clone())).unwrap();
+        let _elector = crate::leader::LeaderElector::new(client, cfg, gate.clone());
+        let with = connector.call(uri).await.unwrap();
+        assert_eq!(timeout_of(&with), Some(Duration::from_millis(2500)));
+    }
+
+    /// Drops the packets sent to a loopback port while it lives (iptables; needs root).
+    struct Partition(u16);
+
+    impl Partition {
+        fn rule(&self, op: &str) -> std::io::Result<std::process::ExitStatus> {
+            let port = self.0.to_string();
+            std::process::Command::new("iptables")
+                .args([
+                    "-w", op, "INPUT", "-i", "lo", "-p", "tcp", "--dport", &port, "-j", "DROP",
+                ])
+                .status()
+        }
+    }
+
+    impl Drop for Partition {
+        fn drop(&mut self) {
+            let _ = self.rule("-D");
+        }
+    }
+
+    /// The fault the user timeout is for: a write is sent while a partition drops its packets,
+    /// the partition heals after the client gave up, and nothing of the write reaches the
+    /// server. Without the user timeout the kernel sends it again once the partition heals.
+    #[tokio::test]
+    #[ignore = "needs root and iptables; `make chaos` runs it"]
+    async fn a_write_cut_off_by_a_partition_does_not_land_when_it_heals() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        // A server that answers every read and keeps every byte it read.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let received = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = received.clone();
+        tokio::spawn(async move {
+            while let Ok((mut conn, _)) = listener.accept().await {
+                let seen = seen.clone();
+                tokio::spawn(async move {
+                    let mut buf = [0u8; 4096];
+                    while let Ok(n) = conn.read(&mut buf).await {
+                        if n == 0 {
+                            break;
+                        }
+                        seen.lock().unwrap().extend_from_slice(&buf[..n]);
+                        let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n";
+                        if conn.write_all(ok).await.is_err() {
+                            break;
+                        }
+                    }
+                });
+            }
+        });
+        let config = Config::new(format!("http://127.0.0.1:{port}").parse().unwrap());
+        let gate = WriteGate::new();
+        gate.enforce();
+        gate.open_until(std::time::Instant::now() + Duration::from_secs(60));
+        // A Lease margin of 2 s: unacknowledged bytes are given up after 1 s.
+        gate.set_margin(Duration::from_secs(2));
+        let mut pool = write_pool(&config, &gate).unwrap();
+        let patch = |body: &str| {
+            let mut r = req(Method::PATCH, "/apis/example.com/v1/things/a");
+            *r.body_mut() = Body::from(body.as_bytes().to_vec());
+            r
+        };
+        // The connection is up and has carried one write.
+        let first = pool.ready().await.unwrap().call(patch("{}")).await.unwrap();
+        assert_eq!(first.status(), 200);
+        let partition = Partition(port);
+        assert!(
+            partition.rule("-A").expect("running iptables").success(),
+            "iptables refused the rule"
+        );
+        let started = std::time::Instant::now();
+        // The attempt is abandoned after 3 s (a real one ends at the gate's deadline).
+        let cut = tokio::time::timeout(
+            Duration::from_secs(3),
+            pool.ready().await.unwrap().call(patch("{\"cut\":1}")),
+        )
+        .await;
+        let gave_up = matches!(cut, Ok(Err(_)));
+        println!(
+            "the cut-off write: given up by the kernel {gave_up}, after {:?}",
+            started.elapsed()
+        );
+        drop(cut);
+        // The partition heals; the kernel's retransmissions (0.2, 0.4, 0.8, 1.6, 3.2 s apart)
+        // would have brought the write by now.
+        drop(partition);
+        tokio::time::sleep(Duration::from_secs(8)).await;
+        let received = String::from_utf8_lossy(&received.lock().unwrap()).to_string();
+        assert!(received.contains("{}"), "the first write arrived: {received:?}");
+        assert!(
+            !received.contains("cut"),
+            "the cut-off write landed after the partition healed"
+        );
     }
 
     #[tokio::test]

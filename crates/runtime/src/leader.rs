@@ -133,6 +133,9 @@ struct GateInner {
     open_until: AtomicU64,
     /// The same moment on the wall clock, in nanoseconds since the Unix epoch.
     wall_until: AtomicU64,
+    /// Nanoseconds between the gate closing and another replica taking over at the
+    /// earliest (the Lease's duration less the renew deadline); 0: unknown.
+    margin: AtomicU64,
     refused: AtomicU64,
 }
 
@@ -149,6 +152,7 @@ impl Default for WriteGate {
                 enforced: AtomicBool::new(false),
                 open_until: AtomicU64::new(0),
                 wall_until: AtomicU64::new(0),
+                margin: AtomicU64::new(0),
                 refused: AtomicU64::new(0),
             }),
         }
@@ -165,6 +169,20 @@ impl WriteGate {
     pub fn enforce(&self) {
         self.inner.open_until.store(0, Ordering::SeqCst);
         self.inner.enforced.store(true, Ordering::SeqCst);
+    }
+
+    /// Records how long after this gate closes another replica may take over at the earliest,
+    /// for the write connections' TCP user timeout.
+    pub fn set_margin(&self, margin: Duration) {
+        self.inner.margin.store(nanos(margin), Ordering::SeqCst);
+    }
+
+    /// What [`WriteGate::set_margin`] recorded, if anything.
+    pub(crate) fn margin(&self) -> Option<Duration> {
+        match self.inner.margin.load(Ordering::SeqCst) {
+            0 => None,
+            n => Some(Duration::from_nanos(n)),
+        }
     }
 
     /// Lets writes start until `until`.
@@ -276,6 +294,7 @@ enum Renewal {
 impl LeaderElector {
     /// An elector for `cfg`'s Lease. Give it a client from [`election_client_config`].
     pub fn new(client: Client, cfg: LeaderElectionConfig, gate: WriteGate) -> Self {
+        gate.set_margin(cfg.lease_duration.saturating_sub(cfg.renew_deadline));
         LeaderElector {
             api: Api::namespaced(client, &cfg.namespace),
             cfg,
