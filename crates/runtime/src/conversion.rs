@@ -10,9 +10,8 @@
 //! annotation `conversion.opkit.dev/<version>` of the result, and restored when the object
 //! comes back to that version, with whatever was changed meanwhile in the other version
 //! applied on top (a JSON merge patch). So v1 → v2 → v1 returns the original object. Limits:
-//! the annotation counts against the 256 KiB of annotations an object may carry, so content
-//! over [`MAX_KEPT`] is refused with a message saying so (rather than every later update
-//! failing on the apiserver's limit), and it is not validated as the other version (a user who writes it by hand can set fields only
+//! the annotation counts against the 256 KiB of annotations an object may carry, and it is
+//! not validated as the other version (a user who writes it by hand can set fields only
 //! that version has); content kept there that no longer reads is ignored.
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -24,10 +23,6 @@ use serde_json::{Map, Value};
 
 /// Prefix of the annotations that keep what a version could not express.
 pub const ANNOTATION_PREFIX: &str = "conversion.opkit.dev/";
-
-/// The most content kept in one annotation: half of the 256 KiB all of an object's
-/// annotations may take, leaving the rest to the others (kubectl's last-applied copy, ...).
-pub const MAX_KEPT: usize = 128 * 1024;
 
 /// Why an object could not be converted: the apiserver shows the message to the user, so it
 /// names the field and what the other version accepts.
@@ -192,12 +187,6 @@ impl Conversion {
         if content(&back) != content(&src) {
             let kept = serde_json::to_string(&content(&src))
                 .map_err(|e| ConversionError(format!("keeping the {from} fields: {e}")))?;
-            if kept.len() > MAX_KEPT {
-                return Err(ConversionError(format!(
-                    "{to} cannot express all of this {from} object, and keeping it for the way back would take {} bytes of annotation, more than the {MAX_KEPT} allowed (an object's annotations total at most 256 KiB): write it as {to}, or make it smaller",
-                    kept.len()
-                )));
-            }
             set_annotation(&mut out, &annotation(&from), kept);
         } else {
             remove_annotation(&mut out, &annotation(&from));

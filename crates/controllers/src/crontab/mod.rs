@@ -146,29 +146,6 @@ mod tests {
     }
 
     #[test]
-    fn content_too_large_to_keep_is_refused_naming_the_limit() {
-        let c = conversion();
-        let two = |zone_bytes: usize| {
-            json!({"apiVersion": "stable.example.com/v2", "kind": "CronTab",
-                "metadata": {"name": "big", "namespace": "ns"},
-                "spec": {"schedule": {"minute": "0", "hour": "3", "dayOfMonth": "*", "month": "*", "dayOfWeek": "1"},
-                         "timeZone": "x".repeat(zone_bytes), "image": "busybox"}})
-        };
-        // Just within the limit: kept, and back unchanged.
-        let fits = two(opkit::conversion::MAX_KEPT - 1024);
-        let one = c.convert(&fits, "stable.example.com/v1").unwrap();
-        assert_eq!(c.convert(&one, "stable.example.com/v2").unwrap(), fits);
-        let err = c
-            .convert(&two(opkit::conversion::MAX_KEPT), "stable.example.com/v1")
-            .unwrap_err();
-        assert!(
-            err.0
-                .contains(&format!("more than the {} allowed", opkit::conversion::MAX_KEPT)),
-            "{err}"
-        );
-    }
-
-    #[test]
     fn kept_content_that_no_longer_reads_is_ignored_not_fatal() {
         let c = conversion();
         for kept in ["{\"spec\":{}}", "not json", "[1]"] {
