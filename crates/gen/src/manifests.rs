@@ -493,7 +493,8 @@ pub const SHARD_LABELS_GROUP: &str = "shard.opkit.dev";
 /// drain label (`shard.opkit.dev/*`, `drain.shard.opkit.dev/*`), of the kinds the sharder
 /// labels and of the member Leases, unless its user may `update` `labels.shard.opkit.dev`:
 /// moving an object between live replicas by hand skips the handover that keeps two of them
-/// from writing it. Objects whose labels stay as they were are not looked at further.
+/// from writing it. Objects without such labels are not looked at (a match condition), nor are
+/// updates that leave them as they were.
 pub fn shard_label_policy<S>(op: &Operator<S>) -> anyhow::Result<(serde_json::Value, serde_json::Value)> {
     let name = format!("{}-shard-labels", op.name);
     let mut kinds = labelled_kinds(op, true);
@@ -529,6 +530,14 @@ pub fn shard_label_policy<S>(op: &Operator<S>) -> anyhow::Result<(serde_json::Va
         "spec": {
             "failurePolicy": "Fail",
             "matchConstraints": {"resourceRules": rules},
+            // Only objects that carry such a label, before or after, are looked at: a node's
+            // heartbeat Lease or another operator's Pod never reaches the validation.
+            "matchConditions": [{
+                "name": "carries-shard-labels",
+                "expression": format!(
+                    "(has(object.metadata.labels) && object.metadata.labels.exists(k, {ours})) || (has(oldObject.metadata.labels) && oldObject.metadata.labels.exists(k, {ours}))"
+                ),
+            }],
             "variables": [
                 {"name": "old", "expression": "oldObject.metadata.?labels.orValue({})"},
                 {"name": "new", "expression": "object.metadata.?labels.orValue({})"},

@@ -45,7 +45,8 @@ fn pieces(line: &str) -> Option<Vec<String>> {
         rest = &rest[end..];
     }
     out.push(rest.trim().to_string());
-    Some(out)
+    // A line that is only an elision is prose too.
+    (!out.iter().all(String::is_empty)).then_some(out)
 }
 
 /// A line without its indentation, a trailing comment, or the `///`/`//!` of a doctest.
@@ -104,6 +105,11 @@ fn source(marker: &str, doc: &Path) -> String {
         match word.split_once('=') {
             Some((name, value)) => fills.push((name.to_string(), value.to_string())),
             None => {
+                assert!(
+                    word.ends_with(".rs") || word.ends_with(".rs.tmpl"),
+                    "{}: {word} named in a compiled marker is not Rust source or a scaffold template",
+                    doc.display()
+                );
                 let path = root().join(word);
                 text += &std::fs::read_to_string(&path)
                     .unwrap_or_else(|e| panic!("{}: {word} named in a compiled marker: {e}", doc.display()));
@@ -126,7 +132,12 @@ fn every_rust_snippet_in_the_docs_is_taken_from_compiled_code() {
         let lines: Vec<&str> = text.lines().collect();
         let mut i = 0;
         while i < lines.len() {
-            if lines[i].trim() != "```rust" {
+            // Every Rust block: ```rust, ```rust,ignore, ```rs, ...
+            let fence = lines[i].trim();
+            let rust = fence
+                .strip_prefix("```")
+                .is_some_and(|info| info.starts_with("rust") || info.split([',', ' ']).next() == Some("rs"));
+            if !rust {
                 i += 1;
                 continue;
             }

@@ -369,6 +369,8 @@ impl Service<http::Uri> for GatedConnector {
         let (connecting, gate) = (self.http.call(uri), self.gate.clone());
         Box::pin(async move {
             let inner = connecting.await?;
+            // TCP_USER_TIMEOUT is Linux's (where operators run); elsewhere the kernel's default.
+            #[cfg(any(target_os = "linux", target_os = "android"))]
             if let Some(timeout) = user_timeout(&gate) {
                 socket2::SockRef::from(inner.inner()).set_tcp_user_timeout(Some(timeout))?;
             }
@@ -378,9 +380,10 @@ impl Service<http::Uri> for GatedConnector {
 }
 
 /// How long a write connection's unacknowledged bytes are sent again before it gives up:
-/// half the gate's margin, at least 1 s; none without leader election.
+/// half the gate's margin; none without leader election.
+#[cfg(any(target_os = "linux", target_os = "android"))]
 fn user_timeout(gate: &WriteGate) -> Option<Duration> {
-    gate.margin().map(|m| (m / 2).max(Duration::from_secs(1)))
+    gate.margin().map(|m| m / 2).filter(|t| !t.is_zero())
 }
 
 /// A TCP connection that sends nothing while the write gate is closed: the last check before
@@ -489,6 +492,7 @@ mod tests {
         (port, rx)
     }
 
+    #[cfg(any(target_os = "linux", target_os = "android"))]
     #[tokio::test]
     async fn write_connections_give_up_on_unacknowledged_bytes_within_half_the_margin() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -522,8 +526,10 @@ mod tests {
     }
 
     /// Drops the packets sent to a loopback port while it lives (iptables; needs root).
+    #[cfg(target_os = "linux")]
     struct Partition(u16);
 
+    #[cfg(target_os = "linux")]
     impl Partition {
         fn rule(&self, op: &str) -> std::io::Result<std::process::ExitStatus> {
             let port = self.0.to_string();
@@ -535,6 +541,7 @@ mod tests {
         }
     }
 
+    #[cfg(target_os = "linux")]
     impl Drop for Partition {
         fn drop(&mut self) {
             let _ = self.rule("-D");
@@ -544,6 +551,7 @@ mod tests {
     /// The fault the user timeout is for: a write is sent while a partition drops its packets,
     /// the partition heals after the client gave up, and nothing of the write reaches the
     /// server. Without the user timeout the kernel sends it again once the partition heals.
+    #[cfg(target_os = "linux")]
     #[tokio::test]
     #[ignore = "needs root and iptables; `make chaos` runs it"]
     async fn a_write_cut_off_by_a_partition_does_not_land_when_it_heals() {

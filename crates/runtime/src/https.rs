@@ -251,6 +251,18 @@ impl Connections {
 /// Removes a connection from [`Connections`] when it ends.
 struct Registered(Arc<Connections>, u64);
 
+impl Registered {
+    /// Puts a connection asked for its slot back among the reclaimable ones: a request began
+    /// on it meanwhile, so it kept its slot.
+    fn restore(&self, activity: &Arc<Activity>) {
+        self.0
+            .open
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(self.1, activity.clone());
+    }
+}
+
 impl Drop for Registered {
     fn drop(&mut self) {
         self.0
@@ -383,14 +395,17 @@ impl Server {
         let activity = Arc::new(Activity::new());
         let opened = activity.opened;
         // Registered from the start: a connection still handshaking can be asked for its slot.
-        let _registered = self.conns.add(activity.clone());
+        // Not one accepted once the server stops: it is promised an answer (see `serve`).
+        let registered = closing.is_some().then(|| self.conns.add(activity.clone()));
         let stream = Tracked {
             io: stream,
             activity: activity.clone(),
         };
         let Some(acceptor) = self.acceptor.clone() else {
             // Plain HTTP: the first request's headers are due as a TLS handshake would be.
-            return self.serve_io(stream, false, activity, opened, closing).await;
+            return self
+                .serve_io(stream, false, activity, opened, closing, registered.as_ref())
+                .await;
         };
         let handshake = tokio::time::timeout(limits.handshake, acceptor.accept(stream));
         let tls = tokio::select! {
@@ -411,7 +426,8 @@ impl Server {
             }
         };
         let http2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
-        self.serve_io(tls, http2, activity, opened, closing).await
+        self.serve_io(tls, http2, activity, opened, closing, registered.as_ref())
+            .await
     }
 
     /// Serves the HTTP of one connection (after its TLS handshake, if any); see
@@ -423,6 +439,7 @@ impl Server {
         activity: Arc<Activity>,
         opened: Instant,
         closing: Option<CancellationToken>,
+        registered: Option<&Registered>,
     ) where
         IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
@@ -507,6 +524,9 @@ impl Server {
                     if activity.quiet() {
                         tracing::debug!(server = what, "an idle connection gives its slot up");
                         break Exit::Close;
+                    }
+                    if let Some(r) = registered {
+                        r.restore(&activity);
                     }
                 }
                 _ = &mut closing, if !closed => closed = true,

@@ -192,12 +192,14 @@ pub async fn migrate_storage(client: &Client, name: &str) -> Result<Migrated, Mi
             match api.replace(&obj.name_any(), &PostParams::default(), obj).await {
                 Ok(_) => rewritten += 1,
                 Err(kube::Error::Api(e)) if e.code == 409 || e.code == 404 => skipped += 1,
-                // Go on: one object a policy refuses must not leave the others unmigrated.
-                Err(e) => failures.push(format!(
+                // Refused (a webhook, a policy): go on, one object must not leave the others
+                // unmigrated. Anything else (the apiserver gone, a timeout) stops here.
+                Err(kube::Error::Api(e)) => failures.push(format!(
                     "{}{}: {e}",
                     obj.namespace().map(|ns| format!("{ns}/")).unwrap_or_default(),
                     obj.name_any()
                 )),
+                Err(e) => return Err(e.into()),
             }
         }
         match page.metadata.continue_ {

@@ -151,7 +151,15 @@ impl Decisions {
             }
             m.pending.entry(key).or_default().clone()
         };
-        let (code, why) = pending
+        // Whatever ends this request (its client may go away mid-review), the entry goes
+        // once no other request waits on it.
+        let leaving = Leaving {
+            map: &self.inner,
+            key,
+            pending,
+        };
+        let (code, why) = leaving
+            .pending
             .get_or_init(|| async {
                 let _turn = self.reviews.acquire().await;
                 match review().await {
@@ -165,18 +173,49 @@ impl Decisions {
             .await
             .clone();
         let mut m = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        if m.pending.get(&key).is_some_and(|p| Arc::ptr_eq(p, &pending)) {
+        if m.pending
+            .get(&key)
+            .is_some_and(|p| Arc::ptr_eq(p, &leaving.pending))
+        {
             m.pending.remove(&key);
             if code != StatusCode::SERVICE_UNAVAILABLE {
                 m.remember(key, code);
             }
         }
+        drop(m);
         (code, why)
     }
 
     #[cfg(test)]
     fn len(&self) -> usize {
         self.inner.lock().unwrap_or_else(|p| p.into_inner()).known.len()
+    }
+
+    #[cfg(test)]
+    fn pending(&self) -> usize {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).pending.len()
+    }
+}
+
+/// Removes a request's pending review when the request ends, finished or dropped, unless
+/// another request still waits on it (which then takes the review over).
+struct Leaving<'a> {
+    map: &'a Mutex<DecisionMap>,
+    key: TokenKey,
+    pending: Pending,
+}
+
+impl Drop for Leaving<'_> {
+    fn drop(&mut self) {
+        let mut m = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        let ours = m
+            .pending
+            .get(&self.key)
+            .is_some_and(|p| Arc::ptr_eq(p, &self.pending));
+        // Held by the map and by this request alone, or decided: nobody else needs it.
+        if ours && (self.pending.initialized() || Arc::strong_count(&self.pending) <= 2) {
+            m.pending.remove(&self.key);
+        }
     }
 }
 
@@ -494,6 +533,35 @@ mod tests {
             "checked within the decision's life"
         );
         assert_eq!(r.calls(), 2, "an allowed token is trusted longer");
+    }
+
+    #[tokio::test]
+    async fn a_request_that_goes_away_mid_review_leaves_nothing_behind() {
+        let (d, r) = (Decisions::default(), Reviews::default());
+        // Requests whose clients leave while their review waits or runs.
+        for i in 0..100 {
+            let token = format!("gone-{i}");
+            let review = || async {
+                tokio::time::sleep(Duration::from_secs(60)).await;
+                r.review(StatusCode::UNAUTHORIZED).await
+            };
+            let left = tokio::time::timeout(Duration::from_millis(1), d.decide(&token, review)).await;
+            assert!(left.is_err(), "the request should still be waiting");
+        }
+        assert_eq!(d.pending(), 0, "reviews of requests that went away are forgotten");
+        // One of two requests with the same token leaves: the other still gets its answer.
+        let waiting = d.decide("shared", || async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            r.review(StatusCode::FORBIDDEN).await
+        });
+        let leaving = tokio::time::timeout(
+            Duration::from_millis(1),
+            d.decide("shared", || r.review(StatusCode::FORBIDDEN)),
+        );
+        let (answer, left) = tokio::join!(waiting, leaving);
+        assert!(left.is_err());
+        assert_eq!(answer.0, StatusCode::FORBIDDEN);
+        assert_eq!(d.pending(), 0);
     }
 
     #[tokio::test]

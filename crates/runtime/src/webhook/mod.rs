@@ -128,8 +128,10 @@ impl<K> Review<K> {
         }
     }
 
-    /// The operator's client (with its write gate), for a handler that reads the cluster.
-    /// Always there when the operator serves the request; `None` in a [`Review::new`].
+    /// The operator's client, for a handler that reads the cluster. Every replica serves the
+    /// webhooks, leading or not, so this client has no write gate: a handler reads, and
+    /// leaves writing to the controllers. Always there when the operator serves the request;
+    /// `None` in a [`Review::new`].
     pub fn client(&self) -> Option<&Client> {
         self.client.as_ref()
     }
