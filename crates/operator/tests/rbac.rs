@@ -698,11 +698,15 @@ async fn only_the_operator_changes_shard_and_drain_labels() {
                 ],
             }));
             objects.push(json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "manager", "namespace": ns}}));
-            objects.push(json!({
-                "apiVersion": "cache.example.com/v1", "kind": "Memcached",
-                "metadata": {"name": "m", "namespace": ns, "labels": {"app": "x", "shard.opkit.dev/memcached": "a"}},
-                "spec": {"size": 1},
-            }));
+            // `m` for the checks; `probe` to learn when the policy is in force (an update
+            // admitted before that must not change what `m` starts from).
+            for name in ["m", "probe"] {
+                objects.push(json!({
+                    "apiVersion": "cache.example.com/v1", "kind": "Memcached",
+                    "metadata": {"name": name, "namespace": ns, "labels": {"app": "x", "shard.opkit.dev/memcached": "a"}},
+                    "spec": {"size": 1},
+                }));
+            }
             objects.push(json!({
                 "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
                 "metadata": {"name": "member-a", "namespace": ns,
@@ -719,10 +723,14 @@ async fn only_the_operator_changes_shard_and_drain_labels() {
                     Err(e) if e.to_string().contains("only the operator changes them") => Ok(()),
                     other => Err(anyhow!("not refused by the policy: {other:?}")),
                 };
+                let attempt = std::sync::atomic::AtomicUsize::new(0);
                 wait_for("the policy to refuse alice's shard label", T, || async {
-                    refused(label("alice", "memcached", "m", "shard.opkit.dev/memcached=b"))
+                    // A new value each time: kubectl sends nothing for a label it already has.
+                    let n = attempt.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    refused(label("alice", "memcached", "probe", &format!("shard.opkit.dev/memcached=p{n}")))
                 })
                 .await?;
+                refused(label("alice", "memcached", "m", "shard.opkit.dev/memcached=b"))?;
                 label("alice", "memcached", "m", "app=y").context("another label")?;
                 refused(label("alice", "memcached", "m", "shard.opkit.dev/memcached-"))?;
                 refused(label("alice", "memcached", "m", "drain.shard.opkit.dev/memcached=b"))?;
