@@ -101,47 +101,25 @@ pub fn chart<S>(op: &Operator<S>) -> anyhow::Result<Vec<(String, String)>> {
     let (leader_role, leader_binding) = manifests::own_namespace_role(op);
     files.push((
         "templates/rbac/leader_election_role.yaml".into(),
-        format!(
-            "{}---\n{}",
-            template(&ns, &leader_role)?,
-            template(&ns, &leader_binding)?
-        ),
+        pair(&ns, &leader_role, &leader_binding)?,
     ));
     let (sharding_role, sharding_binding) = manifests::sharding_role(op);
     files.push((
         "templates/rbac/sharding_role.yaml".into(),
-        enabled(
-            "sharding.enable",
-            &format!(
-                "{}---\n{}",
-                template(&ns, &sharding_role)?,
-                template(&ns, &sharding_binding)?
-            ),
-        ),
+        enabled("sharding.enable", &pair(&ns, &sharding_role, &sharding_binding)?),
     ));
     let (sharding_cluster_role, sharding_cluster_binding) = manifests::sharding_cluster_role(op);
     files.push((
         "templates/rbac/sharding_cluster_role.yaml".into(),
         enabled(
             "sharding.enable",
-            &format!(
-                "{}---\n{}",
-                template(&ns, &sharding_cluster_role)?,
-                template(&ns, &sharding_cluster_binding)?
-            ),
+            &pair(&ns, &sharding_cluster_role, &sharding_cluster_binding)?,
         ),
     ));
-    let (policy, policy_binding) = manifests::shard_label_policy(op)?;
+    let (policy, policy_binding) = manifests::shard_label_policy(op);
     files.push((
         "templates/sharding/shard_label_policy.yaml".into(),
-        enabled(
-            "sharding.enable",
-            &format!(
-                "{}---\n{}",
-                template(&ns, &policy)?,
-                template(&ns, &policy_binding)?
-            ),
-        ),
+        enabled("sharding.enable", &pair(&ns, &policy, &policy_binding)?),
     ));
     files.push((
         "templates/rbac/service_account.yaml".into(),
@@ -163,11 +141,7 @@ pub fn chart<S>(op: &Operator<S>) -> anyhow::Result<Vec<(String, String)>> {
 
     let (mutating, validating) = manifests::webhook_configurations(op)?;
     // Both, even one without webhooks, as in `config/`: the operator keeps them current.
-    let hooks = format!(
-        "{}---\n{}",
-        template(&ns, &mutating)?,
-        template(&ns, &validating)?
-    );
+    let hooks = pair(&ns, &mutating, &validating)?;
     files.push((
         "templates/webhook/manifests.yaml".into(),
         enabled("webhook.enable", &hooks),
@@ -453,6 +427,11 @@ fn deployment<S>(op: &Operator<S>) -> anyhow::Result<String> {
         out
     })?;
     Ok(y)
+}
+
+/// Two objects as one template file, as [`template`] makes each.
+fn pair<A: serde::Serialize, B: serde::Serialize>(ns: &str, a: &A, b: &B) -> anyhow::Result<String> {
+    Ok(format!("{}---\n{}", template(ns, a)?, template(ns, b)?))
 }
 
 /// `obj` as YAML with the operator's namespace made the release's and Helm as its manager.
