@@ -495,12 +495,15 @@ pub const SHARD_LABELS_GROUP: &str = "shard.opkit.dev";
 /// moving an object between live replicas by hand skips the handover that keeps two of them
 /// from writing it. Objects without such labels are not looked at (a match condition), nor are
 /// updates that leave them as they were.
-pub fn shard_label_policy<S>(op: &Operator<S>) -> anyhow::Result<(serde_json::Value, serde_json::Value)> {
+pub fn shard_label_policy<S>(op: &Operator<S>) -> (serde_json::Value, serde_json::Value) {
     let name = format!("{}-shard-labels", op.name);
     let mut kinds = labelled_kinds(op, true);
-    kinds
-        .retain(|(group, resource)| (group.as_str(), resource.as_str()) != ("coordination.k8s.io", "leases"));
-    let mut rules: Vec<serde_json::Value> = kinds
+    // The member Leases.
+    let leases = ("coordination.k8s.io".to_string(), "leases".to_string());
+    if !kinds.contains(&leases) {
+        kinds.push(leases);
+    }
+    let rules: Vec<serde_json::Value> = kinds
         .into_iter()
         .map(|(group, resource)| {
             json!({
@@ -509,10 +512,6 @@ pub fn shard_label_policy<S>(op: &Operator<S>) -> anyhow::Result<(serde_json::Va
             })
         })
         .collect();
-    rules.push(json!({
-        "apiGroups": ["coordination.k8s.io"], "apiVersions": ["v1"], "operations": ["UPDATE"],
-        "resources": ["leases"],
-    }));
     let (shard, drain) = (
         opkit_runtime::sharding::shard_label(""),
         opkit_runtime::sharding::drain_label(""),
@@ -561,7 +560,7 @@ pub fn shard_label_policy<S>(op: &Operator<S>) -> anyhow::Result<(serde_json::Va
         "metadata": meta(op, &name, None),
         "spec": {"policyName": name, "validationActions": ["Deny"]},
     });
-    Ok((policy, binding))
+    (policy, binding)
 }
 
 /// The replicas `config/sharding` runs; a user's overlay of it sets its own count.
@@ -907,7 +906,7 @@ pub fn all<S>(op: &Operator<S>, namespaces: &[String]) -> anyhow::Result<Vec<(St
 fn sharding_files<S>(op: &Operator<S>, namespaces: &[String]) -> anyhow::Result<Vec<(String, String)>> {
     let (role, binding) = sharding_role(op);
     let (cluster_role, cluster_binding) = sharding_cluster_role(op);
-    let (policy, policy_binding) = shard_label_policy(op)?;
+    let (policy, policy_binding) = shard_label_policy(op);
     let kustomization = json!({
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",
