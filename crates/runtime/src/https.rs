@@ -231,16 +231,19 @@ impl Connections {
     /// `unproven`; else the one quiet longest, if quiet for `after`.
     fn reclaim_one(&self, unproven: Duration, after: Duration) {
         let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
-        let oldest = |unproven: bool| {
-            open.iter()
-                .filter(|(_, a)| if unproven { a.unproven() } else { a.quiet() })
-                .map(|(id, a)| (*id, if unproven { a.opened } else { a.since() }))
+        let pick = match open
+            .iter()
+            .filter(|(_, a)| a.unproven())
+            .min_by_key(|(_, a)| a.opened)
+        {
+            Some((id, a)) if a.opened.elapsed() >= unproven => Some(*id),
+            _ => open
+                .iter()
+                .filter(|(_, a)| a.quiet())
+                .map(|(id, a)| (*id, a.since()))
                 .min_by_key(|(_, since)| *since)
-        };
-        let pick = match (oldest(true), oldest(false)) {
-            (Some((id, opened)), _) if opened.elapsed() >= unproven => Some(id),
-            (_, Some((id, since))) if since.elapsed() >= after => Some(id),
-            _ => None,
+                .filter(|(_, since)| since.elapsed() >= after)
+                .map(|(id, _)| id),
         };
         if let Some(a) = pick.and_then(|id| open.remove(&id)) {
             a.reclaim.notify_one();
@@ -393,7 +396,6 @@ impl Server {
         let _permit = permit;
         let (what, limits) = (self.what, self.limits);
         let activity = Arc::new(Activity::new());
-        let opened = activity.opened;
         // Registered from the start: a connection still handshaking can be asked for its slot.
         // Not one accepted once the server stops: it is promised an answer (see `serve`).
         let registered = closing.is_some().then(|| self.conns.add(activity.clone()));
@@ -404,7 +406,7 @@ impl Server {
         let Some(acceptor) = self.acceptor.clone() else {
             // Plain HTTP: the first request's headers are due as a TLS handshake would be.
             return self
-                .serve_io(stream, false, activity, opened, closing, registered.as_ref())
+                .serve_io(stream, false, activity, closing, registered.as_ref())
                 .await;
         };
         let handshake = tokio::time::timeout(limits.handshake, acceptor.accept(stream));
@@ -426,7 +428,7 @@ impl Server {
             }
         };
         let http2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
-        self.serve_io(tls, http2, activity, opened, closing, registered.as_ref())
+        self.serve_io(tls, http2, activity, closing, registered.as_ref())
             .await
     }
 
@@ -437,7 +439,6 @@ impl Server {
         io: IO,
         http2: bool,
         activity: Arc<Activity>,
-        opened: Instant,
         closing: Option<CancellationToken>,
         registered: Option<&Registered>,
     ) where
@@ -496,7 +497,7 @@ impl Server {
             }
         };
         tokio::pin!(closing);
-        let age_at = opened + limits.age;
+        let age_at = activity.opened + limits.age;
         let (mut aged, mut closed) = (false, false);
         let exit = loop {
             // Closing, an HTTP/1 connection whose next request has begun to arrive answers it

@@ -188,8 +188,7 @@ impl WriteGate {
     /// Lets writes start until `until`.
     pub fn open_until(&self, until: Instant) {
         let left = until.saturating_duration_since(Instant::now());
-        let ns = until.saturating_duration_since(self.inner.base).as_nanos();
-        let ns = u64::try_from(ns).unwrap_or(u64::MAX).max(1);
+        let ns = nanos(until.saturating_duration_since(self.inner.base)).max(1);
         self.inner
             .wall_until
             .store(wall_nanos().saturating_add(nanos(left)), Ordering::SeqCst);

@@ -83,8 +83,6 @@ const MAX_TOKEN: usize = 16 * 1024;
 struct Decisions {
     inner: Arc<Mutex<DecisionMap>>,
     reviews: Arc<tokio::sync::Semaphore>,
-    /// How long an allowed and a refused decision last.
-    ttl: (Duration, Duration),
 }
 
 type TokenKey = [u8; 32];
@@ -92,6 +90,7 @@ type Pending = Arc<tokio::sync::OnceCell<(StatusCode, String)>>;
 
 #[derive(Default)]
 struct DecisionMap {
+    /// How long an allowed and a refused decision last.
     ttl: (Duration, Duration),
     /// Decision, when it was made and when it was last used.
     known: HashMap<TokenKey, (StatusCode, Instant, Instant)>,
@@ -107,14 +106,12 @@ impl Default for Decisions {
 
 impl Decisions {
     fn lasting(allowed: Duration, refused: Duration) -> Self {
-        let ttl = (allowed, refused);
         Decisions {
             inner: Arc::new(Mutex::new(DecisionMap {
-                ttl,
+                ttl: (allowed, refused),
                 ..Default::default()
             })),
             reviews: Arc::new(tokio::sync::Semaphore::new(REVIEWS)),
-            ttl,
         }
     }
 
@@ -138,21 +135,17 @@ impl Decisions {
         let pending = {
             let mut m = self.inner.lock().unwrap_or_else(|p| p.into_inner());
             let now = Instant::now();
-            if let Some((code, at, used)) = m.known.get_mut(&key) {
-                let ttl = if *code == StatusCode::OK {
-                    self.ttl.0
-                } else {
-                    self.ttl.1
-                };
-                if now.duration_since(*at) < ttl {
-                    *used = now;
-                    return (*code, String::new());
-                }
+            let ttl = m.ttl;
+            if let Some((code, at, used)) = m.known.get_mut(&key)
+                && now.duration_since(*at) < lasts(ttl, *code)
+            {
+                *used = now;
+                return (*code, String::new());
             }
             m.pending.entry(key).or_default().clone()
         };
         // Whatever ends this request (its client may go away mid-review), the entry goes
-        // once no other request waits on it.
+        // once decided (remembered) or once no other request waits on it.
         let leaving = Leaving {
             map: &self.inner,
             key,
@@ -172,17 +165,6 @@ impl Decisions {
             })
             .await
             .clone();
-        let mut m = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        if m.pending
-            .get(&key)
-            .is_some_and(|p| Arc::ptr_eq(p, &leaving.pending))
-        {
-            m.pending.remove(&key);
-            if code != StatusCode::SERVICE_UNAVAILABLE {
-                m.remember(key, code);
-            }
-        }
-        drop(m);
         (code, why)
     }
 
@@ -197,8 +179,9 @@ impl Decisions {
     }
 }
 
-/// Removes a request's pending review when the request ends, finished or dropped, unless
-/// another request still waits on it (which then takes the review over).
+/// Takes a request's pending review out of the map when the request ends: decided, its
+/// answer is remembered (a failed review is not); dropped undecided, it goes unless another
+/// request still waits on it (which then takes the review over).
 struct Leaving<'a> {
     map: &'a Mutex<DecisionMap>,
     key: TokenKey,
@@ -212,11 +195,29 @@ impl Drop for Leaving<'_> {
             .pending
             .get(&self.key)
             .is_some_and(|p| Arc::ptr_eq(p, &self.pending));
-        // Held by the map and by this request alone, or decided: nobody else needs it.
-        if ours && (self.pending.initialized() || Arc::strong_count(&self.pending) <= 2) {
-            m.pending.remove(&self.key);
+        if !ours {
+            return;
+        }
+        match self.pending.get() {
+            Some((code, _)) => {
+                let code = *code;
+                m.pending.remove(&self.key);
+                if code != StatusCode::SERVICE_UNAVAILABLE {
+                    m.remember(self.key, code);
+                }
+            }
+            // Held by the map and by this request alone: nobody else needs it.
+            None if Arc::strong_count(&self.pending) <= 2 => {
+                m.pending.remove(&self.key);
+            }
+            None => {}
         }
     }
+}
+
+/// How long a decision `code` lasts, of `(allowed, refused)`.
+fn lasts((allowed, refused): (Duration, Duration), code: StatusCode) -> Duration {
+    if code == StatusCode::OK { allowed } else { refused }
 }
 
 impl DecisionMap {
@@ -225,11 +226,9 @@ impl DecisionMap {
         if self.known.len() >= DECISIONS && !self.known.contains_key(&key) {
             // Expired ones first; then the least recently used refusal (made-up tokens cannot
             // push out the scraper's), then the least recently used.
-            let (allowed, refused) = self.ttl;
-            self.known.retain(|_, (code, at, _)| {
-                let ttl = if *code == StatusCode::OK { allowed } else { refused };
-                now.duration_since(*at) < ttl
-            });
+            let ttl = self.ttl;
+            self.known
+                .retain(|_, (code, at, _)| now.duration_since(*at) < lasts(ttl, *code));
             if self.known.len() >= DECISIONS
                 && let Some(oldest) = self
                     .known
