@@ -173,7 +173,7 @@ impl WriteGate {
 
     /// Records how long after this gate closes another replica may take over at the earliest,
     /// for the write connections' TCP user timeout.
-    pub fn set_margin(&self, margin: Duration) {
+    pub(crate) fn set_margin(&self, margin: Duration) {
         self.inner.margin.store(nanos(margin), Ordering::SeqCst);
     }
 
