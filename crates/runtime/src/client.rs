@@ -20,7 +20,8 @@
 //! (duration less renew deadline): bytes the apiserver has not acknowledged by then are not
 //! sent again, so a write cut off by a partition cannot land once the partition heals, after
 //! another replica took over. (Bytes the apiserver's kernel acknowledged are read by the
-//! apiserver even after the connection is reset: no client can take those back.)
+//! apiserver even after the connection is reset: no client can take those back.) Through a
+//! proxy, the gated connection is the one to the proxy.
 //! Reads keep kube's connections (and its idle timeout on watches).
 use std::future::Future;
 use std::pin::Pin;
@@ -66,12 +67,7 @@ pub fn build(
 ) -> kube::Result<Client> {
     let mut config = config;
     config.default_retry = false;
-    let writes = match config.proxy_url {
-        // Through an HTTP or SOCKS proxy, writes share kube's connections: the attempt's check
-        // still holds, only the last one before the socket is missing.
-        Some(_) => None,
-        None => Some(write_pool(&config, gate)?),
-    };
+    let writes = write_pool(&config, gate)?;
     let host = config
         .cluster_url
         .authority()
@@ -281,16 +277,61 @@ fn refusal_in(err: &(dyn std::error::Error + 'static)) -> bool {
 type WritePool = BoxCloneSyncService<Request<Body>, Response<Box<DynBody>>, BoxError>;
 
 /// A connection pool of its own for writes, as kube builds its client (TLS, server name,
-/// base URI, credentials, extra headers) but on [`GatedStream`]s.
+/// base URI, credentials, extra headers, an HTTP or SOCKS proxy) but on [`GatedStream`]s: the
+/// TCP connection to a proxy is gated as the one to the apiserver would be.
 fn write_pool(config: &Config, gate: &WriteGate) -> kube::Result<WritePool> {
+    use hyper_util::client::legacy::connect::proxy::{SocksV5, Tunnel};
     let mut http = HttpConnector::new();
     http.enforce_http(false);
     http.set_connect_timeout(config.connect_timeout);
     http.set_nodelay(true);
-    let tls = config.rustls_https_connector_with_connector(GatedConnector {
+    let gated = GatedConnector {
         http,
         gate: gate.clone(),
-    })?;
+    };
+    let Some(proxy) = config.proxy_url.clone() else {
+        return pool_over(config, gated);
+    };
+    let auth = proxy
+        .authority()
+        .and_then(|a| a.as_str().rsplit_once('@'))
+        .and_then(|(userinfo, _)| proxy_auth(userinfo));
+    fn tunnel<C>(proxy: http::Uri, to_proxy: C, auth: Option<http::HeaderValue>) -> Tunnel<C> {
+        let t = Tunnel::new(proxy, to_proxy);
+        match auth {
+            Some(auth) => t.with_auth(auth),
+            None => t,
+        }
+    }
+    match proxy.scheme_str() {
+        Some("socks5") => pool_over(config, SocksV5::new(proxy, gated)),
+        Some("http") => pool_over(config, tunnel(proxy, gated, auth)),
+        Some("https") => {
+            let to_proxy = config.rustls_https_connector_with_connector(gated)?;
+            pool_over(config, tunnel(proxy, to_proxy, auth))
+        }
+        _ => Err(kube::Error::ProxyProtocolUnsupported {
+            proxy_url: Box::new(proxy),
+        }),
+    }
+}
+
+/// `Proxy-Authorization` from a proxy URL's `user:password` (percent-escapes decoded, as kube
+/// does for its own connections).
+fn proxy_auth(userinfo: &str) -> Option<http::HeaderValue> {
+    let decoded: Vec<u8> = percent_encoding::percent_decode_str(userinfo).collect();
+    http::HeaderValue::from_str(&format!("Basic {}", crate::migrate::base64(&decoded))).ok()
+}
+
+/// [`write_pool`] over the connector that reaches the apiserver (directly or by a proxy).
+fn pool_over<C>(config: &Config, connector: C) -> kube::Result<WritePool>
+where
+    C: Service<http::Uri> + Clone + Send + Sync + 'static,
+    C::Response: hyper::rt::Read + hyper::rt::Write + Connection + Send + Unpin + 'static,
+    C::Future: Send + Unpin + 'static,
+    C::Error: Into<BoxError>,
+{
+    let tls = config.rustls_https_connector_with_connector(connector)?;
     let hyper = hyper_util::client::legacy::Builder::new(TokioExecutor::new()).build(tls);
     let service = ServiceBuilder::new()
         .layer(config.base_uri_layer())
@@ -306,7 +347,7 @@ fn write_pool(config: &Config, gate: &WriteGate) -> kube::Result<WritePool> {
 
 /// Sends writes to their own pool, everything else to kube's.
 struct RouteLayer {
-    writes: Option<WritePool>,
+    writes: WritePool,
 }
 
 impl<S> Layer<S> for RouteLayer {
@@ -322,7 +363,7 @@ impl<S> Layer<S> for RouteLayer {
 /// See [`RouteLayer`].
 struct Route<S> {
     reads: S,
-    writes: Option<WritePool>,
+    writes: WritePool,
 }
 
 impl<S> Service<Request<Body>> for Route<S>
@@ -335,16 +376,15 @@ where
     type Future = RespFuture;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
-        if let Some(w) = &mut self.writes {
-            std::task::ready!(w.poll_ready(cx))?;
-        }
+        std::task::ready!(self.writes.poll_ready(cx))?;
         self.reads.poll_ready(cx)
     }
 
     fn call(&mut self, req: Request<Body>) -> RespFuture {
-        match &mut self.writes {
-            Some(w) if writes(req.method()) => Box::pin(w.call(req)),
-            _ => Box::pin(self.reads.call(req)),
+        if writes(req.method()) {
+            Box::pin(self.writes.call(req))
+        } else {
+            Box::pin(self.reads.call(req))
         }
     }
 }
@@ -624,10 +664,70 @@ mod tests {
         );
     }
 
+    /// An HTTP proxy that tunnels `CONNECT`s and keeps each one's request head.
+    async fn connect_proxy() -> (u16, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let heads = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = heads.clone();
+        tokio::spawn(async move {
+            while let Ok((mut conn, _)) = listener.accept().await {
+                let seen = seen.clone();
+                tokio::spawn(async move {
+                    let mut head = Vec::new();
+                    let mut byte = [0u8; 1];
+                    while !head.ends_with(b"\r\n\r\n") {
+                        if conn.read(&mut byte).await.unwrap_or(0) == 0 {
+                            return;
+                        }
+                        head.push(byte[0]);
+                    }
+                    let head = String::from_utf8_lossy(&head).to_string();
+                    let target = head.split(' ').nth(1).unwrap_or_default().to_string();
+                    seen.lock().unwrap().push(head);
+                    let Ok(mut upstream) = tokio::net::TcpStream::connect(target).await else {
+                        return;
+                    };
+                    let ok = b"HTTP/1.1 200 Connection established\r\n\r\n";
+                    if conn.write_all(ok).await.is_ok() {
+                        let _ = tokio::io::copy_bidirectional(&mut conn, &mut upstream).await;
+                    }
+                });
+            }
+        });
+        (port, heads)
+    }
+
     #[tokio::test]
     async fn a_write_whose_gate_closed_after_its_check_sends_no_byte() {
+        a_write_whose_gate_closed_after_its_check_sends_no_byte_on(None).await;
+    }
+
+    /// With a `proxy-url` (or `HTTPS_PROXY`) the writes are gated as well: the connection to
+    /// the proxy is the gated one.
+    #[tokio::test]
+    async fn a_write_through_a_proxy_whose_gate_closed_after_its_check_sends_no_byte() {
+        let (proxy, heads) = connect_proxy().await;
+        let url = format!("http://us%40er:p%3Ass@127.0.0.1:{proxy}");
+        a_write_whose_gate_closed_after_its_check_sends_no_byte_on(Some(url.parse().unwrap())).await;
+        let heads = heads.lock().unwrap().clone();
+        assert_eq!(heads.len(), 2, "one tunnel per write connection: {heads:?}");
+        assert!(
+            heads.iter().all(|h| h.starts_with("CONNECT 127.0.0.1:")
+                // base64 of `us@er:p:ss`
+                && h.lines().any(|l| l.split_once(':').is_some_and(|(name, value)| {
+                    name.eq_ignore_ascii_case("proxy-authorization")
+                        && value.trim() == "Basic dXNAZXI6cDpzcw=="
+                }))),
+            "{heads:?}"
+        );
+    }
+
+    async fn a_write_whose_gate_closed_after_its_check_sends_no_byte_on(proxy: Option<http::Uri>) {
         let (port, mut closed) = counting_server().await;
-        let config = Config::new(format!("http://127.0.0.1:{port}").parse().unwrap());
+        let mut config = Config::new(format!("http://127.0.0.1:{port}").parse().unwrap());
+        config.proxy_url = proxy;
         let gate = WriteGate::new();
         gate.enforce();
         gate.open_until(std::time::Instant::now() + Duration::from_secs(60));

@@ -19,7 +19,7 @@ fn storage_version_hash(group: &str, version: &str, kind: &str) -> String {
     base64(&digest.as_ref()[..8])
 }
 
-fn base64(bytes: &[u8]) -> String {
+pub(crate) fn base64(bytes: &[u8]) -> String {
     const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     let mut out = String::new();
     for chunk in bytes.chunks(3) {
