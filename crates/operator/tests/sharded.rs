@@ -1,6 +1,6 @@
 //! Three `opkit run --leader-elect --sharding` processes on a control plane of their own,
 //! sharing Memcacheds and Ats, while replicas are killed (SIGKILL), frozen past their Lease
-//! (SIGSTOP, then SIGCONT) and added. After each fault every object converges again on the
+//! (SIGSTOP, then SIGCONT), added, and have their member Lease deleted by hand. After each fault every object converges again on the
 //! live replicas, each placed on one of them with its children; the time from the fault to
 //! the last object placed and converged is reported. Checked at the end, from the apiserver's
 //! audit log: no object nor its children was written by two replicas in turns (once another
@@ -287,10 +287,18 @@ async fn wait_converged(
     Ok(by)
 }
 
+/// A member that left (its member Lease deleted): its objects go back to the members they
+/// came from, which then write for them again; allowed only after it left, and only if it
+/// never writes for them again.
+struct Left<'a> {
+    user: &'a str,
+    at: k8s_openapi::jiff::Timestamp,
+}
+
 /// The writes that do an object's work (its status, its children), by replica, in the order
 /// the apiserver received them: `(object, user)` runs where one user comes back after another
-/// wrote for the same object.
-fn written_in_turns(audit: &[Audited], users: &[String]) -> Vec<String> {
+/// wrote for the same object (but for objects given back by a member that `left`).
+fn written_in_turns(audit: &[Audited], users: &[String], left: Option<&Left>) -> Vec<String> {
     let mut by_object: BTreeMap<String, Vec<(&str, &str)>> = BTreeMap::new();
     let mut sorted: Vec<&Audited> = audit.iter().collect();
     sorted.sort_by(|a, b| a.received.cmp(&b.received));
@@ -311,9 +319,22 @@ fn written_in_turns(audit: &[Audited], users: &[String]) -> Vec<String> {
         }
     }
     let mut bad = Vec::new();
+    let given_back = |writers: &[(&str, &str)], i: usize| {
+        left.is_some_and(|l| {
+            let after = writers[i]
+                .1
+                .parse::<k8s_openapi::jiff::Timestamp>()
+                .is_ok_and(|t| t >= l.at);
+            i >= 2
+                && writers[i - 1].0 == l.user
+                && writers[i - 2].0 == writers[i].0
+                && after
+                && !writers[i..].iter().any(|(u, _)| *u == l.user)
+        })
+    };
     for (object, writers) in by_object {
         for (i, (u, at)) in writers.iter().enumerate() {
-            if writers[..i].iter().any(|(v, _)| v == u) {
+            if writers[..i].iter().any(|(v, _)| v == u) && !given_back(&writers, i) {
                 bad.push(format!("{object}: {u} wrote again at {at} after {writers:?}"));
                 break;
             }
@@ -478,6 +499,60 @@ async fn sharded_replicas_share_the_objects_through_kills_freezes_and_joins() ->
     )
     .await?;
 
+    // A member Lease deleted by hand right after its holder renewed it, while that member
+    // has work in flight (its Deployments deleted, to be made again): it writes on until its
+    // next renewal finds the Lease gone, so its objects may move only after that (the audit
+    // below finds any write of it after another replica's); then it exits.
+    let leases: Api<Lease> = Api::namespaced(client.clone(), OWN_NS);
+    let d_lease = leases
+        .list(&Default::default())
+        .await?
+        .items
+        .into_iter()
+        .find(|l| on_one_of(l.labels().get(MEMBER_LABEL), &["opkit-d"]))
+        .ok_or_else(|| anyhow!("no member Lease of opkit-d"))?;
+    let (d_lease, d_member) = (d_lease.name_any(), d_lease.labels()[MEMBER_LABEL].clone());
+    let renewed = |l: Lease| l.spec.and_then(|s| s.renew_time).map(|t| t.0);
+    let before = renewed(leases.get(&d_lease).await?);
+    wait_for(
+        "opkit-d to renew its member Lease",
+        Duration::from_secs(30),
+        || async {
+            let now = renewed(leases.get(&d_lease).await?);
+            ensure!(now != before, "not yet");
+            Ok(())
+        },
+    )
+    .await?;
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), NS);
+    let on_d = format!("{}={d_member}", shard_label("memcached"));
+    deployments
+        .delete_collection(
+            &Default::default(),
+            &kube::api::ListParams::default().labels(&on_d),
+        )
+        .await?;
+    let d_left = k8s_openapi::jiff::Timestamp::now();
+    leases.delete(&d_lease, &Default::default()).await?;
+    let deleted = Instant::now();
+    log(start, "opkit-d's Deployments and member Lease deleted");
+    let live = ["opkit-a", "opkit-b2", "opkit-c2"];
+    ensure!(replicas[5].name == "opkit-d", "{}", replicas[5].name);
+    wait_converged(
+        &client,
+        &scale,
+        &live,
+        start,
+        deleted,
+        "opkit-d's member Lease deleted",
+    )
+    .await?;
+    wait_for("opkit-d to exit", Duration::from_secs(30), || {
+        let exited = replicas[5].process.exited();
+        async move { exited.map(drop).ok_or_else(|| anyhow!("still running")) }
+    })
+    .await?;
+
     // Every At ran, once.
     wait_for(
         "every At to be DONE",
@@ -524,7 +599,12 @@ async fn sharded_replicas_share_the_objects_through_kills_freezes_and_joins() ->
         .iter()
         .map(|r| user(r))
         .collect();
-    let turns = written_in_turns(&audit, &users);
+    let d_user = user("opkit-d");
+    let left = Left {
+        user: &d_user,
+        at: d_left,
+    };
+    let turns = written_in_turns(&audit, &users, Some(&left));
     let writes = audit
         .iter()
         .filter(|a| users.contains(&a.user) && a.verb != "get" && a.verb != "list" && a.verb != "watch")
@@ -609,7 +689,7 @@ fn the_audit_check_finds_an_object_written_by_a_replica_after_another() {
             "2026-01-01T00:00:05.000000Z",
         ),
     ];
-    assert!(written_in_turns(&handed_over, &users).is_empty());
+    assert!(written_in_turns(&handed_over, &users, None).is_empty());
     let mut twice = handed_over.clone();
     twice.push(w(
         &user("a"),
@@ -618,14 +698,59 @@ fn the_audit_check_finds_an_object_written_by_a_replica_after_another() {
         "mc-1",
         "2026-01-01T00:00:06.000000Z",
     ));
-    let bad = written_in_turns(&twice, &users);
+    let bad = written_in_turns(&twice, &users, None);
     assert_eq!(bad.len(), 1, "{bad:?}");
     assert!(bad[0].starts_with("mc-1: "), "{bad:?}");
+    // Given back by "b" once it left (its member Lease deleted at 00:00:05.5): allowed, but
+    // not before it left, nor with "b" writing again after.
+    let (b_user, c_user) = (user("b"), user("c"));
+    let left = |at: &str| Left {
+        user: &b_user,
+        at: at.parse().unwrap(),
+    };
+    assert!(written_in_turns(&twice, &users, Some(&left("2026-01-01T00:00:05.5Z"))).is_empty());
+    assert_eq!(
+        written_in_turns(&twice, &users, Some(&left("2026-01-01T00:00:06.5Z"))).len(),
+        1
+    );
+    let mut again = twice.clone();
+    again.push(w(
+        &b_user,
+        "deployments",
+        "",
+        "mc-1",
+        "2026-01-01T00:00:07.000000Z",
+    ));
+    assert_eq!(
+        written_in_turns(&again, &users, Some(&left("2026-01-01T00:00:05.5Z"))).len(),
+        1
+    );
+    // Only to the member it came from.
+    let mut elsewhere = handed_over.clone();
+    elsewhere.push(w(
+        &c_user,
+        "deployments",
+        "",
+        "mc-1",
+        "2026-01-01T00:00:06.000000Z",
+    ));
+    elsewhere.push(w(
+        &user("a"),
+        "deployments",
+        "",
+        "mc-1",
+        "2026-01-01T00:00:07.000000Z",
+    ));
+    let users3 = vec![user("a"), b_user.clone(), c_user.clone()];
+    assert_eq!(
+        written_in_turns(&elsewhere, &users3, Some(&left("2026-01-01T00:00:05.5Z"))).len(),
+        1
+    );
     // A Pod counts for its At.
     let pods = vec![
         w(&user("b"), "ats", "status", "at-1", "2026-01-01T00:00:01.000000Z"),
         w(&user("a"), "pods", "", "at-1-pod", "2026-01-01T00:00:02.000000Z"),
         w(&user("b"), "ats", "status", "at-1", "2026-01-01T00:00:03.000000Z"),
     ];
-    assert_eq!(written_in_turns(&pods, &users).len(), 1);
+    assert_eq!(written_in_turns(&pods, &users, None).len(), 1);
 }
