@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, bail};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::admissionregistration::v1::{MutatingWebhook, ValidatingWebhook};
+use k8s_openapi::api::rbac::v1::PolicyRule;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
     CustomResourceDefinition, JSONSchemaProps,
 };
@@ -370,11 +371,21 @@ fn csv<S>(
                     "deployments": [install_deployment(op, &opts.image)?],
                     // OLM makes the webhook configurations, so the operator needs no access to them.
                     "clusterPermissions": [{ "serviceAccountName": sa, "rules": manifests::cluster_rules(op, false)? }],
-                    "permissions": [{ "serviceAccountName": sa, "rules": manifests::leader_rules(&op.lease()) }],
+                    "permissions": [{ "serviceAccountName": sa, "rules": own_namespace_rules(op)? }],
                 },
             },
         },
     }))
+}
+
+/// What the operator needs in its own namespace under OLM: its Lease and, if it converts
+/// versions, the Secret of its conversion signing key (OLM provides the certificate).
+fn own_namespace_rules<S>(op: &Operator<S>) -> anyhow::Result<Vec<PolicyRule>> {
+    let mut rules = manifests::leader_rules(&op.lease());
+    if !manifests::webhooks(op)?.conversion_crds().is_empty() {
+        rules.extend(opkit_runtime::webhook::key_secret_rules(op.name));
+    }
+    Ok(rules)
 }
 
 /// Every bundle file, relative to the repository root, made from `config/` under `root`.

@@ -436,6 +436,8 @@ fn crontab_operator(ns: &str, log: &std::path::Path) -> anyhow::Result<Running> 
             .args(["--webhook-bind-address", &format!("127.0.0.1:{port}")])
             .args(["--webhook-url", &format!("https://127.0.0.1:{port}")])
             .env("KUBECONFIG", shared().kubeconfig())
+            // Its Secrets (webhook certificate, conversion signing key) in the test's namespace.
+            .env("POD_NAMESPACE", ns)
             .stdout(std::fs::File::create(log)?)
             .stderr(Stdio::null())
             .spawn()?,
@@ -524,6 +526,30 @@ async fn crontabs_written_in_either_version_read_back_the_same_in_both() {
             );
             ensure!(stored["metadata"].get("annotations").is_none_or(|a| a.as_object().is_none_or(|a| !a.keys().any(|k| k.starts_with("conversion.opkit.dev/")))),
                 "the stored v2 object kept a conversion annotation: {stored}");
+
+            // The content kept for the way back is signed with the key every replica shares.
+            let key = kubectl(&["get", "secret", "opkit-conversion-key", "-n", &ns, "-o", "jsonpath={.data.key}"])?;
+            ensure!(key.len() >= 44, "no shared signing key: {key:?}");
+            // Kept content written by hand, or copied from another object, is not restored:
+            // neither reaches the stored v2 object.
+            let copied = get_json(v1, "my-zoned-cron-object", &ns)?["metadata"]["annotations"]["conversion.opkit.dev/v2"].clone();
+            ensure!(copied.as_str().is_some_and(|a| a.contains("Europe/Paris")), "{copied}");
+            let forged = json!({"spec": {"schedule": {"minute": "0", "hour": "4", "dayOfMonth": "*", "month": "*", "dayOfWeek": "*"},
+                                         "timeZone": "Forged/Zone", "image": "forged"}}).to_string();
+            for (name, annotation) in [("forged", json!(forged)), ("copied", copied)] {
+                let (ok, out) = apply(&ns, &json!({"apiVersion": "stable.example.com/v1", "kind": "CronTab",
+                    "metadata": {"name": name, "annotations": {"conversion.opkit.dev/v2": annotation}},
+                    "spec": {"cronSpec": "0 4 * * *", "image": "busybox"}}).to_string())?;
+                ensure!(ok, "{out}");
+                let stored = get_json(v2, name, &ns)?;
+                ensure!(
+                    stored["spec"] == json!({"schedule": {"minute": "0", "hour": "4", "dayOfMonth": "*", "month": "*", "dayOfWeek": "*"},
+                                             "image": "busybox"})
+                        && stored["metadata"]["annotations"].get("conversion.opkit.dev/v2").is_none(),
+                    "{name}: {stored}"
+                );
+            }
+            kubectl(&["delete", v2, "forged", "copied", "-n", &ns])?;
 
             // A list in either version converts every object.
             for (resource, want) in [(v1, "* * * * */5 30 3 * * 1-5"), (v2, "*/5 1-5")] {

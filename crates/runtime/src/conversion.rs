@@ -9,10 +9,16 @@
 //! express something of the source (a field it lacks), the source's content is kept in the
 //! annotation `conversion.opkit.dev/<version>` of the result, and restored when the object
 //! comes back to that version, with whatever was changed meanwhile in the other version
-//! applied on top (a JSON merge patch). So v1 → v2 → v1 returns the original object. Limits:
-//! the annotation counts against the 256 KiB of annotations an object may carry, and it is
-//! not validated as the other version (a user who writes it by hand can set fields only
-//! that version has); content kept there that no longer reads is ignored.
+//! applied on top (a JSON merge patch). So v1 → v2 → v1 returns the original object.
+//!
+//! The annotation is signed (HMAC-SHA256 with a [`SigningKey`] every replica shares, over
+//! the kind, namespace, name, version and content) and restored only if its signature holds:
+//! content kept there was valid in its version when it was kept, whereas an annotation written
+//! by hand could set fields, status included, past that version's validation and the status
+//! RBAC. An annotation that does not verify (written by hand, copied from another object, from
+//! before signing, or signed with another key) is dropped with a warning. Limits: the
+//! annotation counts against the 256 KiB of annotations an object may carry; content kept
+//! there that no longer reads is ignored.
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -23,6 +29,93 @@ use serde_json::{Map, Value};
 
 /// Prefix of the annotations that keep what a version could not express.
 pub const ANNOTATION_PREFIX: &str = "conversion.opkit.dev/";
+
+/// The key that signs the content kept in conversion annotations. Every replica must use the
+/// same one (the operator reads it from a Secret it shares, see
+/// [`crate::webhook::shared::ensure_key`]): content kept by one is restored by any other.
+#[derive(Clone)]
+pub struct SigningKey(ring::hmac::Key);
+
+impl SigningKey {
+    /// The key of `secret` (at least 32 bytes, as made by [`SigningKey::generate`]).
+    pub fn new(secret: &[u8]) -> Self {
+        SigningKey(ring::hmac::Key::new(ring::hmac::HMAC_SHA256, secret))
+    }
+
+    /// 32 random bytes, for a new key.
+    pub fn generate() -> Result<Vec<u8>, ConversionError> {
+        use ring::rand::SecureRandom;
+        let mut bytes = vec![0u8; 32];
+        ring::rand::SystemRandom::new()
+            .fill(&mut bytes)
+            .map_err(|_| ConversionError("no random bytes for a signing key".into()))?;
+        Ok(bytes)
+    }
+
+    /// A key of this process alone: for tests, and for a lone replica that cannot read the
+    /// shared one (what it keeps does not survive its restart).
+    pub fn process() -> Self {
+        static KEY: std::sync::OnceLock<SigningKey> = std::sync::OnceLock::new();
+        KEY.get_or_init(|| {
+            let bytes = SigningKey::generate().unwrap_or_else(|_| {
+                // No system randomness: at least not a constant.
+                format!("{:?}{}", std::time::SystemTime::now(), std::process::id()).into_bytes()
+            });
+            SigningKey::new(&bytes)
+        })
+        .clone()
+    }
+
+    /// What is signed: the object's identity, the annotation and the kept content.
+    fn message(obj: &Value, annotation: &str, kept: &str) -> Vec<u8> {
+        let field = |p: &str| obj.pointer(p).and_then(Value::as_str).unwrap_or_default();
+        [
+            "opkit.dev/conversion",
+            field("/kind"),
+            field("/metadata/namespace"),
+            field("/metadata/name"),
+            annotation,
+            kept,
+        ]
+        .join("\0")
+        .into_bytes()
+    }
+
+    /// The annotation's value for `kept` on `obj`.
+    fn sign(&self, obj: &Value, annotation: &str, kept: &str) -> String {
+        let tag = ring::hmac::sign(&self.0, &Self::message(obj, annotation, kept));
+        let hex: String = tag.as_ref().iter().map(|b| format!("{b:02x}")).collect();
+        serde_json::json!({ SIGNATURE: hex, KEPT: kept }).to_string()
+    }
+
+    /// The content kept in the annotation's `value` on `obj`, if its signature holds.
+    fn verify(&self, obj: &Value, annotation: &str, value: &str) -> Result<Value, &'static str> {
+        let wrapped: Value = serde_json::from_str(value).map_err(|_| "not JSON")?;
+        let (Some(signature), Some(kept)) = (
+            wrapped.get(SIGNATURE).and_then(Value::as_str),
+            wrapped.get(KEPT).and_then(Value::as_str),
+        ) else {
+            return Err("not signed");
+        };
+        let tag: Option<Vec<u8>> = (signature.len() % 2 == 0)
+            .then(|| {
+                (0..signature.len())
+                    .step_by(2)
+                    .map(|i| u8::from_str_radix(signature.get(i..i + 2)?, 16).ok())
+                    .collect()
+            })
+            .flatten();
+        let tag = tag.ok_or("signature is not hex")?;
+        // Compared in constant time.
+        ring::hmac::verify(&self.0, &Self::message(obj, annotation, kept), &tag)
+            .map_err(|_| "signature does not match")?;
+        serde_json::from_str(kept).map_err(|_| "kept content is not JSON")
+    }
+}
+
+/// The fields of a signed annotation's value: the signature (hex) and the content (JSON).
+const SIGNATURE: &str = "hmacSHA256";
+const KEPT: &str = "kept";
 
 /// Why an object could not be converted: the apiserver shows the message to the user, so it
 /// names the field and what the other version accepts.
@@ -152,10 +245,16 @@ impl Conversion {
         Ok(out)
     }
 
-    /// Converts `obj` to `to` (an `apiVersion` such as `stable.example.com/v2`): the typed
-    /// path, then what `to` kept in an annotation restored, and what `to` cannot express of
-    /// the source kept in one.
+    /// Converts `obj` to `to` (an `apiVersion` such as `stable.example.com/v2`) as the
+    /// operator's webhook does, signing with a key of this process ([`SigningKey::process`]):
+    /// for an author's tests of a conversion.
     pub fn convert(&self, obj: &Value, to: &str) -> Result<Value, ConversionError> {
+        self.convert_signed(obj, to, &SigningKey::process())
+    }
+
+    /// Converts `obj` to `to`: the typed path, then what `to` kept in an annotation restored
+    /// (if signed with `key`), and what `to` cannot express of the source kept in one.
+    pub fn convert_signed(&self, obj: &Value, to: &str, key: &SigningKey) -> Result<Value, ConversionError> {
         let from = api_version(obj);
         if from == to {
             return Ok(obj.clone());
@@ -165,7 +264,19 @@ impl Conversion {
         let saved = annotations(obj)
             .and_then(|a| a.get(&saved_key))
             .and_then(Value::as_str)
-            .and_then(|s| serde_json::from_str::<Value>(s).ok());
+            .and_then(|value| match key.verify(obj, &saved_key, value) {
+                Ok(saved) => Some(saved),
+                Err(why) => {
+                    let name = obj.pointer("/metadata/name").and_then(|n| n.as_str());
+                    tracing::warn!(
+                        annotation = %saved_key,
+                        object = name.unwrap_or_default(),
+                        why,
+                        "dropping a conversion annotation that opkit did not sign for this object"
+                    );
+                    None
+                }
+            });
         // The source without the content kept for `to` (it is consumed here).
         let mut src = obj.clone();
         remove_annotation(&mut src, &saved_key);
@@ -187,7 +298,9 @@ impl Conversion {
         if content(&back) != content(&src) {
             let kept = serde_json::to_string(&content(&src))
                 .map_err(|e| ConversionError(format!("keeping the {from} fields: {e}")))?;
-            set_annotation(&mut out, &annotation(&from), kept);
+            let name = annotation(&from);
+            let signed = key.sign(&out, &name, &kept);
+            set_annotation(&mut out, &name, signed);
         } else {
             remove_annotation(&mut out, &annotation(&from));
         }
@@ -324,6 +437,7 @@ pub fn convert_all(
     conversions: &[Conversion],
     objects: &[Value],
     desired: &str,
+    key: &SigningKey,
 ) -> Result<Vec<Value>, ConversionError> {
     objects
         .iter()
@@ -342,11 +456,97 @@ pub fn convert_all(
                 .ok_or_else(|| {
                     ConversionError(format!("no conversion of {kind} from {version} to {desired}"))
                 })?;
-            c.convert(o, desired).map_err(|e| {
+            c.convert_signed(o, desired, key).map_err(|e| {
                 ConversionError(format!(
                     "converting {kind} {name} from {version} to {desired}: {e}"
                 ))
             })
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// Only what the signature covers matters here: a spoke that drops `spec.extra`.
+    fn conversion() -> Conversion {
+        let identity: Step = Arc::new(Ok);
+        let drop_extra: Step = Arc::new(|mut v: Value| {
+            if let Some(spec) = v.get_mut("spec").and_then(Value::as_object_mut) {
+                spec.remove("extra");
+            }
+            Ok(v)
+        });
+        Conversion {
+            group: "example.com".into(),
+            kind: "Thing".into(),
+            plural: "things".into(),
+            hub: "example.com/v2".into(),
+            versions: BTreeMap::from([
+                (
+                    "example.com/v2".into(),
+                    Version {
+                        up: identity.clone(),
+                        down: identity.clone(),
+                    },
+                ),
+                (
+                    "example.com/v1".into(),
+                    Version {
+                        up: drop_extra,
+                        down: identity,
+                    },
+                ),
+            ]),
+        }
+    }
+
+    fn v1(name: &str, extra: &str) -> Value {
+        json!({"apiVersion": "example.com/v1", "kind": "Thing",
+               "metadata": {"name": name, "namespace": "ns"},
+               "spec": {"size": 1, "extra": extra}})
+    }
+
+    #[test]
+    fn kept_content_comes_back_only_with_a_signature_of_the_same_key_for_the_same_object() {
+        let (c, key) = (conversion(), SigningKey::new(&[7; 32]));
+        let one = v1("a", "kept");
+        let two = c.convert_signed(&one, "example.com/v2", &key).unwrap();
+        assert!(two["spec"].get("extra").is_none(), "{two}");
+        assert_eq!(c.convert_signed(&two, "example.com/v1", &key).unwrap(), one);
+
+        // Another key (another cluster, a lost Secret): dropped.
+        let other = SigningKey::new(&[8; 32]);
+        let back = c.convert_signed(&two, "example.com/v1", &other).unwrap();
+        assert!(back["spec"].get("extra").is_none(), "{back}");
+        assert!(back["metadata"].get("annotations").is_none(), "{back}");
+
+        // Copied onto another object: dropped.
+        let mut copied = c
+            .convert_signed(&v1("b", "nothing"), "example.com/v2", &key)
+            .unwrap();
+        copied["metadata"]["annotations"] = two["metadata"]["annotations"].clone();
+        let back = c.convert_signed(&copied, "example.com/v1", &key).unwrap();
+        assert_eq!(back["spec"], json!({"size": 1}), "{back}");
+
+        // Written by hand, unsigned (as before signing) or with the content changed: dropped.
+        let value = two["metadata"]["annotations"]["conversion.opkit.dev/v1"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        let mut wrapped: Value = serde_json::from_str(&value).unwrap();
+        wrapped[KEPT] = json!(r#"{"spec":{"size":1,"extra":"forged"}}"#);
+        for forged in [
+            r#"{"spec":{"size":1,"extra":"forged"}}"#.to_string(),
+            wrapped.to_string(),
+            r#"{"hmacSHA256":"zz","kept":"{}"}"#.to_string(),
+        ] {
+            let mut hand = two.clone();
+            hand["metadata"]["annotations"]["conversion.opkit.dev/v1"] = json!(forged);
+            let back = c.convert_signed(&hand, "example.com/v1", &key).unwrap();
+            assert_eq!(back["spec"], json!({"size": 1}), "{forged}: {back}");
+        }
+    }
 }

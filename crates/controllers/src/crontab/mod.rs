@@ -160,6 +160,8 @@ mod tests {
     #[test]
     fn a_review_converts_a_list_of_mixed_versions_in_order_or_names_the_object_that_failed() {
         let c = [conversion()];
+        // What `convert` signs with.
+        let key = opkit::conversion::SigningKey::process();
         let one = v1("a", json!({"cronSpec": "0 * * * *", "image": "i"}));
         let two = c[0]
             .convert(
@@ -168,12 +170,13 @@ mod tests {
             )
             .unwrap();
         let out =
-            opkit::conversion::convert_all(&c, &[one.clone(), two.clone()], "stable.example.com/v1").unwrap();
+            opkit::conversion::convert_all(&c, &[one.clone(), two.clone()], "stable.example.com/v1", &key)
+                .unwrap();
         assert_eq!(out[0], one);
         assert_eq!(out[1]["metadata"]["name"], "b");
         assert_eq!(out[1]["spec"]["cronSpec"], "5 * * * *");
         let bad = v1("c", json!({"cronSpec": "@daily", "image": "i"}));
-        let err = opkit::conversion::convert_all(&c, &[one, bad], "stable.example.com/v2").unwrap_err();
+        let err = opkit::conversion::convert_all(&c, &[one, bad], "stable.example.com/v2", &key).unwrap_err();
         assert!(
             err.0.starts_with(
                 "converting CronTab c from stable.example.com/v1 to stable.example.com/v2: spec.cronSpec"
@@ -181,7 +184,7 @@ mod tests {
             "{err}"
         );
         let other = json!({"apiVersion": "example.com/v1", "kind": "Thing", "metadata": {"name": "t"}});
-        let err = opkit::conversion::convert_all(&c, &[other], "example.com/v2").unwrap_err();
+        let err = opkit::conversion::convert_all(&c, &[other], "example.com/v2", &key).unwrap_err();
         assert!(err.0.contains("no conversion of Thing"), "{err}");
     }
 

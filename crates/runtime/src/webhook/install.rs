@@ -245,10 +245,22 @@ pub fn rbac_rules(project: &str, webhooks: &Webhooks) -> Vec<PolicyRule> {
 /// replicas through the Secret `<project>-webhook-server-cert` (create cannot be limited to a
 /// name; reading and rotating it are).
 pub fn secret_rules(project: &str) -> Vec<PolicyRule> {
+    let mut rules = vec![PolicyRule {
+        resource_names: Some(vec![shared::secret_name(project)]),
+        ..rule(&[""], &["secrets"], &["get", "update"])
+    }];
+    rules.extend(key_secret_rules(project));
+    rules
+}
+
+/// What the operator needs, in its own namespace, to share the key that signs conversion
+/// annotations among its replicas (the Secret `<project>-conversion-key`, made once, then
+/// only read), also when something else provides the webhook certificate (OLM).
+pub fn key_secret_rules(project: &str) -> Vec<PolicyRule> {
     vec![
         PolicyRule {
-            resource_names: Some(vec![shared::secret_name(project)]),
-            ..rule(&[""], &["secrets"], &["get", "update"])
+            resource_names: Some(vec![shared::key_secret_name(project)]),
+            ..rule(&[""], &["secrets"], &["get"])
         },
         rule(&[""], &["secrets"], &["create"]),
     ]
@@ -335,7 +347,23 @@ pub async fn start(
             (CertSource::Watch(rx), source)
         }
     };
-    let served = webhooks.clone().with_client(client.clone());
+    let mut served = webhooks.clone().with_client(client.clone());
+    if !webhooks.conversions.is_empty() {
+        let secrets: Api<Secret> = Api::namespaced(client.clone(), &opts.namespace);
+        let name = shared::key_secret_name(opts.project);
+        match patiently(
+            || shared::ensure_key(&secrets, &name),
+            "the conversion signing key",
+        )
+        .await
+        {
+            Ok(key) => served = served.with_conversion_key(crate::conversion::SigningKey::new(&key)),
+            Err(e) => tracing::warn!(
+                error = %e,
+                "cannot read or make the conversion signing key; signing with a key of this process, so content that conversions keep in annotations is dropped when another replica, or this one after a restart, converts it back"
+            ),
+        }
+    }
     let server = serve(&served, opts.bind, certs, opts.http2, shutdown.clone()).await?;
     let configure = opts.configure;
     let mut source = source;
@@ -399,15 +427,27 @@ async fn ensure_patiently(
     name: &str,
     hosts: &[String],
 ) -> Result<shared::Shared, String> {
+    patiently(
+        || shared::ensure(secrets, name, hosts),
+        "the shared webhook certificate",
+    )
+    .await
+}
+
+/// `attempt` until it succeeds, a transient failure retried with backoff for about 20 s.
+async fn patiently<T, F>(mut attempt: impl FnMut() -> F, what: &str) -> Result<T, String>
+where
+    F: std::future::Future<Output = Result<T, shared::EnsureError>>,
+{
     let mut pause = std::time::Duration::from_millis(500);
     let give_up = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
     loop {
-        match shared::ensure(secrets, name, hosts).await {
+        match attempt().await {
             Ok(sh) => return Ok(sh),
             // A missing namespace or a refusal will not change by waiting (a local run, a
             // lone replica without the right): no retries then.
             Err(e) if e.transient && tokio::time::Instant::now() + pause < give_up => {
-                tracing::warn!(error = %e, ?pause, "reading the shared webhook certificate failed; retrying");
+                tracing::warn!(error = %e, ?pause, "reading {what} failed; retrying");
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(std::time::Duration::from_secs(5));
             }

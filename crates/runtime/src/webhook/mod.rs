@@ -9,8 +9,8 @@ pub mod shared;
 
 pub use crate::tls::{CertSource, Certificate, self_signed, self_signed_until};
 pub use install::{
-    Endpoint, WebhookOptions, configurations, crd_conversion, rbac_rules, secret_rules, service_name, start,
-    with_conversions,
+    Endpoint, WebhookOptions, configurations, crd_conversion, key_secret_rules, rbac_rules, secret_rules,
+    service_name, start, with_conversions,
 };
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -24,7 +24,7 @@ use axum::routing::post;
 use futures::future::BoxFuture;
 use kube::{Client, Resource};
 
-use crate::conversion::Conversion;
+use crate::conversion::{Conversion, SigningKey};
 use crate::kind::Watchable;
 use kube::core::DynamicObject;
 use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
@@ -304,6 +304,8 @@ pub struct Webhooks {
     pub(crate) scoped: HashMap<String, Vec<String>>,
     metrics: Option<crate::metrics::Metrics>,
     client: Option<Client>,
+    /// Signs what conversions keep in annotations; [`SigningKey::process`] when unset.
+    conversion_key: Option<SigningKey>,
 }
 
 /// Where the apiserver sends ConversionReviews (one path for every kind, as Kubebuilder does).
@@ -463,6 +465,13 @@ impl Webhooks {
         self
     }
 
+    /// Signs what the conversions keep in annotations with `key`, which every replica must
+    /// share ([`start`] reads it from the Secret [`shared::ensure_key`] keeps).
+    pub fn with_conversion_key(mut self, key: SigningKey) -> Self {
+        self.conversion_key = Some(key);
+        self
+    }
+
     /// Adds every webhook of `other`.
     pub fn merge(mut self, other: Webhooks) -> Self {
         self.handlers.extend(other.handlers);
@@ -471,6 +480,7 @@ impl Webhooks {
         self.conversions.extend(other.conversions);
         self.scoped.extend(other.scoped);
         self.client = self.client.or(other.client);
+        self.conversion_key = self.conversion_key.or(other.conversion_key);
         self
     }
 
@@ -515,9 +525,10 @@ impl Webhooks {
         }
         if !self.conversions.is_empty() {
             let conversions = Arc::new(self.conversions.clone());
+            let key = self.conversion_key.clone().unwrap_or_else(SigningKey::process);
             r = r.route(
                 CONVERT_PATH,
-                post(move |body: Bytes| convert(conversions.clone(), body))
+                post(move |body: Bytes| convert(conversions.clone(), key.clone(), body))
                     .layer(axum::extract::DefaultBodyLimit::max(limits::BODY)),
             );
         }
@@ -612,7 +623,7 @@ impl Webhooks {
 
 /// Answers a `ConversionReview`: every object converted, or a failure naming the one that
 /// could not be (the apiserver then refuses the request with that message).
-async fn convert(conversions: Arc<Vec<Conversion>>, body: Bytes) -> Response {
+async fn convert(conversions: Arc<Vec<Conversion>>, key: SigningKey, body: Bytes) -> Response {
     use kube::core::conversion::{ConversionRequest, ConversionResponse, ConversionReview};
     let review: ConversionReview = match serde_json::from_slice(&body) {
         Ok(r) => r,
@@ -624,7 +635,7 @@ async fn convert(conversions: Arc<Vec<Conversion>>, body: Bytes) -> Response {
     };
     let (objects, desired) = (req.objects.clone(), req.desired_api_version.clone());
     let resp = ConversionResponse::for_request(req);
-    let resp = match crate::conversion::convert_all(&conversions, &objects, &desired) {
+    let resp = match crate::conversion::convert_all(&conversions, &objects, &desired, &key) {
         Ok(converted) => resp.success(converted),
         Err(e) => {
             tracing::info!(error = %e, "conversion refused");

@@ -196,6 +196,62 @@ pub async fn ensure(secrets: &Api<Secret>, name: &str, hosts: &[String]) -> Resu
     })
 }
 
+/// The Secret of the key that signs conversion annotations: `<project>-conversion-key`. Kept
+/// apart from the certificate, which rotates: a new key would drop what was kept before.
+pub fn key_secret_name(project: &str) -> String {
+    format!("{project}-conversion-key")
+}
+
+/// The data field of the key in its Secret.
+const KEY: &str = "key";
+
+/// Reads the conversion signing key from the Secret `name`, creating it with a random key if
+/// it is missing (the first replica's create wins, the others read it).
+pub async fn ensure_key(secrets: &Api<Secret>, name: &str) -> Result<Vec<u8>, EnsureError> {
+    let fixed = |message: String| EnsureError {
+        message,
+        transient: false,
+    };
+    let key_of = |s: &Secret| {
+        s.data
+            .as_ref()
+            .and_then(|d| d.get(KEY))
+            .map(|k| k.0.clone())
+            .filter(|k| k.len() >= 32)
+            .ok_or_else(|| fixed(format!("Secret {name} has no {KEY} of at least 32 bytes")))
+    };
+    for _ in 0..3 {
+        if let Some(s) = secrets
+            .get_opt(name)
+            .await
+            .map_err(|e| api_error(format!("reading Secret {name}"), &e))?
+        {
+            return key_of(&s);
+        }
+        let key = crate::conversion::SigningKey::generate().map_err(|e| fixed(e.0))?;
+        let fresh = Secret {
+            metadata: ObjectMeta {
+                name: Some(name.to_string()),
+                ..Default::default()
+            },
+            data: Some([(KEY.to_string(), ByteString(key))].into()),
+            ..Default::default()
+        };
+        match secrets.create(&PostParams::default(), &fresh).await {
+            Ok(s) => {
+                tracing::info!(secret = name, "made the conversion signing key");
+                return key_of(&s);
+            }
+            Err(kube::Error::Api(e)) if e.code == 409 => continue,
+            Err(e) => return Err(api_error(format!("creating Secret {name}"), &e)),
+        }
+    }
+    Err(EnsureError {
+        message: format!("Secret {name} kept changing while being read"),
+        transient: true,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
