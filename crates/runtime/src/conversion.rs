@@ -15,10 +15,19 @@
 //! the kind, namespace, name, version and content) and restored only if its signature holds:
 //! content kept there was valid in its version when it was kept, whereas an annotation written
 //! by hand could set fields, status included, past that version's validation and the status
-//! RBAC. An annotation that does not verify (written by hand, copied from another object, from
-//! before signing, or signed with another key) is dropped with a warning. Limits: the
-//! annotation counts against the 256 KiB of annotations an object may carry; content kept
+//! RBAC (an annotation the same object carried earlier can still be put back). An
+//! annotation that does not verify (written by hand, copied from another object, from
+//! before signing, or signed with another key) is dropped with a warning. Content kept
 //! there that no longer reads is ignored.
+//!
+//! The annotation counts against the 256 KiB of annotations an object may carry, and the
+//! apiserver checks that limit on converted objects too, reads included: one object too large
+//! would fail every list of the version. So content too large to keep is refused when the
+//! object would be stored so (converted to the storage version, which the operator reads from
+//! the CRD at start and then every few seconds; the hub until then), and
+//! otherwise left out of the answer with the mark `conversion.opkit.dev/<version>-too-large`
+//! (its size), which makes writing the object back in that version a refusal instead of a
+//! loss.
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -66,19 +75,25 @@ impl SigningKey {
         .clone()
     }
 
-    /// What is signed: the object's identity, the annotation and the kept content.
+    /// What is signed: the object's identity (group, kind, namespace, name), the annotation
+    /// and the kept content, each preceded by its length.
     fn message(obj: &Value, annotation: &str, kept: &str) -> Vec<u8> {
         let field = |p: &str| obj.pointer(p).and_then(Value::as_str).unwrap_or_default();
-        [
+        let group = field("/apiVersion").rsplit_once('/').map_or("", |(g, _)| g);
+        let mut m = Vec::with_capacity(kept.len() + 128);
+        for part in [
             "opkit.dev/conversion",
+            group,
             field("/kind"),
             field("/metadata/namespace"),
             field("/metadata/name"),
             annotation,
             kept,
-        ]
-        .join("\0")
-        .into_bytes()
+        ] {
+            m.extend_from_slice(&(part.len() as u64).to_be_bytes());
+            m.extend_from_slice(part.as_bytes());
+        }
+        m
     }
 
     /// The annotation's value for `kept` on `obj`.
@@ -112,6 +127,12 @@ impl SigningKey {
         serde_json::from_str(kept).map_err(|_| "kept content is not JSON")
     }
 }
+
+/// What the apiserver allows of an object's annotations, keys and values together.
+pub const ANNOTATIONS_LIMIT: usize = 256 * 1024;
+
+/// Suffix of the annotation that marks content too large to keep (its size in bytes).
+const TOO_LARGE: &str = "-too-large";
 
 /// The fields of a signed annotation's value: the signature (hex) and the content (JSON).
 const SIGNATURE: &str = "hmacSHA256";
@@ -147,6 +168,9 @@ pub struct Conversion {
     plural: String,
     hub: String,
     versions: BTreeMap<String, Version>,
+    /// The version objects are stored in (`group/version`), as read from the CRD; the hub
+    /// until then. Shared by the clones the webhook server holds.
+    storage: Arc<std::sync::RwLock<Option<String>>>,
 }
 
 fn typed<K: DeserializeOwned>(v: Value) -> Result<K, ConversionError> {
@@ -182,6 +206,7 @@ impl Conversion {
                 },
             )]),
             hub,
+            storage: Default::default(),
         }
     }
 
@@ -207,6 +232,18 @@ impl Conversion {
         self.versions
             .insert(S::api_version(&()).to_string(), Version { up, down });
         self
+    }
+
+    /// The version objects are stored in: a conversion to it is (nearly always) a write.
+    fn storage(&self) -> String {
+        let known = self.storage.read().unwrap_or_else(|p| p.into_inner()).clone();
+        known.unwrap_or_else(|| self.hub.clone())
+    }
+
+    /// Records the CRD's storage version (`v1`), which the operator reads from the CRD.
+    pub(crate) fn set_storage(&self, version: &str) {
+        let api_version = format!("{}/{version}", self.group);
+        *self.storage.write().unwrap_or_else(|p| p.into_inner()) = Some(api_version);
     }
 
     /// The CRD this conversion serves: `<plural>.<group>`.
@@ -277,9 +314,22 @@ impl Conversion {
                     None
                 }
             });
+        // Read as `from` without what only `to` can say (too large to keep): writing it back
+        // in the storage version would lose that.
+        let too_large_key = format!("{saved_key}{TOO_LARGE}");
+        let stored = to == self.storage();
+        if let Some(size) = annotations(obj).and_then(|a| a.get(&too_large_key))
+            && stored
+        {
+            return Err(ConversionError(format!(
+                "this object was read as {from} without what only {to} can express ({} bytes, too large to keep in an annotation): write it as {to}",
+                size.as_str().unwrap_or_default()
+            )));
+        }
         // The source without the content kept for `to` (it is consumed here).
         let mut src = obj.clone();
         remove_annotation(&mut src, &saved_key);
+        remove_annotation(&mut src, &too_large_key);
         let mut out = self.typed_path(&src, to)?;
         if let Some(saved) = saved.filter(Value::is_object) {
             // Kept content that no longer reads as `to` (edited by hand, or from before a
@@ -295,14 +345,40 @@ impl Conversion {
         }
         // What `to` cannot express of the source is kept for the way back.
         let back = self.typed_path(&out, &from)?;
+        let name = annotation(&from);
+        remove_annotation(&mut out, &name);
+        remove_annotation(&mut out, &format!("{name}{TOO_LARGE}"));
         if content(&back) != content(&src) {
             let kept = serde_json::to_string(&content(&src))
                 .map_err(|e| ConversionError(format!("keeping the {from} fields: {e}")))?;
-            let name = annotation(&from);
             let signed = key.sign(&out, &name, &kept);
-            set_annotation(&mut out, &name, signed);
-        } else {
-            remove_annotation(&mut out, &annotation(&from));
+            let others: usize = annotations(&out)
+                .map(|a| {
+                    a.iter()
+                        .map(|(k, v)| k.len() + v.as_str().map_or(0, str::len))
+                        .sum()
+                })
+                .unwrap_or(0);
+            let size = others + name.len() + signed.len();
+            if size <= ANNOTATIONS_LIMIT {
+                set_annotation(&mut out, &name, signed);
+            } else if stored {
+                // Stored so, the object would lose it: refused, as the apiserver would refuse
+                // the annotation, but saying why.
+                return Err(ConversionError(format!(
+                    "what {to} cannot express of this {from} object takes {} bytes in the annotation {name}, past the {ANNOTATIONS_LIMIT} bytes an object's annotations may hold: write it as {to}, or make it smaller",
+                    signed.len()
+                )));
+            } else {
+                // Read as `to` (not stored so): answered without it rather than failing every
+                // list of `to`; marked, so that writing it back as `to` is refused above.
+                tracing::warn!(
+                    annotation = %name,
+                    bytes = signed.len(),
+                    "content too large to keep for the way back; writes of this object as {to} are refused"
+                );
+                set_annotation(&mut out, &format!("{name}{TOO_LARGE}"), signed.len().to_string());
+            }
         }
         Ok(out)
     }
@@ -470,15 +546,17 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    /// Only what the signature covers matters here: a spoke that drops `spec.extra`.
+    /// A hub without `spec.extra`, a spoke without `spec.zone`.
     fn conversion() -> Conversion {
         let identity: Step = Arc::new(Ok);
-        let drop_extra: Step = Arc::new(|mut v: Value| {
-            if let Some(spec) = v.get_mut("spec").and_then(Value::as_object_mut) {
-                spec.remove("extra");
-            }
-            Ok(v)
-        });
+        let dropping = |field: &'static str| -> Step {
+            Arc::new(move |mut v: Value| {
+                if let Some(spec) = v.get_mut("spec").and_then(Value::as_object_mut) {
+                    spec.remove(field);
+                }
+                Ok(v)
+            })
+        };
         Conversion {
             group: "example.com".into(),
             kind: "Thing".into(),
@@ -495,11 +573,12 @@ mod tests {
                 (
                     "example.com/v1".into(),
                     Version {
-                        up: drop_extra,
-                        down: identity,
+                        up: dropping("extra"),
+                        down: dropping("zone"),
                     },
                 ),
             ]),
+            storage: Default::default(),
         }
     }
 
@@ -548,5 +627,57 @@ mod tests {
             let back = c.convert_signed(&hand, "example.com/v1", &key).unwrap();
             assert_eq!(back["spec"], json!({"size": 1}), "{forged}: {back}");
         }
+    }
+
+    #[test]
+    fn content_too_large_to_keep_is_refused_when_stored_and_marked_when_read() {
+        let (c, key) = (conversion(), SigningKey::new(&[7; 32]));
+        let big = "x".repeat(ANNOTATIONS_LIMIT);
+        // Written as v1, stored as the hub: refused, naming the limit.
+        let err = c
+            .convert_signed(&v1("a", &big), "example.com/v2", &key)
+            .unwrap_err();
+        assert!(
+            err.0.contains(
+                "past the 262144 bytes an object's annotations may hold: write it as example.com/v2"
+            ),
+            "{err}"
+        );
+        // Stored as the hub, read as v1: answered without it, marked.
+        let two = json!({"apiVersion": "example.com/v2", "kind": "Thing",
+                         "metadata": {"name": "b", "namespace": "ns"},
+                         "spec": {"size": 1, "zone": big}});
+        let one = c.convert_signed(&two, "example.com/v1", &key).unwrap();
+        assert_eq!(one["spec"], json!({"size": 1}));
+        let marks = &one["metadata"]["annotations"];
+        assert!(marks.get("conversion.opkit.dev/v2").is_none(), "{marks}");
+        assert!(
+            marks["conversion.opkit.dev/v2-too-large"]
+                .as_str()
+                .is_some_and(|n| n.parse::<usize>().unwrap() > ANNOTATIONS_LIMIT)
+        );
+        // Written back as v1: refused rather than stored without the zone.
+        let err = c.convert_signed(&one, "example.com/v2", &key).unwrap_err();
+        assert!(
+            err.0
+                .contains("read as example.com/v1 without what only example.com/v2 can express"),
+            "{err}"
+        );
+        // Small again: kept, and no mark.
+        let small = json!({"apiVersion": "example.com/v2", "kind": "Thing",
+                           "metadata": {"name": "b", "namespace": "ns"},
+                           "spec": {"size": 1, "zone": "z"}});
+        let one = c.convert_signed(&small, "example.com/v1", &key).unwrap();
+        assert!(
+            one["metadata"]["annotations"]
+                .get("conversion.opkit.dev/v2-too-large")
+                .is_none()
+        );
+        assert_eq!(c.convert_signed(&one, "example.com/v2", &key).unwrap(), small);
+        // With the spoke as the storage version (read from the CRD), a write of the hub
+        // converts to it: refused, not stored without the zone.
+        c.set_storage("v1");
+        let err = c.convert_signed(&two, "example.com/v1", &key).unwrap_err();
+        assert!(err.0.contains("past the 262144 bytes"), "{err}");
     }
 }

@@ -349,21 +349,9 @@ pub async fn start(
     };
     let mut served = webhooks.clone().with_client(client.clone());
     if !webhooks.conversions.is_empty() {
-        let secrets: Api<Secret> = Api::namespaced(client.clone(), &opts.namespace);
-        let name = shared::key_secret_name(opts.project);
-        match patiently(
-            || shared::ensure_key(&secrets, &name),
-            "the conversion signing key",
-        )
-        .await
-        {
-            Ok(key) => served = served.with_conversion_key(crate::conversion::SigningKey::new(&key)),
-            Err(e) => tracing::warn!(
-                error = %e,
-                "cannot read or make the conversion signing key; signing with a key of this process, so content that conversions keep in annotations is dropped when another replica, or this one after a restart, converts it back"
-            ),
-        }
+        served = with_signing_key(served, client, opts, shutdown.clone()).await;
     }
+    read_storage_versions(client, webhooks).await;
     let server = serve(&served, opts.bind, certs, opts.http2, shutdown.clone()).await?;
     let configure = opts.configure;
     let mut source = source;
@@ -396,6 +384,7 @@ pub async fn start(
                 _ = shutdown.cancelled() => return,
                 _ = tokio::time::sleep(source.every()) => {}
             }
+            read_storage_versions(&client, &webhooks).await;
             let now = source.bundle().await;
             if now.is_some() && now != bundle && configure {
                 match apply(
@@ -419,6 +408,80 @@ pub async fn start(
         }
     });
     Ok(server)
+}
+
+/// Tells each conversion which version its CRD stores (a conversion to it is a write); kept
+/// as it was when the CRD cannot be read.
+async fn read_storage_versions(client: &Client, webhooks: &Webhooks) {
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    for c in &webhooks.conversions {
+        match crds.get_opt(&c.crd_name()).await {
+            Ok(Some(crd)) => {
+                if let Some(v) = crd.spec.versions.iter().find(|v| v.storage) {
+                    c.set_storage(&v.name);
+                }
+            }
+            Ok(None) => {}
+            Err(e) => tracing::debug!(crd = %c.crd_name(), error = %e, "reading the storage version"),
+        }
+    }
+}
+
+/// `webhooks` with the conversion signing key the replicas share, read (or made) from its
+/// Secret. A replica that cannot read it yet keeps trying, and until then fails conversions
+/// that need it, naming the cause: content signed with a key of its own would be dropped by
+/// every other replica. A local run (`--webhook-url`) whose Secret cannot be used at all (its
+/// namespace missing, no right to it) signs with a key of its own, as the only replica.
+async fn with_signing_key(
+    webhooks: Webhooks,
+    client: &Client,
+    opts: &WebhookOptions,
+    shutdown: CancellationToken,
+) -> Webhooks {
+    use crate::conversion::SigningKey;
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &opts.namespace);
+    let name = shared::key_secret_name(opts.project);
+    let first = patiently(
+        || shared::ensure_key(&secrets, &name),
+        "the conversion signing key",
+    )
+    .await;
+    let error = match first {
+        Ok(key) => return webhooks.with_conversion_key(SigningKey::new(&key)),
+        Err(e) => e,
+    };
+    if opts.url.is_some() {
+        tracing::warn!(error = %error, "cannot read or make the conversion signing key; this local run signs with a key of its own, so what its conversions keep is not restored after a restart");
+        return webhooks;
+    }
+    tracing::warn!(error = %error, "cannot read or make the conversion signing key; conversions that keep or restore content fail until it can");
+    let key = std::sync::Arc::new(std::sync::OnceLock::new());
+    let why = format!(
+        "the operator cannot read the conversion signing key (Secret {}/{name}) yet: {error}",
+        opts.namespace
+    );
+    let filled = key.clone();
+    tokio::spawn(async move {
+        let mut pause = std::time::Duration::from_secs(2);
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(pause) => {}
+            }
+            match shared::ensure_key(&secrets, &name).await {
+                Ok(k) => {
+                    let _ = filled.set(SigningKey::new(&k));
+                    tracing::info!(secret = %name, "read the conversion signing key");
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, ?pause, "reading the conversion signing key failed; retrying")
+                }
+            }
+            pause = (pause * 2).min(std::time::Duration::from_secs(30));
+        }
+    });
+    webhooks.with_conversion_key_later(key, why)
 }
 
 /// [`shared::ensure`], a transient failure retried with backoff for about 20 s.

@@ -304,8 +304,22 @@ pub struct Webhooks {
     pub(crate) scoped: HashMap<String, Vec<String>>,
     metrics: Option<crate::metrics::Metrics>,
     client: Option<Client>,
-    /// Signs what conversions keep in annotations; [`SigningKey::process`] when unset.
-    conversion_key: Option<SigningKey>,
+    /// Signs what conversions keep in annotations.
+    conversion_key: KeySource,
+}
+
+/// Where the conversions' [`SigningKey`] comes from.
+#[derive(Clone, Default)]
+enum KeySource {
+    /// This process's ([`SigningKey::process`]): tests, a lone local run.
+    #[default]
+    Process,
+    /// The replicas' shared key, once read; until then conversions that need it fail, naming
+    /// `why`, rather than keep content no other replica could restore.
+    Shared {
+        key: Arc<std::sync::OnceLock<SigningKey>>,
+        why: Arc<str>,
+    },
 }
 
 /// Where the apiserver sends ConversionReviews (one path for every kind, as Kubebuilder does).
@@ -468,7 +482,25 @@ impl Webhooks {
     /// Signs what the conversions keep in annotations with `key`, which every replica must
     /// share ([`start`] reads it from the Secret [`shared::ensure_key`] keeps).
     pub fn with_conversion_key(mut self, key: SigningKey) -> Self {
-        self.conversion_key = Some(key);
+        let shared = std::sync::OnceLock::new();
+        let _ = shared.set(key);
+        self.conversion_key = KeySource::Shared {
+            key: Arc::new(shared),
+            why: Arc::from(""),
+        };
+        self
+    }
+
+    /// Signs with the key `key` will hold; conversions fail, saying `why`, until it does.
+    pub(crate) fn with_conversion_key_later(
+        mut self,
+        key: Arc<std::sync::OnceLock<SigningKey>>,
+        why: String,
+    ) -> Self {
+        self.conversion_key = KeySource::Shared {
+            key,
+            why: Arc::from(why),
+        };
         self
     }
 
@@ -480,7 +512,9 @@ impl Webhooks {
         self.conversions.extend(other.conversions);
         self.scoped.extend(other.scoped);
         self.client = self.client.or(other.client);
-        self.conversion_key = self.conversion_key.or(other.conversion_key);
+        if matches!(self.conversion_key, KeySource::Process) {
+            self.conversion_key = other.conversion_key;
+        }
         self
     }
 
@@ -525,7 +559,7 @@ impl Webhooks {
         }
         if !self.conversions.is_empty() {
             let conversions = Arc::new(self.conversions.clone());
-            let key = self.conversion_key.clone().unwrap_or_else(SigningKey::process);
+            let key = self.conversion_key.clone();
             r = r.route(
                 CONVERT_PATH,
                 post(move |body: Bytes| convert(conversions.clone(), key.clone(), body))
@@ -623,7 +657,7 @@ impl Webhooks {
 
 /// Answers a `ConversionReview`: every object converted, or a failure naming the one that
 /// could not be (the apiserver then refuses the request with that message).
-async fn convert(conversions: Arc<Vec<Conversion>>, key: SigningKey, body: Bytes) -> Response {
+async fn convert(conversions: Arc<Vec<Conversion>>, key: KeySource, body: Bytes) -> Response {
     use kube::core::conversion::{ConversionRequest, ConversionResponse, ConversionReview};
     let review: ConversionReview = match serde_json::from_slice(&body) {
         Ok(r) => r,
@@ -635,7 +669,15 @@ async fn convert(conversions: Arc<Vec<Conversion>>, key: SigningKey, body: Bytes
     };
     let (objects, desired) = (req.objects.clone(), req.desired_api_version.clone());
     let resp = ConversionResponse::for_request(req);
-    let resp = match crate::conversion::convert_all(&conversions, &objects, &desired, &key) {
+    let key = match key {
+        KeySource::Process => Ok(SigningKey::process()),
+        KeySource::Shared { key, why } => key.get().cloned().ok_or(why),
+    };
+    let converted = match key {
+        Ok(key) => crate::conversion::convert_all(&conversions, &objects, &desired, &key),
+        Err(why) => Err(crate::conversion::ConversionError(why.to_string())),
+    };
+    let resp = match converted {
         Ok(converted) => resp.success(converted),
         Err(e) => {
             tracing::info!(error = %e, "conversion refused");
