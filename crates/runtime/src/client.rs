@@ -88,6 +88,74 @@ pub fn build(
         .build())
 }
 
+/// Connects directly when `NO_PROXY` (or `no_proxy`, read through `env`) names the apiserver:
+/// kube's kubeconfig loader takes `HTTPS_PROXY` but checks `NO_PROXY` against the proxy's own
+/// address, so a local cluster behind a developer's proxy settings would be reached through
+/// the proxy. Entries: `*`, a host or domain (`example.com` and `.example.com` both match
+/// its subdomains), an IP address, or an IP network (`10.0.0.0/8`); a `:port` is ignored.
+pub fn honour_no_proxy(config: &mut Config, env: impl Fn(&str) -> Option<String>) {
+    if config.proxy_url.is_none() {
+        return;
+    }
+    let Some(host) = config.cluster_url.host() else {
+        return;
+    };
+    let host = host
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_ascii_lowercase();
+    let list = env("NO_PROXY")
+        .filter(|v| !v.trim().is_empty())
+        .or_else(|| env("no_proxy"))
+        .unwrap_or_default();
+    if list.split(',').any(|entry| no_proxy_matches(entry.trim(), &host)) {
+        tracing::info!(host, "NO_PROXY names the apiserver: connecting directly");
+        config.proxy_url = None;
+    }
+}
+
+/// Whether one `NO_PROXY` entry covers `host` (lowercase, without brackets).
+fn no_proxy_matches(entry: &str, host: &str) -> bool {
+    use std::net::IpAddr;
+    let entry = entry.to_ascii_lowercase();
+    if entry.is_empty() {
+        return false;
+    }
+    if entry == "*" {
+        return true;
+    }
+    let ip: Option<IpAddr> = host.parse().ok();
+    if let Some((net, bits)) = entry.split_once('/') {
+        let (Some(ip), Ok(net), Ok(bits)) = (ip, net.parse::<IpAddr>(), bits.parse::<u32>()) else {
+            return false;
+        };
+        return match (ip, net) {
+            (IpAddr::V4(a), IpAddr::V4(n)) if bits <= 32 => {
+                let mask = if bits == 0 { 0 } else { u32::MAX << (32 - bits) };
+                u32::from(a) & mask == u32::from(n) & mask
+            }
+            (IpAddr::V6(a), IpAddr::V6(n)) if bits <= 128 => {
+                let mask = if bits == 0 { 0 } else { u128::MAX << (128 - bits) };
+                u128::from(a) & mask == u128::from(n) & mask
+            }
+            _ => false,
+        };
+    }
+    let bare = entry.trim_start_matches('[');
+    let bare = match bare.split_once(']') {
+        // `[::1]:6443`
+        Some((v6, _)) => v6.to_string(),
+        // `host:port`, not an IPv6 address
+        None if bare.matches(':').count() == 1 => bare.split(':').next().unwrap_or_default().to_string(),
+        None => bare.to_string(),
+    };
+    if let (Some(ip), Ok(e)) = (ip, bare.parse::<IpAddr>()) {
+        return ip == e;
+    }
+    let domain = bare.trim_start_matches('.');
+    !domain.is_empty() && (host == domain || host.ends_with(&format!(".{domain}")))
+}
+
 /// Makes [`Attempt`]s.
 #[derive(Clone)]
 pub struct AttemptLayer {
@@ -408,6 +476,9 @@ impl Service<http::Uri> for GatedConnector {
     fn call(&mut self, uri: http::Uri) -> Self::Future {
         let (connecting, gate) = (self.http.call(uri), self.gate.clone());
         Box::pin(async move {
+            // Refused here too, not only at the first byte: a proxy's handshake (SOCKS5) may
+            // report the failed write without its cause.
+            gate.check()?;
             let inner = connecting.await?;
             // TCP_USER_TIMEOUT is Linux's (where operators run); elsewhere the kernel's default.
             #[cfg(any(target_os = "linux", target_os = "android"))]
@@ -767,6 +838,28 @@ mod tests {
             total, second,
             "the refused request sent bytes: {total} vs one request's {second}"
         );
+    }
+
+    #[test]
+    fn no_proxy_names_the_apiserver_by_host_domain_address_or_network() {
+        let direct = |server: &str, no_proxy: &str| {
+            let mut config = Config::new(server.parse().unwrap());
+            config.proxy_url = Some("http://proxy.corp:3128".parse().unwrap());
+            honour_no_proxy(&mut config, |k| (k == "NO_PROXY").then(|| no_proxy.to_string()));
+            config.proxy_url.is_none()
+        };
+        assert!(direct("https://127.0.0.1:6443", "localhost,127.0.0.1"));
+        assert!(direct("https://127.0.0.1:6443", "10.0.0.0/8, 127.0.0.0/8"));
+        assert!(direct("https://api.cluster.local:6443", ".cluster.local"));
+        assert!(direct("https://api.cluster.local:6443", "cluster.local"));
+        assert!(direct("https://API.example.com", "api.example.com:443"));
+        assert!(direct("https://[::1]:6443", "[::1]"));
+        assert!(direct("https://[fd00::5]:6443", "fd00::/8"));
+        assert!(direct("https://anything", "*"));
+        assert!(!direct("https://127.0.0.1:6443", "localhost,10.0.0.0/8"));
+        assert!(!direct("https://notcluster.local:6443", "cluster.local"));
+        assert!(!direct("https://api.example.com", ""));
+        assert!(!direct("https://api.example.com", "proxy.corp"));
     }
 
     #[test]

@@ -264,7 +264,8 @@ impl<S> Operator<S> {
         raise_open_files();
         let opts = config.manager;
         let mut manager = match connect {
-            Connect::Config(kube_config) => {
+            Connect::Config(mut kube_config) => {
+                crate::client::honour_no_proxy(&mut kube_config, |k| std::env::var(k).ok());
                 let mut m = crate::Manager::from_config_with(
                     kube_config.clone(),
                     config.request_timeout,
