@@ -293,6 +293,8 @@ async fn wait_converged(
 struct Left<'a> {
     user: &'a str,
     at: k8s_openapi::jiff::Timestamp,
+    /// The objects it held when it left: only those go back.
+    objects: std::collections::BTreeSet<String>,
 }
 
 /// The writes that do an object's work (its status, its children), by replica, in the order
@@ -319,13 +321,14 @@ fn written_in_turns(audit: &[Audited], users: &[String], left: Option<&Left>) ->
         }
     }
     let mut bad = Vec::new();
-    let given_back = |writers: &[(&str, &str)], i: usize| {
+    let given_back = |object: &str, writers: &[(&str, &str)], i: usize| {
         left.is_some_and(|l| {
             let after = writers[i]
                 .1
                 .parse::<k8s_openapi::jiff::Timestamp>()
                 .is_ok_and(|t| t >= l.at);
             i >= 2
+                && l.objects.contains(object)
                 && writers[i - 1].0 == l.user
                 && writers[i - 2].0 == writers[i].0
                 && after
@@ -334,7 +337,7 @@ fn written_in_turns(audit: &[Audited], users: &[String], left: Option<&Left>) ->
     };
     for (object, writers) in by_object {
         for (i, (u, at)) in writers.iter().enumerate() {
-            if writers[..i].iter().any(|(v, _)| v == u) && !given_back(&writers, i) {
+            if writers[..i].iter().any(|(v, _)| v == u) && !given_back(&object, &writers, i) {
                 bad.push(format!("{object}: {u} wrote again at {at} after {writers:?}"));
                 break;
             }
@@ -524,6 +527,18 @@ async fn sharded_replicas_share_the_objects_through_kills_freezes_and_joins() ->
         },
     )
     .await?;
+    // What it holds: only these may go back to where they came from.
+    let mut d_objects = std::collections::BTreeSet::new();
+    for m in mcs.list(&Default::default()).await?.items {
+        if m.labels().get(&shard_label("memcached")) == Some(&d_member) {
+            d_objects.insert(m.name_any());
+        }
+    }
+    for a in ats.list(&Default::default()).await?.items {
+        if a.labels().get(&shard_label("at")) == Some(&d_member) {
+            d_objects.insert(a.name_any());
+        }
+    }
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), NS);
     let on_d = format!("{}={d_member}", shard_label("memcached"));
     deployments
@@ -603,6 +618,7 @@ async fn sharded_replicas_share_the_objects_through_kills_freezes_and_joins() ->
     let left = Left {
         user: &d_user,
         at: d_left,
+        objects: d_objects,
     };
     let turns = written_in_turns(&audit, &users, Some(&left));
     let writes = audit
@@ -707,6 +723,7 @@ fn the_audit_check_finds_an_object_written_by_a_replica_after_another() {
     let left = |at: &str| Left {
         user: &b_user,
         at: at.parse().unwrap(),
+        objects: ["mc-1".to_string()].into(),
     };
     assert!(written_in_turns(&twice, &users, Some(&left("2026-01-01T00:00:05.5Z"))).is_empty());
     assert_eq!(
@@ -725,6 +742,12 @@ fn the_audit_check_finds_an_object_written_by_a_replica_after_another() {
         written_in_turns(&again, &users, Some(&left("2026-01-01T00:00:05.5Z"))).len(),
         1
     );
+    // Not an object it held when it left (it wrote for another member's object).
+    let not_held = Left {
+        objects: Default::default(),
+        ..left("2026-01-01T00:00:05.5Z")
+    };
+    assert_eq!(written_in_turns(&twice, &users, Some(&not_held)).len(), 1);
     // Only to the member it came from.
     let mut elsewhere = handed_over.clone();
     elsewhere.push(w(
