@@ -270,10 +270,29 @@ fn is_write(verb: &str) -> bool {
     )
 }
 
+/// A time the apiserver was frozen (SIGSTOP), from pause to resume, by the wall clock.
+#[derive(Clone, Copy)]
+struct Freeze {
+    paused: k8s_openapi::jiff::Timestamp,
+    resumed: k8s_openapi::jiff::Timestamp,
+}
+
+/// How long after a resume the apiserver may still be reading what was sent before it froze.
+const READ_LATE: k8s_openapi::jiff::SignedDuration = k8s_openapi::jiff::SignedDuration::from_secs(3);
+
 /// Writes (other than to the Lease) by a replica received after another replica's successful
 /// Lease write and before its own next one: writes by a replica that was not the leader.
 /// RFC 3339 timestamps with the same precision and zone compare as strings.
-fn writes_while_not_leader(audit: &[Audited], replicas: &[&str]) -> Vec<String> {
+///
+/// Returned apart (second): writes of the replica that led when the apiserver froze, read
+/// within [`READ_LATE`] of its resume. Those were sent before the freeze, acknowledged by the
+/// apiserver's kernel, and read only when it ran again; no client can take them back (see
+/// docs/reliability.md), so they are reported, not failed.
+fn writes_while_not_leader(
+    audit: &[Audited],
+    replicas: &[&str],
+    freezes: &[Freeze],
+) -> (Vec<String>, Vec<String>) {
     let users: Vec<String> = replicas.iter().map(|r| user(r)).collect();
     let mut lease_writes: Vec<(&str, &str)> = audit
         .iter()
@@ -281,7 +300,7 @@ fn writes_while_not_leader(audit: &[Audited], replicas: &[&str]) -> Vec<String> 
         .map(|a| (a.done.as_str(), a.user.as_str()))
         .collect();
     lease_writes.sort();
-    let mut bad = Vec::new();
+    let (mut bad, mut late) = (Vec::new(), Vec::new());
     for a in audit {
         // Every replica keeps the shared webhook certificate and configurations current.
         let shared = matches!(
@@ -299,19 +318,30 @@ fn writes_while_not_leader(audit: &[Audited], replicas: &[&str]) -> Vec<String> 
         if !users.contains(&a.user) || !is_write(&a.verb) || shared || abandoned {
             continue;
         }
-        let leader = lease_writes
-            .iter()
-            .rev()
-            .find(|(t, _)| *t <= a.received.as_str())
-            .map(|(_, u)| *u);
+        let leader_at = |t: &str| lease_writes.iter().rev().find(|(w, _)| *w <= t).map(|(_, u)| *u);
+        let leader = leader_at(a.received.as_str());
         if leader != Some(a.user.as_str()) {
-            bad.push(format!(
+            let what = format!(
                 "{} {} {} {} at {} (last Lease write by {leader:?})",
                 a.user, a.verb, a.resource, a.name, a.received
-            ));
+            );
+            let received: Option<k8s_openapi::jiff::Timestamp> = a.received.parse().ok();
+            let read_late = received.is_some_and(|r| {
+                freezes.iter().any(|f| {
+                    let paused = f.paused.strftime("%Y-%m-%dT%H:%M:%S%.6fZ").to_string();
+                    r >= f.resumed
+                        && r <= f.resumed + READ_LATE
+                        && leader_at(&paused) == Some(a.user.as_str())
+                })
+            });
+            if read_late {
+                late.push(what);
+            } else {
+                bad.push(what);
+            }
         }
     }
-    bad
+    (bad, late)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -326,6 +356,7 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
     .await?;
     let client = cp.client().await?;
     log(start, &format!("control plane up at {}", cp.server()));
+    let mut freezes: Vec<Freeze> = Vec::new();
 
     common::install_crds_on(&cp)?;
     common::create_namespaces(&client, &[NS, OWN_NS]).await?;
@@ -527,10 +558,15 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
         // The apiserver frozen for longer than the renew deadline: connections stay open,
         // nothing is answered; the leader must stop writing and give up.
         tokio::time::sleep(Duration::from_secs(3)).await;
+        let paused = k8s_openapi::jiff::Timestamp::now();
         cp.pause("kube-apiserver")?;
         log(start, "kube-apiserver paused");
         tokio::time::sleep(Duration::from_secs(LEASE_SECONDS + 4)).await;
         cp.resume("kube-apiserver")?;
+        freezes.push(Freeze {
+            paused,
+            resumed: k8s_openapi::jiff::Timestamp::now(),
+        });
         log(start, "kube-apiserver resumed");
         wait_holder(&leases, "", Duration::from_secs(30)).await?;
 
@@ -892,7 +928,13 @@ async fn two_replicas_under_faults_lose_nothing_and_double_nothing() -> anyhow::
             t.duration_since(start).as_secs_f64()
         )
     }));
-    let bad = writes_while_not_leader(&audit, &names);
+    let (bad, late) = writes_while_not_leader(&audit, &names, &freezes);
+    log(
+        start,
+        &format!(
+            "writes sent before the apiserver froze and read within {READ_LATE:?} of its resume, after the Lease had passed (no client can take these back): {late:?}"
+        ),
+    );
     let abandoned: Vec<String> = audit
         .iter()
         .filter(|a| a.code == 504 && a.message.ends_with("context canceled") && is_write(&a.verb))
@@ -1023,7 +1065,11 @@ fn the_audit_check_finds_a_write_by_a_replica_that_lost_the_lease() {
             "2026-01-01T00:00:06.100000Z",
         ),
     ];
-    assert!(writes_while_not_leader(&audit, &["opkit-a", "opkit-b"]).is_empty());
+    assert!(
+        writes_while_not_leader(&audit, &["opkit-a", "opkit-b"], &[])
+            .0
+            .is_empty()
+    );
     // opkit-a wakes up after opkit-b took the Lease and writes: found.
     audit.push(e(
         "opkit-a",
@@ -1032,7 +1078,7 @@ fn the_audit_check_finds_a_write_by_a_replica_that_lost_the_lease() {
         "2026-01-01T00:00:07.000000Z",
         "2026-01-01T00:00:07.100000Z",
     ));
-    let bad = writes_while_not_leader(&audit, &["opkit-a", "opkit-b"]);
+    let (bad, _) = writes_while_not_leader(&audit, &["opkit-a", "opkit-b"], &[]);
     assert_eq!(bad.len(), 1, "{bad:?}");
     assert!(bad[0].contains("opkit-a patch memcacheds"), "{bad:?}");
     // A write sent before the Lease passed, read by the apiserver only after (it was frozen),
@@ -1049,11 +1095,21 @@ fn the_audit_check_finds_a_write_by_a_replica_that_lost_the_lease() {
     abandoned.message =
         "Timeout: request did not complete within requested timeout - context canceled".into();
     audit.push(abandoned.clone());
-    assert_eq!(writes_while_not_leader(&audit, &["opkit-a", "opkit-b"]).len(), 1);
+    assert_eq!(
+        writes_while_not_leader(&audit, &["opkit-a", "opkit-b"], &[])
+            .0
+            .len(),
+        1
+    );
     abandoned.message =
         "Timeout: request did not complete within requested timeout - context deadline exceeded".into();
     audit.push(abandoned);
-    assert_eq!(writes_while_not_leader(&audit, &["opkit-a", "opkit-b"]).len(), 2);
+    assert_eq!(
+        writes_while_not_leader(&audit, &["opkit-a", "opkit-b"], &[])
+            .0
+            .len(),
+        2
+    );
     audit.pop();
     // Reads and failed Lease writes do not count as leadership or as writes.
     audit.push(e(
@@ -1079,5 +1135,44 @@ fn the_audit_check_finds_a_write_by_a_replica_that_lost_the_lease() {
         "2026-01-01T00:00:10.000000Z",
         "2026-01-01T00:00:10.100000Z",
     ));
-    assert_eq!(writes_while_not_leader(&audit, &["opkit-a", "opkit-b"]).len(), 2);
+    assert_eq!(
+        writes_while_not_leader(&audit, &["opkit-a", "opkit-b"], &[])
+            .0
+            .len(),
+        2
+    );
+    // The apiserver frozen from 00:00:06.5 to 00:00:11 while opkit-b led, and opkit-a took
+    // the Lease right as it resumed: opkit-b's writes read within 3 s of the resume were sent
+    // before the freeze (reported apart); one read later is not excused, nor is one of
+    // opkit-a's (it did not lead when the apiserver froze).
+    let freeze = Freeze {
+        paused: "2026-01-01T00:00:06.5Z".parse().unwrap(),
+        resumed: "2026-01-01T00:00:11Z".parse().unwrap(),
+    };
+    let mut after = vec![e(
+        "opkit-a",
+        "update",
+        "leases",
+        "2026-01-01T00:00:11.000000Z",
+        "2026-01-01T00:00:11.010000Z",
+    )];
+    for (user, at) in [("opkit-b", "11.200000"), ("opkit-b", "14.500000")] {
+        after.push(e(
+            user,
+            "patch",
+            "erus",
+            &format!("2026-01-01T00:00:{at}Z"),
+            &format!("2026-01-01T00:00:{at}Z"),
+        ));
+    }
+    let base = writes_while_not_leader(&audit, &["opkit-a", "opkit-b"], &[freeze]);
+    audit.extend(after);
+    let (bad, late) = writes_while_not_leader(&audit, &["opkit-a", "opkit-b"], &[freeze]);
+    assert_eq!(late.len(), 1, "{late:?}");
+    assert!(
+        late[0].contains("opkit-b patch erus") && late[0].contains("11.2"),
+        "{late:?}"
+    );
+    assert_eq!(bad.len(), base.0.len() + 1, "{bad:?}");
+    assert!(bad.last().unwrap().contains("14.5"), "{bad:?}");
 }
