@@ -322,8 +322,8 @@ fn writes_while_not_leader(
         let leader = leader_at(a.received.as_str());
         if leader != Some(a.user.as_str()) {
             let what = format!(
-                "{} {} {} {} at {} (last Lease write by {leader:?})",
-                a.user, a.verb, a.resource, a.name, a.received
+                "{} {} {} {} at {} ({}; last Lease write by {leader:?})",
+                a.user, a.verb, a.resource, a.name, a.received, a.code
             );
             let received: Option<k8s_openapi::jiff::Timestamp> = a.received.parse().ok();
             let read_late = received.is_some_and(|r| {
