@@ -93,7 +93,7 @@ pub fn build(
 /// address, so a local cluster behind a developer's proxy settings would be reached through
 /// the proxy. Entries: `*`, a host or domain (`example.com` and `.example.com` both match
 /// its subdomains), an IP address, or an IP network (`10.0.0.0/8`); a `:port` is ignored.
-pub fn honour_no_proxy(config: &mut Config, env: impl Fn(&str) -> Option<String>) {
+pub(crate) fn honour_no_proxy(config: &mut Config, env: impl Fn(&str) -> Option<String>) {
     if config.proxy_url.is_none() {
         return;
     }

@@ -47,12 +47,12 @@ pub struct SigningKey(ring::hmac::Key);
 
 impl SigningKey {
     /// The key of `secret` (at least 32 bytes, as made by [`SigningKey::generate`]).
-    pub fn new(secret: &[u8]) -> Self {
+    pub(crate) fn new(secret: &[u8]) -> Self {
         SigningKey(ring::hmac::Key::new(ring::hmac::HMAC_SHA256, secret))
     }
 
     /// 32 random bytes, for a new key.
-    pub fn generate() -> Result<Vec<u8>, ConversionError> {
+    pub(crate) fn generate() -> Result<Vec<u8>, ConversionError> {
         use ring::rand::SecureRandom;
         let mut bytes = vec![0u8; 32];
         ring::rand::SystemRandom::new()
@@ -129,7 +129,7 @@ impl SigningKey {
 }
 
 /// What the apiserver allows of an object's annotations, keys and values together.
-pub const ANNOTATIONS_LIMIT: usize = 256 * 1024;
+const ANNOTATIONS_LIMIT: usize = 256 * 1024;
 
 /// Suffix of the annotation that marks content too large to keep (its size in bytes).
 const TOO_LARGE: &str = "-too-large";
@@ -291,7 +291,12 @@ impl Conversion {
 
     /// Converts `obj` to `to`: the typed path, then what `to` kept in an annotation restored
     /// (if signed with `key`), and what `to` cannot express of the source kept in one.
-    pub fn convert_signed(&self, obj: &Value, to: &str, key: &SigningKey) -> Result<Value, ConversionError> {
+    pub(crate) fn convert_signed(
+        &self,
+        obj: &Value,
+        to: &str,
+        key: &SigningKey,
+    ) -> Result<Value, ConversionError> {
         let from = api_version(obj);
         if from == to {
             return Ok(obj.clone());

@@ -447,7 +447,10 @@ async fn with_signing_key(
     )
     .await;
     let error = match first {
-        Ok(key) => return webhooks.with_conversion_key(SigningKey::new(&key)),
+        Ok(key) => {
+            let known = std::sync::OnceLock::from(SigningKey::new(&key));
+            return webhooks.with_conversion_key(std::sync::Arc::new(known), String::new());
+        }
         Err(e) => e,
     };
     if opts.url.is_some() {
@@ -481,7 +484,7 @@ async fn with_signing_key(
             pause = (pause * 2).min(std::time::Duration::from_secs(30));
         }
     });
-    webhooks.with_conversion_key_later(key, why)
+    webhooks.with_conversion_key(key, why)
 }
 
 /// [`shared::ensure`], a transient failure retried with backoff for about 20 s.

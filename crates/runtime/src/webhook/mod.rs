@@ -479,20 +479,10 @@ impl Webhooks {
         self
     }
 
-    /// Signs what the conversions keep in annotations with `key`, which every replica must
-    /// share ([`start`] reads it from the Secret [`shared::ensure_key`] keeps).
-    pub fn with_conversion_key(mut self, key: SigningKey) -> Self {
-        let shared = std::sync::OnceLock::new();
-        let _ = shared.set(key);
-        self.conversion_key = KeySource::Shared {
-            key: Arc::new(shared),
-            why: Arc::from(""),
-        };
-        self
-    }
-
-    /// Signs with the key `key` will hold; conversions fail, saying `why`, until it does.
-    pub(crate) fn with_conversion_key_later(
+    /// Signs what the conversions keep in annotations with the key `key` holds, which every
+    /// replica shares ([`start`] reads it from the Secret [`shared::ensure_key`] keeps);
+    /// conversions that need it fail, saying `why`, until it holds one.
+    pub(crate) fn with_conversion_key(
         mut self,
         key: Arc<std::sync::OnceLock<SigningKey>>,
         why: String,
