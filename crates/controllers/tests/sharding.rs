@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use anyhow::ensure;
+use anyhow::{anyhow, ensure};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::ConfigMap;
@@ -14,7 +14,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
 use opkit::leader::LeaderElectionConfig;
-use opkit::sharding::{drain_label, member_name, shard_label};
+use opkit::sharding::{MEMBER_LABEL, drain_label, member_name, shard_label};
 use opkit::{Invalid, ManagerOptions, Plan, Reconciler, Registration, Registry, Requeue, Watch, Watches};
 use opkit_api::memcached::Memcached;
 use opkit_controllers::{Settings, memcached, operator};
@@ -190,19 +190,29 @@ async fn settled_on(
     members: &[(&str, &Operator)],
     total: usize,
 ) -> anyhow::Result<BTreeMap<String, usize>> {
+    let named: Vec<(String, &Operator)> = members.iter().map(|(id, op)| (member_name(id), *op)).collect();
+    settled_as(mcs, deploys, &named, total).await
+}
+
+/// [`settled_on`] for replicas known by their member names (a slot's, with slots).
+async fn settled_as(
+    mcs: &Api<Memcached>,
+    deploys: &Api<Deployment>,
+    members: &[(String, &Operator)],
+    total: usize,
+) -> anyhow::Result<BTreeMap<String, usize>> {
     wait_for(
         "every Memcached placed, cached by its member and converged",
         T,
         || async {
             let (by, draining) = placement(mcs).await?;
-            let names: Vec<String> = members.iter().map(|(id, _)| member_name(id)).collect();
-            let placed: usize = names.iter().map(|n| by.get(n).copied().unwrap_or(0)).sum();
+            let placed: usize = members.iter().map(|(n, _)| by.get(n).copied().unwrap_or(0)).sum();
             ensure!(
                 placed == total && draining == 0,
                 "placed {by:?}, {draining} draining"
             );
-            for ((id, op), name) in members.iter().zip(&names) {
-                let want = by.get(name).copied().unwrap_or(0) as f64;
+            for (id, op) in members {
+                let want = by.get(id).copied().unwrap_or(0) as f64;
                 let (cached, children) = (op.sample(CACHED), op.sample(CACHED_CHILDREN));
                 ensure!(
                     cached == want && children == want,
@@ -315,6 +325,176 @@ async fn objects_are_spread_over_the_members_and_move_when_members_leave_and_joi
                 let (was, is) = (before[&member_name(id)], by[&member_name(id)]);
                 ensure!(is <= was, "{id} gained objects when d joined: {was} -> {is}");
             }
+            Ok(())
+        })
+        .await;
+}
+
+/// A member started with `--sharding-slots 3`.
+async fn slot_member(client: &Client, ns: &str, identity: &str) -> anyhow::Result<Operator> {
+    let names = [memcached::NAME];
+    let run = Run {
+        sharding_slots: 3,
+        ..sharded(&names, election(ns, identity))
+    };
+    common::start_op(&operator(), client, ns, run, &Settings::default(), |_| {}).await
+}
+
+/// The slot (its member name) the replica `identity` holds the Lease of, once it holds one.
+async fn slot_of(leases: &Api<Lease>, identity: &str) -> anyhow::Result<String> {
+    wait_for(&format!("{identity} to hold a slot"), T, || async {
+        let held = leases
+            .list(&Default::default())
+            .await?
+            .items
+            .into_iter()
+            .find(|l| {
+                l.spec.as_ref().and_then(|s| s.holder_identity.as_deref()) == Some(identity)
+                    && l.labels().contains_key(opkit::sharding::SLOT_LABEL)
+            });
+        held.and_then(|l| l.labels().get(MEMBER_LABEL).cloned())
+            .ok_or_else(|| anyhow!("{identity} holds no slot"))
+    })
+    .await
+}
+
+/// The shard label of every Memcached and Deployment, by kind and name.
+async fn shard_labels(
+    mcs: &Api<Memcached>,
+    deploys: &Api<Deployment>,
+) -> anyhow::Result<BTreeMap<String, String>> {
+    let shard = shard_label(memcached::NAME);
+    let mut out = BTreeMap::new();
+    for m in mcs.list(&Default::default()).await?.items {
+        out.insert(
+            format!("Memcached {}", m.name_any()),
+            m.labels().get(&shard).cloned().unwrap_or_default(),
+        );
+    }
+    for d in deploys.list(&Default::default()).await?.items {
+        out.insert(
+            format!("Deployment {}", d.name_any()),
+            d.labels().get(&shard).cloned().unwrap_or_default(),
+        );
+    }
+    Ok(out)
+}
+
+#[tokio::test]
+async fn a_rolling_restart_hands_each_slot_over_once_and_relabels_nothing() {
+    shared()
+        .in_namespace("slots", |client, ns| async move {
+            use futures::StreamExt;
+            let mcs: Api<Memcached> = Api::namespaced(client.clone(), &ns);
+            let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+            let leases: Api<Lease> = Api::namespaced(client.clone(), &ns);
+            let mut replicas = Vec::new();
+            for id in ["a_1", "b_1", "c_1"] {
+                let op = slot_member(&client, &ns, id).await?;
+                replicas.push((slot_of(&leases, id).await?, id, op));
+            }
+            let mut slots: Vec<&str> = replicas.iter().map(|(s, _, _)| s.as_str()).collect();
+            slots.sort();
+            ensure!(slots == ["slot-0", "slot-1", "slot-2"], "slots held: {slots:?}");
+            let n = 30;
+            for i in 0..n {
+                mcs.create(&PostParams::default(), &memcached(&format!("mc-{i}"), json!({}))?)
+                    .await?;
+            }
+            let pairs: Vec<(String, &Operator)> = replicas.iter().map(|(s, _, op)| (s.clone(), op)).collect();
+            let by = settled_as(&mcs, &deploys, &pairs, n).await?;
+            println!("placed on three slots: {by:?}");
+            for (m, count) in &by {
+                ensure!((2..=20).contains(count), "{m} has {count} of {n}");
+            }
+            drop(pairs);
+            let before = shard_labels(&mcs, &deploys).await?;
+
+            // Every change of a shard label from here on, as the watches deliver them.
+            let relabelled = Arc::new(Mutex::new(Vec::<String>::new()));
+            let shard = shard_label(memcached::NAME);
+            let watch_labels = {
+                let (relabelled, before, shard) = (relabelled.clone(), before.clone(), shard.clone());
+                let (mcs, deploys) = (mcs.clone(), deploys.clone());
+                async move {
+                    use kube::runtime::{WatchStreamExt, watcher};
+                    let m = watcher(mcs, Default::default()).applied_objects().map(|r| {
+                        r.map(|o| {
+                            (
+                                format!("Memcached {}", o.name_any()),
+                                o.labels().get(&shard).cloned(),
+                            )
+                        })
+                    });
+                    let shard2 = shard.clone();
+                    let d = watcher(deploys, Default::default())
+                        .applied_objects()
+                        .map(move |r| {
+                            r.map(|o| {
+                                (
+                                    format!("Deployment {}", o.name_any()),
+                                    o.labels().get(&shard2).cloned(),
+                                )
+                            })
+                        });
+                    let mut all = futures::stream::select(m.boxed(), d.boxed());
+                    while let Some(ev) = all.next().await {
+                        if let Ok((key, label)) = ev {
+                            let was = before.get(&key).cloned().unwrap_or_default();
+                            if label.unwrap_or_default() != was {
+                                relabelled.lock().unwrap().push(key);
+                            }
+                        }
+                    }
+                }
+            };
+            let watching = tokio::spawn(watch_labels);
+
+            // The rolling restart: each new replica starts (a spare: every slot is held), then
+            // an old one stops and the spare takes over its slot.
+            let mut adopted = 0.0;
+            let mut applied = 0.0;
+            let mut current: Vec<(String, &'static str, Operator)> = Vec::new();
+            let mut old = replicas;
+            for new in ["d_1", "e_1", "f_1"] {
+                let spare = slot_member(&client, &ns, new).await?;
+                let (slot, id, op) = old.remove(0);
+                op.stop().await;
+                let took = slot_of(&leases, new).await?;
+                ensure!(took == slot, "{new} took {took}, {id} left {slot}");
+                println!("{new} took {slot} over from {id}");
+                current.push((slot, new, spare));
+                let pairs: Vec<(String, &Operator)> = current
+                    .iter()
+                    .chain(old.iter())
+                    .map(|(s, _, op)| (s.clone(), op))
+                    .collect();
+                settled_as(&mcs, &deploys, &pairs, n).await?;
+            }
+            for (_, _, op) in &current {
+                common::settled(&op.metrics_of(memcached::NAME)).await?;
+                adopted += op.sample(ADOPT);
+                applied += op.sample(APPLY);
+            }
+            let after = shard_labels(&mcs, &deploys).await?;
+            watching.abort();
+            let relabelled = relabelled.lock().unwrap().clone();
+            println!(
+                "after the rolling restart: {adopted} adopting writes, {applied} applies, {} label changes",
+                relabelled.len()
+            );
+            ensure!(
+                after == before,
+                "shard labels changed: before {before:?}, after {after:?}"
+            );
+            ensure!(
+                relabelled.is_empty(),
+                "relabelled during the restart: {relabelled:?}"
+            );
+            ensure!(
+                adopted == 0.0,
+                "{adopted} adopting writes: children were relabelled"
+            );
             Ok(())
         })
         .await;

@@ -10,7 +10,7 @@
 //! - **The namespace** is the release's; Helm does not label it, so `pod-security.kubernetes.io/
 //!   enforce: restricted` (which `config/` sets) is the user's to add.
 //! - **Sharding** (`sharding.enable`) is `config/sharding` with `manager.replicas` replicas:
-//!   `--sharding` and the member-Lease Role. Without leader election the render fails, as
+//!   `--sharding`, `--sharding-slots=<manager.replicas>` and the member-Lease Role. Without leader election the render fails, as
 //!   `opkit run` would.
 use anyhow::{Context, bail, ensure};
 use kube::ResourceExt;
@@ -280,8 +280,9 @@ manager:
   affinity: {{}}
 
 sharding:
-  # Spread the objects over all manager.replicas (`opkit run --sharding`): each of N replicas
-  # watches, caches and reconciles about 1/N of them, placed by the leader, so it needs
+  # Spread the objects over all manager.replicas (`opkit run --sharding`, with as many
+  # slots, so a rolling restart hands each replica's objects to its successor once): each of
+  # N replicas watches, caches and reconciles about 1/N of them, placed by the leader, so it needs
   # manager.leaderElection. Grants the manager every Lease of the release's namespace: the
   # replicas' member Leases are found by a label, and RBAC cannot select by label.
   enable: false
@@ -379,7 +380,8 @@ fn deployment<S>(op: &Operator<S>) -> anyhow::Result<String> {
     y = replace_line(&y, "- --leader-elect", |i| {
         format!(
             "{i}{{{{- if .Values.manager.leaderElection }}}}\n{i}- --leader-elect\n\
-             {i}{{{{- if .Values.sharding.enable }}}}\n{i}- --sharding\n{i}{{{{- end }}}}\n\
+             {i}{{{{- if .Values.sharding.enable }}}}\n{i}- --sharding\n\
+             {i}- --sharding-slots={{{{ .Values.manager.replicas }}}}\n{i}{{{{- end }}}}\n\
              {i}{{{{- else if .Values.sharding.enable }}}}\n\
              {i}{{{{- fail \"sharding.enable needs manager.leaderElection: the leader places the objects on the replicas\" }}}}\n\
              {i}{{{{- end }}}}"

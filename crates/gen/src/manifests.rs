@@ -566,10 +566,11 @@ pub fn shard_label_policy<S>(op: &Operator<S>) -> (serde_json::Value, serde_json
 /// The replicas `config/sharding` runs; a user's overlay of it sets its own count.
 pub const SHARDED_REPLICAS: i32 = 3;
 
-/// The JSON patch (RFC 6902) of `config/sharding`: `--sharding` right after `--leader-elect`
-/// in the manager's arguments, after a `test` that `--leader-elect` is where the generated
-/// Deployment has it, so an overlay that moved it fails the build instead of misplacing the
-/// flag.
+/// The JSON patch (RFC 6902) of `config/sharding`: `--sharding` and
+/// `--sharding-slots=<replicas>` (so a rolling restart hands each replica's objects over once)
+/// right after `--leader-elect` in the manager's arguments, after a `test` that
+/// `--leader-elect` is where the generated Deployment has it, so an overlay that moved it fails
+/// the build instead of misplacing the flags.
 pub fn sharding_patch(deployment: &Deployment) -> anyhow::Result<serde_json::Value> {
     let containers = deployment
         .spec
@@ -592,6 +593,7 @@ pub fn sharding_patch(deployment: &Deployment) -> anyhow::Result<serde_json::Val
     Ok(json!([
         {"op": "test", "path": path(at), "value": "--leader-elect"},
         {"op": "add", "path": path(at + 1), "value": "--sharding"},
+        {"op": "add", "path": path(at + 2), "value": format!("--sharding-slots={SHARDED_REPLICAS}")},
     ]))
 }
 
@@ -902,7 +904,7 @@ pub fn all<S>(op: &Operator<S>, namespaces: &[String]) -> anyhow::Result<Vec<(St
 }
 
 /// `config/sharding`: `config/default` with [`SHARDED_REPLICAS`] replicas running
-/// `--sharding`, and [`sharding_role`].
+/// `--sharding` with as many slots, and [`sharding_role`].
 fn sharding_files<S>(op: &Operator<S>, namespaces: &[String]) -> anyhow::Result<Vec<(String, String)>> {
     let (role, binding) = sharding_role(op);
     let (cluster_role, cluster_binding) = sharding_cluster_role(op);
@@ -955,7 +957,8 @@ const SHARDING_NOTE: &str = "\
 # config/default with its objects spread over the replicas (`opkit run --leader-elect
 # --sharding`, docs/scaling.md): each replica watches, caches and reconciles about 1/N of
 # them. `kubectl apply --server-side -k config/sharding`; for another N, an overlay with
-# `resources: [<path to>/config/sharding]` and its own `replicas:` entry. The Role grants
+# `resources: [<path to>/config/sharding]`, its own `replicas:` entry and `--sharding-slots`
+# set to the same N (a replica beyond the slots waits as a spare). The Role grants
 # every Lease of the namespace: member Leases are found by label, which RBAC cannot select.
 # The ClusterRole grants patch on the served and created kinds: the shard labels, adoption.
 # The ValidatingAdmissionPolicy refuses changes to those labels by anyone else (Kubernetes

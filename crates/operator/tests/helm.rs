@@ -280,6 +280,12 @@ fn sharding_is_off_by_default_and_on_with_sharding_enable() {
         Some("--sharding"),
         "{args:?}"
     );
+    // As many slots as replicas: a rolling restart hands each replica's objects over once.
+    assert_eq!(
+        args.get(at + 2).map(String::as_str),
+        Some("--sharding-slots=1"),
+        "{args:?}"
+    );
     assert_eq!(leases, ["create", "delete", "get", "list", "update", "watch"]);
     // The replicas stay manager.replicas.
     assert_eq!(

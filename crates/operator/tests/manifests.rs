@@ -149,8 +149,9 @@ fn manager_and_unnamed_leases(objs: &[Value]) -> (Value, Vec<String>, Vec<String
     (manager["spec"]["replicas"].clone(), args, verbs)
 }
 
-/// `config/sharding` is `config/default` run as three replicas with `--sharding`, allowed the
-/// member Leases; `config/default` stays one replica, the leader Lease by name only.
+/// `config/sharding` is `config/default` run as three replicas with `--sharding` (three
+/// slots), allowed the member Leases; `config/default` stays one replica, the leader Lease by
+/// name only.
 #[test]
 fn config_sharding_runs_three_sharded_replicas_and_config_default_one() {
     let (replicas, args, leases) = manager_and_unnamed_leases(&kustomized("default"));
@@ -170,6 +171,11 @@ fn config_sharding_runs_three_sharded_replicas_and_config_default_one() {
         "{args:?}"
     );
     assert_eq!(args.iter().filter(|a| *a == "--sharding").count(), 1, "{args:?}");
+    assert_eq!(
+        args.get(at + 2).map(String::as_str),
+        Some("--sharding-slots=3"),
+        "{args:?}"
+    );
     assert_eq!(leases, ["create", "delete", "get", "list", "update", "watch"]);
 
     // The shard labels and adoption: patch on the served kinds and created children that the

@@ -203,6 +203,12 @@ struct RunArgs<A: Args> {
     /// the leader places on it. Needs --leader-elect.
     #[arg(long)]
     sharding: bool,
+    /// With --sharding: the replicas claim this many slots (set it to the replica count), so a
+    /// rolling restart hands each slot's objects to the new replica once, unlabelled, instead
+    /// of moving them between members; a replica that finds every slot held stands by as a
+    /// spare. 0: each replica is a member of its own.
+    #[arg(long, default_value_t = 0, requires = "sharding")]
+    sharding_slots: u16,
     /// Where to serve the admission webhooks (HTTPS); "0" disables them.
     #[arg(long, default_value = "0")]
     webhook_bind_address: String,
@@ -305,6 +311,7 @@ async fn run_operator<S, A: Args>(
     config.tune = args.tune.clone();
     config.request_timeout = Duration::from_secs(args.request_timeout);
     config.sharding = args.sharding;
+    config.sharding_slots = args.sharding_slots;
     config.manager = ManagerOptions {
         metrics_addr: addr(&args.metrics_bind_address, "metrics-bind-address")?,
         health_addr: addr(&args.health_probe_bind_address, "health-probe-bind-address")?,

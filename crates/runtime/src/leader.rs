@@ -597,6 +597,62 @@ impl LeaderElector {
     }
 }
 
+/// Waits until this replica holds one of the Leases `candidates` (any one: they are
+/// interchangeable, as sharding slots are) and returns which, with its renewal deadline; `None`
+/// if `cancel` fired first. Every Lease is sought at once, each with a gate of its own; one
+/// won as another was, is released again, so that a replica never holds two. The caller
+/// renews the one won with an elector on its own gate, which it opens until the deadline.
+pub(crate) async fn acquire_one(
+    client: &Client,
+    candidates: &[LeaderElectionConfig],
+    cancel: &CancellationToken,
+) -> Result<Option<(usize, Instant)>, LeaderError> {
+    let stop = cancel.child_token();
+    let electors: Vec<LeaderElector> = candidates
+        .iter()
+        .map(|cfg| LeaderElector::new(client.clone(), cfg.clone(), WriteGate::new()))
+        .collect();
+    let mut attempts: futures::stream::FuturesUnordered<_> = electors
+        .iter()
+        .enumerate()
+        .map(|(i, e)| {
+            let stop = stop.clone();
+            async move { (i, e.acquire(&stop).await) }
+        })
+        .collect();
+    let mut won = None;
+    let mut failed = None;
+    while let Some((i, r)) = attempts.next().await {
+        match r {
+            Ok(Some(deadline)) if won.is_none() => {
+                won = Some((i, deadline));
+                // The others stop at their next wait; one whose write was under way finishes
+                // it first, and is released below if it won too.
+                stop.cancel();
+            }
+            Ok(Some(_)) => {
+                if let Err(e) = electors[i].release().await {
+                    tracing::warn!(error = %e, "releasing a second Lease failed; it runs out unrenewed");
+                }
+            }
+            Ok(None) => {}
+            Err(e) => {
+                failed.get_or_insert(e);
+                stop.cancel();
+            }
+        }
+    }
+    match (won, failed) {
+        (Some(w), None) => Ok(Some(w)),
+        (Some((i, _)), Some(e)) => {
+            let _ = electors[i].release().await;
+            Err(e)
+        }
+        (None, Some(e)) => Err(e),
+        (None, None) => Ok(None),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -123,7 +123,10 @@ pub struct Manager {
 /// This replica as a member of its sharding group.
 struct Sharding {
     cfg: crate::sharding::ShardingConfig,
-    member: String,
+    /// This replica's member name: known from the start without slots, else once a slot is
+    /// claimed (in `claimed`).
+    member: Option<String>,
+    claimed: tokio::sync::watch::Sender<Option<String>>,
     /// Open while the member Lease is certainly held; sharded controllers write through it.
     gate: WriteGate,
     leading: tokio::sync::watch::Sender<bool>,
@@ -144,6 +147,10 @@ fn spawn_until(task: impl std::future::Future<Output = ()> + Send + 'static, shu
         }
     });
 }
+
+/// Holds the member Lease (claims a slot first, with slots) until shutdown; ends with the
+/// elector, if a Lease was had, to release it.
+type MemberTask = tokio::task::JoinHandle<(Option<LeaderElector>, Result<(), LeaderError>)>;
 
 /// Starts the sharder of one controller with the leader's client.
 type Sharder = Box<dyn Fn(Client) -> BoxFuture<'static, ()> + Send + Sync>;
@@ -209,6 +216,7 @@ impl Manager {
         };
         self.sharding = Some(Sharding {
             member: cfg.member(),
+            claimed: tokio::sync::watch::channel(cfg.member()).0,
             cfg,
             gate,
             leading: tokio::sync::watch::channel(false).0,
@@ -383,7 +391,7 @@ impl Manager {
                 shared: self.shared.clone(),
                 shard: Some(crate::runtime::context::Shard {
                     label: crate::sharding::shard_label(name),
-                    member: s.member.clone(),
+                    member: s.member.clone().unwrap_or_default(),
                     drain: crate::sharding::drain_label(name),
                     adopt: crate::sharding::adopt_annotation(name),
                     released: Default::default(),
@@ -399,7 +407,12 @@ impl Manager {
                 shard: None,
             },
         };
-        let ctx = ControllerContext::new(name, self.metrics.for_controller(name), tuning, common);
+        // A spare (sharding slots, none claimed yet) builds the controller once it claims one:
+        // its watches select that slot's objects.
+        let spare = sharded
+            .filter(|s| s.member.is_none())
+            .map(|s| s.claimed.subscribe());
+        let controller_metrics = self.metrics.for_controller(name);
         let namespaces = match self.scope.list() {
             None => vec![None],
             Some(list) => list.iter().cloned().map(Some).collect(),
@@ -433,7 +446,36 @@ impl Manager {
             }));
         }
         let synced = Synced::new(ready.clone());
-        let run = runtime::run(reconciler, ctx, namespaces, synced.clone());
+        let run = match spare {
+            None => {
+                let ctx = ControllerContext::new(name, controller_metrics, tuning, common);
+                runtime::run(reconciler, ctx, namespaces, synced.clone())
+            }
+            Some(mut claimed) => {
+                let (synced, shared, shutdown) = (synced.clone(), self.shared.clone(), self.shutdown.clone());
+                let mut common = common;
+                async move {
+                    let Ok(member) = claimed
+                        .wait_for(Option::is_some)
+                        .await
+                        .map(|m| m.clone().unwrap_or_default())
+                    else {
+                        return;
+                    };
+                    if let Some(shard) = common.shard.as_mut() {
+                        shard.member = member;
+                    }
+                    let ctx = ControllerContext::new(name, controller_metrics, tuning, common);
+                    let run = runtime::run(reconciler, ctx, namespaces, synced);
+                    // Its watches are new reflectors: they run from now on.
+                    for driver in shared.take_drivers() {
+                        spawn_until(driver, &shutdown);
+                    }
+                    run.await
+                }
+                .boxed()
+            }
+        };
         self.controllers.push(Registered {
             name,
             group: self.group,
@@ -518,25 +560,53 @@ impl Manager {
                 let view = crate::sharding::admit::watch(leases, s.cfg.group.clone(), s.view.clone());
                 spawn_until(view, &shutdown);
             }
-            let e = LeaderElector::new(
-                election_client.clone().unwrap_or(client.clone()),
-                s.cfg.lease.clone(),
-                s.gate.clone(),
-            );
-            // A member never stands by after a loss: the sharder fenced it by clearing its
-            // Lease, which a standby would take back at once and write from caches that
-            // still hold the objects moved away. The process exits, and comes back as a new
-            // member.
-            let task = tokio::spawn(elect(
-                e.clone(),
-                "shard member",
-                false,
-                shutdown.clone(),
-                s.leading.clone(),
-                Some((metrics.clone(), s.cfg.lease.name.clone())),
-                Vec::new(),
-            ));
-            (e, task, s.leading)
+            let client = election_client.clone().unwrap_or(client.clone());
+            let (shutdown, metrics, leading) = (shutdown.clone(), metrics.clone(), s.leading.clone());
+            let task = tokio::spawn(async move {
+                let (cfg, claimed) = if s.cfg.slots == 0 {
+                    (s.cfg.lease.clone(), None)
+                } else {
+                    // A spare until one of the slots is free: its webhooks, probes and metrics
+                    // served, its sharded controllers not yet built.
+                    let slots: Vec<_> = (0..s.cfg.slots).map(|i| s.cfg.slot_lease(i)).collect();
+                    tracing::info!(slots = slots.len(), "waiting to claim a sharding slot");
+                    match crate::leader::acquire_one(&client, &slots, &shutdown).await {
+                        Ok(Some((i, deadline))) => (slots[i].clone(), Some(deadline)),
+                        Ok(None) => return (None, Ok(())),
+                        Err(e) => {
+                            shutdown.cancel();
+                            return (None, Err(e));
+                        }
+                    }
+                };
+                let e = LeaderElector::new(client, cfg.clone(), s.gate.clone());
+                if let Some(deadline) = claimed {
+                    s.gate.open_until(deadline);
+                    let member = cfg.labels.get(crate::sharding::MEMBER_LABEL).cloned();
+                    tracing::info!(
+                        member = member.as_deref().unwrap_or_default(),
+                        "claimed a sharding slot"
+                    );
+                    s.claimed.send_replace(member);
+                }
+                // A member never stands by after a loss: the sharder fenced it by clearing
+                // its Lease, which a standby would take back at once and write from caches
+                // that still hold the objects moved away. The process exits, and comes back
+                // as a new member (or claims a slot again).
+                let r = elect(
+                    e.clone(),
+                    "shard member",
+                    claimed,
+                    false,
+                    shutdown,
+                    leading,
+                    Some((metrics, cfg.name.clone())),
+                    Vec::new(),
+                )
+                .await;
+                (Some(e), r)
+            });
+            (task, s.leading)
         });
         if !sharders.is_empty() {
             tokio::spawn(run_sharders(
@@ -588,6 +658,7 @@ impl Manager {
             let task = tokio::spawn(elect(
                 e.clone(),
                 "leader",
+                None,
                 opts.stand_by_on_loss,
                 shutdown.clone(),
                 leading.clone(),
@@ -610,7 +681,7 @@ impl Manager {
                 aborts.iter().for_each(|a| a.abort());
                 while running.next().await.is_some() {}
                 let member_result = match member {
-                    Some((m, task, _)) => release_member(m, task).await,
+                    Some((task, _)) => release_member(task).await,
                     None => Ok(()),
                 };
                 stop(signals, http);
@@ -640,10 +711,7 @@ impl Manager {
             tokio::pin!(drain);
             // A standby (never led, or lost the Lease) has nothing to finish: its reconciles
             // wait to lead, and may not write. A leader's drain is bounded by the timeout.
-            let (leads, member_leads) = (
-                leading.subscribe(),
-                member.as_ref().map(|(_, _, l)| l.subscribe()),
-            );
+            let (leads, member_leads) = (leading.subscribe(), member.as_ref().map(|(_, l)| l.subscribe()));
             let leads = || *leads.borrow() || member_leads.as_ref().is_some_and(|m| *m.borrow());
             tokio::select! {
                 _ = &mut drain => {},
@@ -671,8 +739,8 @@ impl Manager {
                 Err(err) => tracing::warn!(error = %err, "releasing the leader Lease failed"),
             }
         }
-        if let Some((m, task, _)) = member {
-            result = result.and(release_member(m, task).await);
+        if let Some((task, _)) = member {
+            result = result.and(release_member(task).await);
         }
         stop(signals, http);
         tracing::info!("manager stopped");
@@ -685,10 +753,13 @@ impl Manager {
 /// it then stands by for the Lease again in the same process: its write gate is already
 /// closed, its caches stay warm, and what it serves without leading (webhooks, probes,
 /// metrics) never stops. Without, the error stops the manager (see
-/// [`ManagerOptions::stand_by_on_loss`] for the trade-off).
+/// [`ManagerOptions::stand_by_on_loss`] for the trade-off). `held`: the deadline of a Lease
+/// already acquired, which the first term renews.
+#[allow(clippy::too_many_arguments)]
 async fn elect(
     e: LeaderElector,
     role: &'static str,
+    mut held: Option<std::time::Instant>,
     stand_by: bool,
     shutdown: CancellationToken,
     leading: tokio::sync::watch::Sender<bool>,
@@ -704,9 +775,15 @@ async fn elect(
     // that no longer seeks the Lease must not look like a healthy standby.
     let _stop = shutdown.clone().drop_guard();
     loop {
-        tracing::info!(identity = e.identity(), "waiting to become the {role}");
-        let Some(deadline) = e.acquire(&shutdown).await? else {
-            return Ok(());
+        let deadline = match held.take() {
+            Some(deadline) => deadline,
+            None => {
+                tracing::info!(identity = e.identity(), "waiting to become the {role}");
+                let Some(deadline) = e.acquire(&shutdown).await? else {
+                    return Ok(());
+                };
+                deadline
+            }
         };
         if shutdown.is_cancelled() {
             // Won as the stop came: nothing starts; `run` releases the Lease.
@@ -764,12 +841,13 @@ async fn run_sharders(
 
 /// Waits for the member election to end (at shutdown) and gives the member Lease up, so the
 /// sharder moves this replica's objects at once instead of after the Lease runs out.
-async fn release_member(
-    e: LeaderElector,
-    task: tokio::task::JoinHandle<Result<(), LeaderError>>,
-) -> Result<(), ManagerError> {
-    let r = election_result(task.await);
-    if r.is_ok() {
+async fn release_member(task: MemberTask) -> Result<(), ManagerError> {
+    let (e, r) = match task.await {
+        Ok((e, r)) => (e, Ok(r)),
+        Err(j) => (None, Err(j)),
+    };
+    let r = election_result(r);
+    if let (Ok(()), Some(e)) = (&r, e) {
         match e.release().await {
             Ok(()) => tracing::info!("released the shard member Lease"),
             Err(err) => tracing::warn!(error = %err, "releasing the shard member Lease failed"),

@@ -80,6 +80,10 @@ pub struct RunConfig {
     pub manager: crate::ManagerOptions,
     /// Spread the objects over the replicas (needs leader election).
     pub sharding: bool,
+    /// With `sharding`: that many slots for the replicas to claim, so that a rolling restart
+    /// hands each slot's objects over once instead of moving them between members (see
+    /// [`crate::sharding`]); 0: each replica is a member of its own.
+    pub sharding_slots: u16,
     /// Serve the admission and conversion webhooks; `None` serves none.
     pub webhooks: Option<WebhookServing>,
     /// How long to wait for the operator's CRDs to be Established before giving up.
@@ -100,6 +104,7 @@ impl Default for RunConfig {
             request_timeout: crate::client::DEFAULT_REQUEST_TIMEOUT,
             manager: crate::ManagerOptions::default(),
             sharding: false,
+            sharding_slots: 0,
             webhooks: None,
             crd_wait: Duration::from_secs(60),
             shutdown: CancellationToken::new(),
@@ -296,8 +301,13 @@ impl<S> Operator<S> {
                     "--sharding needs --leader-elect: the leader places the objects on the members".into(),
                 )
             })?;
-            let cfg = crate::sharding::ShardingConfig::new(le);
-            tracing::info!(member = cfg.member(), group = cfg.group, "sharding on");
+            let cfg = crate::sharding::ShardingConfig::new(le).with_slots(config.sharding_slots);
+            tracing::info!(
+                member = cfg.member(),
+                slots = cfg.slots,
+                group = cfg.group,
+                "sharding on"
+            );
             manager = manager.with_sharding(cfg).map_err(RunError::Client)?;
         }
         for r in &selected {

@@ -115,6 +115,8 @@ pub struct Run<'a> {
     pub tune: &'a [&'a str],
     /// `opkit run --sharding` (with `opts.leader_election`).
     pub sharding: bool,
+    /// `opkit run --sharding-slots`.
+    pub sharding_slots: u16,
 }
 
 impl<'a> Run<'a> {
@@ -124,6 +126,7 @@ impl<'a> Run<'a> {
             opts: ManagerOptions::default(),
             tune: &[],
             sharding: false,
+            sharding_slots: 0,
         }
     }
 }
@@ -151,6 +154,7 @@ pub async fn start_op<S>(
     config.scope = Scope::namespaces(vec![ns.to_string()]);
     config.tune = run.tune.iter().map(|t| t.to_string()).collect();
     config.sharding = run.sharding;
+    config.sharding_slots = run.sharding_slots;
     config.manager = ManagerOptions {
         handle_signals: false,
         ..run.opts

@@ -68,8 +68,8 @@ pub(crate) async fn watch(leases: Api<Lease>, group: String, view: View) {
         let now = std::time::Instant::now();
         match ev {
             Ok(watcher::Event::Apply(l)) => {
-                if let (Some(m), Some(spec)) = (member_of(&l), l.spec) {
-                    members.observe(&m, spec, now);
+                if let (Some(m), Some(spec)) = (member_of(&l), l.spec.clone()) {
+                    members.observe(&m, spec, super::rejoin(&l), now);
                 }
             }
             Ok(watcher::Event::Delete(l)) => {
@@ -82,8 +82,8 @@ pub(crate) async fn watch(leases: Api<Lease>, group: String, view: View) {
             // A relist replaces what was known once it is complete.
             Ok(watcher::Event::Init) => listing = Members::default(),
             Ok(watcher::Event::InitApply(l)) => {
-                if let (Some(m), Some(spec)) = (member_of(&l), l.spec) {
-                    listing.observe(&m, spec, now);
+                if let (Some(m), Some(spec)) = (member_of(&l), l.spec.clone()) {
+                    listing.observe(&m, spec, super::rejoin(&l), now);
                 }
                 continue;
             }

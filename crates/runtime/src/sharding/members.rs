@@ -42,8 +42,9 @@ fn names_holder(spec: &LeaseSpec) -> bool {
 impl Members {
     /// Records the Lease of `member` as seen at `now` (a watch event or a list).
     /// A record that stops naming a holder keeps the member held for that record's duration
-    /// from `now`: 1 s after a release, a full duration after a hand edit.
-    pub fn observe(&mut self, member: &str, spec: LeaseSpec, now: Instant) {
+    /// from `now` (1 s after a release, a full duration after a hand edit), or for `rejoin`
+    /// if longer (a slot: [`super::SLOT_REJOIN`]).
+    pub fn observe(&mut self, member: &str, spec: LeaseSpec, rejoin: Duration, now: Instant) {
         let held = names_holder(&spec);
         match self.seen.get_mut(member) {
             Some(s) if s.spec == spec && !s.deleted => {}
@@ -52,20 +53,25 @@ impl Members {
                     s.renewed = now;
                     s.grace = None;
                 } else if names_holder(&s.spec) && !s.deleted {
-                    s.grace = Some(now + duration(&spec));
+                    s.grace = Some(now + duration(&spec).max(rejoin));
                 }
                 s.deleted = false;
                 s.spec = spec;
                 s.changed = now;
             }
             None => {
+                // A slot first seen released (by a sharder that has just started) may have
+                // been released a moment ago, its spare about to claim it: it waits as if the
+                // release had been seen now.
+                let grace =
+                    (!names_holder(&spec) && !rejoin.is_zero()).then(|| now + duration(&spec).max(rejoin));
                 self.seen.insert(
                     member.to_string(),
                     Seen {
                         spec,
                         changed: now,
                         renewed: now,
-                        grace: None,
+                        grace,
                         deleted: false,
                     },
                 );
@@ -222,24 +228,24 @@ mod tests {
         let t0 = Instant::now();
         let at = |s| t0 + Duration::from_secs(s);
         let mut m = Members::default();
-        m.observe("a", spec("a_1", 100), at(0));
-        m.observe("b", spec("b_1", 100), at(0));
+        m.observe("a", spec("a_1", 100), Duration::ZERO, at(0));
+        m.observe("b", spec("b_1", 100), Duration::ZERO, at(0));
         assert_eq!(m.live(at(5)), ["a", "b"]);
         // "a" renews; "b" does not.
-        m.observe("a", spec("a_1", 108), at(8));
+        m.observe("a", spec("a_1", 108), Duration::ZERO, at(8));
         // The same record seen again is no renewal.
-        m.observe("b", spec("b_1", 100), at(8));
+        m.observe("b", spec("b_1", 100), Duration::ZERO, at(8));
         assert_eq!(m.next_expiry(at(9)), Some(at(10)));
         assert_eq!(m.live(at(10)), ["a"]);
         assert!(!m.is_live("b", at(10)));
         assert_eq!(m.next_expiry(at(10)), Some(at(18)));
         // A renewTime far behind any wall clock does not matter, only seen changes.
-        m.observe("c", spec("c_1", 0), at(10));
+        m.observe("c", spec("c_1", 0), Duration::ZERO, at(10));
         assert!(m.is_live("c", at(19)));
         // "b" released its Lease (1 s); deleted after that, it is forgotten at once.
         let mut released = spec("", 100);
         released.lease_duration_seconds = Some(1);
-        m.observe("b", released, at(10));
+        m.observe("b", released, Duration::ZERO, at(10));
         m.settle(at(11));
         m.remove("b", at(12));
         assert!(!m.knows("b"));
@@ -252,8 +258,8 @@ mod tests {
         let at = |s| t0 + Duration::from_secs(s);
         let mut m = Members::default();
         // Deleted while held: its member writes until its next renewal fails.
-        m.observe("a", spec("a_1", 100), at(0));
-        m.observe("a", spec("a_1", 104), at(4));
+        m.observe("a", spec("a_1", 100), Duration::ZERO, at(0));
+        m.observe("a", spec("a_1", 104), Duration::ZERO, at(4));
         m.remove("a", at(5));
         assert!(m.is_held("a") && m.is_live("a", at(14)) && m.knows("a"));
         assert!(m.expired(at(14)).is_empty(), "a deleted Lease cannot be taken");
@@ -263,8 +269,8 @@ mod tests {
         assert!(!m.knows("a") && !m.is_held("a"));
 
         // Its holder cleared by someone else, the duration kept.
-        m.observe("b", spec("b_1", 100), at(0));
-        m.observe("b", spec("", 100), at(2));
+        m.observe("b", spec("b_1", 100), Duration::ZERO, at(0));
+        m.observe("b", spec("", 100), Duration::ZERO, at(2));
         assert_eq!(m.held(), ["b"]);
         m.settle(at(11));
         assert!(m.is_held("b"));
@@ -272,24 +278,24 @@ mod tests {
         assert!(!m.is_held("b") && m.knows("b"));
 
         // Released by its holder (duration 1 s, its gate closed first): 1 s.
-        m.observe("c", spec("c_1", 100), at(20));
+        m.observe("c", spec("c_1", 100), Duration::ZERO, at(20));
         let mut released = spec("", 101);
         released.lease_duration_seconds = Some(1);
-        m.observe("c", released, at(25));
+        m.observe("c", released, Duration::ZERO, at(25));
         assert!(m.is_held("c"));
         m.settle(at(26));
         assert!(!m.is_held("c"));
 
         // Seen gone only by a relist long after the last renewal it saw: a full duration
         // from then, for the member may have renewed unseen just before.
-        m.observe("e", spec("e_1", 100), at(0));
+        m.observe("e", spec("e_1", 100), Duration::ZERO, at(0));
         m.remove("e", at(60));
         assert!(m.is_live("e", at(69)) && !m.is_live("e", at(70)));
 
         // A member whose Lease comes back within its grace stays, as a live member.
-        m.observe("d", spec("d_1", 100), at(30));
+        m.observe("d", spec("d_1", 100), Duration::ZERO, at(30));
         m.remove("d", at(31));
-        m.observe("d", spec("d_1", 132), at(32));
+        m.observe("d", spec("d_1", 132), Duration::ZERO, at(32));
         m.settle(at(41));
         assert!(m.knows("d") && m.is_live("d", at(41)) && !m.is_live("d", at(42)));
         assert_eq!(m.expired(at(42)), ["d"]);
@@ -299,7 +305,7 @@ mod tests {
     fn a_released_or_unknown_lease_is_no_member() {
         let now = Instant::now();
         let mut m = Members::default();
-        m.observe("a", spec("", 100), now);
+        m.observe("a", spec("", 100), Duration::ZERO, now);
         assert!(!m.is_live("a", now));
         assert!(!m.is_live("nobody", now));
         assert_eq!(m.next_expiry(now), None);
@@ -310,14 +316,14 @@ mod tests {
         let t0 = Instant::now();
         let at = |s| t0 + Duration::from_secs(s);
         let mut m = Members::default();
-        m.observe("a", spec("a_1", 100), at(0));
-        m.observe("b", spec("b_1", 100), at(0));
-        m.observe("a", spec("a_1", 111), at(11));
+        m.observe("a", spec("a_1", 100), Duration::ZERO, at(0));
+        m.observe("b", spec("b_1", 100), Duration::ZERO, at(0));
+        m.observe("a", spec("a_1", 111), Duration::ZERO, at(11));
         assert_eq!(m.expired(at(12)), ["b"]);
         assert_eq!(m.held(), ["a", "b"]);
         // The sharder took b's Lease (holder cleared): off the ring. Its handover starts from
         // its last renewal, not from the taking.
-        m.observe("b", spec("", 100), at(12));
+        m.observe("b", spec("", 100), Duration::ZERO, at(12));
         m.taken("b");
         assert!(m.expired(at(12)).is_empty());
         assert_eq!(m.held(), ["a"]);
@@ -329,18 +335,53 @@ mod tests {
         let t0 = Instant::now();
         let at = |s| t0 + Duration::from_secs(s);
         let mut m = Members::default();
-        m.observe("a", spec("a_1", 100), at(0));
-        m.observe("b", spec("b_1", 100), at(0));
+        m.observe("a", spec("a_1", 100), Duration::ZERO, at(0));
+        m.observe("b", spec("b_1", 100), Duration::ZERO, at(0));
         let after = Duration::from_secs(60);
         // Expired from 10 s on, but still naming a holder: never forgotten before it is taken.
         assert!(m.gone_for(after, at(200)).iter().all(|x| x != "b"));
-        m.observe("b", spec("", 100), at(15));
+        m.observe("b", spec("", 100), Duration::ZERO, at(15));
         m.taken("b");
         // Taken at 15 s (its record changed then): forgettable from 85 s on.
         assert!(m.gone_for(after, at(84)).is_empty());
-        m.observe("a", spec("a_1", 150), at(50));
+        m.observe("a", spec("a_1", 150), Duration::ZERO, at(50));
         assert_eq!(m.gone_for(after, at(85)), ["b"]);
         assert_eq!(m.last_renewed("a"), Some(at(50)));
         assert!(m.gone_for(after, at(119)).iter().all(|x| x != "a"));
+    }
+
+    #[test]
+    fn a_released_slot_stays_on_the_ring_for_a_spare_to_claim() {
+        let t0 = Instant::now();
+        let at = |s| t0 + Duration::from_secs(s);
+        let rejoin = Duration::from_secs(30);
+        let mut released = spec("", 100);
+        released.lease_duration_seconds = Some(1);
+        let mut m = Members::default();
+        m.observe("slot-0", spec("a_1", 100), rejoin, at(0));
+        m.observe("x", spec("x_1", 100), Duration::ZERO, at(0));
+        m.observe("slot-0", released.clone(), rejoin, at(2));
+        m.observe("x", released.clone(), Duration::ZERO, at(2));
+        m.settle(at(4));
+        // A member of its own is off the ring a second after its release; a slot is not.
+        assert_eq!(m.held(), ["slot-0"]);
+        // A spare claims it: held again, no grace left over.
+        m.observe("slot-0", spec("d_1", 120), rejoin, at(5));
+        m.settle(at(40));
+        assert!(m.is_held("slot-0") && !m.is_live("slot-0", at(40)));
+        assert_eq!(m.expired(at(40)), ["slot-0"]);
+        // Nobody claims a released slot: it leaves the ring once its rejoin time is over.
+        m.observe("slot-0", released.clone(), rejoin, at(41));
+        m.settle(at(70));
+        assert!(m.is_held("slot-0"));
+        m.settle(at(71));
+        assert!(!m.is_held("slot-0"));
+        // A sharder that starts and finds a slot released cannot tell since when: it waits
+        // as if the release were new.
+        let mut fresh = Members::default();
+        fresh.observe("slot-1", released, rejoin, at(100));
+        assert!(fresh.is_held("slot-1") && fresh.is_live("slot-1", at(129)));
+        fresh.settle(at(130));
+        assert!(!fresh.is_held("slot-1"));
     }
 }

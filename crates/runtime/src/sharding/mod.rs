@@ -9,6 +9,13 @@
 //! and only then is it given to the new one. An object whose owner's Lease has run out moves
 //! at once: the old owner's write gate closed before its Lease could run out.
 //!
+//! With *slots* (`opkit run --sharding-slots N`) a member is not a process but one of N slot
+//! Leases, which any replica may claim: a replica holds at most one, and one that finds them
+//! all held stands by as a spare. A rolling restart then hands each slot, with its objects
+//! and their labels, from the stopping replica to a spare: no object is relabelled, and each
+//! changes hands once. A released slot stays on the ring for [`SLOT_REJOIN`] while a spare
+//! claims it.
+//!
 //! This module holds the decisions, as pure functions of what the sharder observes.
 pub mod admit;
 pub mod members;
@@ -26,6 +33,26 @@ pub const GROUP_LABEL: &str = "shard.opkit.dev/group";
 /// The label of a member Lease that names its member ([`member_name`]).
 pub const MEMBER_LABEL: &str = "shard.opkit.dev/member";
 
+/// The label of a slot's member Lease that names its slot number.
+pub const SLOT_LABEL: &str = "shard.opkit.dev/slot";
+
+/// How long a released slot stays on the ring, its objects waiting for a replica to claim it
+/// (the spare of a rolling update does at once; a replacement Pod within this), before they
+/// move to the other slots.
+pub const SLOT_REJOIN: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// How long a member Lease that stops naming its holder keeps the member on the ring beyond
+/// the record's own duration: [`SLOT_REJOIN`] for a slot, nothing for a member that is one
+/// process.
+pub(crate) fn rejoin(l: &k8s_openapi::api::coordination::v1::Lease) -> std::time::Duration {
+    use kube::ResourceExt;
+    if l.labels().contains_key(SLOT_LABEL) {
+        SLOT_REJOIN
+    } else {
+        std::time::Duration::ZERO
+    }
+}
+
 /// The member a member Lease belongs to (its [`MEMBER_LABEL`]).
 pub(crate) fn member_of(l: &k8s_openapi::api::coordination::v1::Lease) -> Option<String> {
     use kube::ResourceExt;
@@ -39,8 +66,11 @@ pub struct ShardingConfig {
     pub group: String,
     /// This replica's member Lease, `<group>-member-<member>` in the leader Lease's namespace,
     /// held and renewed as a leader holds its Lease: while it is held, this replica may write
-    /// for the objects labelled with its name.
+    /// for the objects labelled with its name. With slots, the identity and timings of the
+    /// slot Leases.
     pub lease: LeaderElectionConfig,
+    /// The number of slots (0: each replica is a member of its own, named after its identity).
+    pub slots: u16,
 }
 
 impl ShardingConfig {
@@ -55,13 +85,44 @@ impl ShardingConfig {
             (MEMBER_LABEL.to_string(), member),
         ]
         .into();
-        ShardingConfig { group, lease }
+        ShardingConfig {
+            group,
+            lease,
+            slots: 0,
+        }
     }
 
-    /// This replica's name in the shard labels.
-    pub fn member(&self) -> String {
-        member_name(&self.lease.identity)
+    /// Members are `slots` slots that the replicas claim (see the module's doc), rather than
+    /// one per replica; 0 keeps one per replica.
+    pub fn with_slots(mut self, slots: u16) -> Self {
+        self.slots = slots;
+        self
     }
+
+    /// This replica's name in the shard labels, when it is one member of its own (no slots).
+    pub fn member(&self) -> Option<String> {
+        (self.slots == 0).then(|| member_name(&self.lease.identity))
+    }
+
+    /// The Lease of slot `i`, `<group>-member-slot-<i>`, with this replica's identity.
+    pub(crate) fn slot_lease(&self, i: u16) -> LeaderElectionConfig {
+        let member = slot_member(i);
+        let mut lease = self.lease.clone();
+        lease.name = format!("{}-member-{member}", self.group);
+        lease.labels = [
+            (GROUP_LABEL.to_string(), self.group.clone()),
+            (MEMBER_LABEL.to_string(), member),
+            (SLOT_LABEL.to_string(), i.to_string()),
+        ]
+        .into();
+        lease
+    }
+}
+
+/// The member name of slot `i` (a random member's name always ends in ten hex digits after
+/// its host, so never reads as one).
+pub fn slot_member(i: u16) -> String {
+    format!("slot-{i}")
 }
 
 /// The label that names an object's owner for the controller `controller`.

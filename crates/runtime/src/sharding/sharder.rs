@@ -279,7 +279,7 @@ pub(crate) async fn run<K>(
                 };
                 if !gone {
                     let spec = lease.spec.clone().unwrap_or_default();
-                    st.members.observe(&m, spec, now);
+                    st.members.observe(&m, spec, super::rejoin(lease), now);
                     continue;
                 }
             }
@@ -646,7 +646,7 @@ impl State {
                         seen.insert(m.clone());
                     }
                     self.absent.remove(m.as_str());
-                    self.members.observe(&m, spec, Instant::now());
+                    self.members.observe(&m, spec, super::rejoin(&l), Instant::now());
                     self.leases.insert(m, l);
                 }
             }
