@@ -453,6 +453,7 @@ impl Manager {
             }
             Some(mut claimed) => {
                 let (synced, shared, shutdown) = (synced.clone(), self.shared.clone(), self.shutdown.clone());
+                synced.set_spare(true);
                 let mut common = common;
                 async move {
                     let Ok(member) = claimed
@@ -462,6 +463,7 @@ impl Manager {
                     else {
                         return;
                     };
+                    synced.set_spare(false);
                     if let Some(shard) = common.shard.as_mut() {
                         shard.member = member;
                     }
@@ -792,7 +794,7 @@ async fn elect(
         tracing::info!(identity = e.identity(), "became the {role}");
         report(true);
         for (ready, synced) in &readiness {
-            ready.store(synced.is_synced(), std::sync::atomic::Ordering::SeqCst);
+            ready.store(synced.is_ready(), std::sync::atomic::Ordering::SeqCst);
         }
         leading.send_replace(true);
         // Renewals stop at shutdown, so the gate closes at most a renew deadline later: the

@@ -18,6 +18,8 @@ use crate::cache::{Cache, TrimKey};
 pub(crate) struct Synced {
     pending: Arc<AtomicUsize>,
     ready: Arc<AtomicBool>,
+    /// A sharded controller of a spare (no slot claimed): nothing to list yet, ready.
+    spare: Arc<AtomicBool>,
     tx: Arc<watch::Sender<bool>>,
 }
 
@@ -26,6 +28,7 @@ impl Synced {
         Synced {
             pending: Arc::default(),
             ready,
+            spare: Arc::default(),
             tx: Arc::new(watch::channel(false).0),
         }
     }
@@ -51,6 +54,21 @@ impl Synced {
     /// Whether every stream has delivered its initial list.
     pub(crate) fn is_synced(&self) -> bool {
         *self.tx.borrow()
+    }
+
+    /// Marks the controller as one waiting for a sharding slot (ready: it has nothing to
+    /// serve), or no longer.
+    pub(crate) fn set_spare(&self, spare: bool) {
+        self.spare.store(spare, Ordering::SeqCst);
+        if spare {
+            self.ready.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// What `/readyz` says of the controller on a replica that leads: its caches are filled,
+    /// or it waits for a sharding slot and has none to fill.
+    pub(crate) fn is_ready(&self) -> bool {
+        self.spare.load(Ordering::SeqCst) || self.is_synced()
     }
 
     pub(crate) fn subscribe(&self) -> watch::Receiver<bool> {
