@@ -7,6 +7,10 @@
 //! replica has written for it, the one before never writes for it again), and every At's Pod
 //! was created exactly once.
 //!
+//! A second run with `--sharding-slots 3` (as `config/sharding` deploys) restarts the
+//! replicas one by one and kills a slot holder while a spare waits: no object is relabelled,
+//! and the audit log judges it the same way.
+//!
 //! `make test` runs the small version; `make chaos` (`OPKIT_CHAOS=full`) the full one.
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -85,6 +89,17 @@ async fn start_replica(
     scale: &Scale,
     name: &str,
 ) -> anyhow::Result<Replica> {
+    start_replica_with(cp, client, scale, name, &[]).await
+}
+
+/// [`start_replica`] with more arguments to `opkit run`.
+async fn start_replica_with(
+    cp: &ControlPlane,
+    client: &Client,
+    scale: &Scale,
+    name: &str,
+    more: &[&str],
+) -> anyhow::Result<Replica> {
     let kubeconfig = common::kubeconfig_for(cp, client, NS, name).await?;
     let port = common::free_port()?;
     let args: Vec<String> = [
@@ -115,6 +130,7 @@ async fn start_replica(
         &kubeconfig.display().to_string(),
     ]
     .iter()
+    .chain(more)
     .map(|s| s.to_string())
     .collect();
     let env = vec![
@@ -152,12 +168,13 @@ async fn metric(port: u16, series: &str) -> anyhow::Result<f64> {
 }
 
 /// Whether the member name `member` is one of `replicas`' (a member name starts with its
-/// process's POD_NAME, then a hash).
+/// process's POD_NAME, then a hash), or one of those slots (`slot-<i>`).
 fn on_one_of(member: Option<&String>, replicas: &[&str]) -> bool {
     member.is_some_and(|m| {
         replicas.iter().any(|r| {
-            m.strip_prefix(r)
-                .is_some_and(|rest| rest.starts_with('-') && !rest[1..].contains('-'))
+            m == r
+                || m.strip_prefix(r)
+                    .is_some_and(|rest| rest.starts_with('-') && !rest[1..].contains('-'))
         })
     })
 }
@@ -776,4 +793,190 @@ fn the_audit_check_finds_an_object_written_by_a_replica_after_another() {
         w(&user("b"), "ats", "status", "at-1", "2026-01-01T00:00:03.000000Z"),
     ];
     assert_eq!(written_in_turns(&pods, &users, None).len(), 1);
+}
+
+/// The slot (its member name) whose Lease names `replica`'s process as holder, once one does.
+async fn slot_of(client: &Client, replica: &str) -> anyhow::Result<String> {
+    let leases: Api<Lease> = Api::namespaced(client.clone(), OWN_NS);
+    wait_for(
+        &format!("{replica} to hold a slot"),
+        Duration::from_secs(60),
+        || async {
+            leases
+                .list(&Default::default())
+                .await?
+                .items
+                .into_iter()
+                .find(|l| {
+                    let holder = l.spec.as_ref().and_then(|s| s.holder_identity.as_deref());
+                    holder.is_some_and(|h| h.starts_with(&format!("{replica}_")))
+                        && l.labels().contains_key(opkit::sharding::SLOT_LABEL)
+                })
+                .and_then(|l| l.labels().get(MEMBER_LABEL).cloned())
+                .ok_or_else(|| anyhow!("{replica} holds no slot"))
+        },
+    )
+    .await
+}
+
+/// The shard labels of every Memcached and At.
+async fn shard_labels(client: &Client) -> anyhow::Result<BTreeMap<String, Option<String>>> {
+    let mcs: Api<Memcached> = Api::namespaced(client.clone(), NS);
+    let ats: Api<At> = Api::namespaced(client.clone(), NS);
+    let mut out = BTreeMap::new();
+    for m in mcs.list(&Default::default()).await?.items {
+        out.insert(
+            format!("Memcached {}", m.name_any()),
+            m.labels().get(&shard_label("memcached")).cloned(),
+        );
+    }
+    for a in ats.list(&Default::default()).await?.items {
+        out.insert(
+            format!("At {}", a.name_any()),
+            a.labels().get(&shard_label("at")).cloned(),
+        );
+    }
+    Ok(out)
+}
+
+/// `--sharding-slots 3`, as `config/sharding` runs: a rolling restart (each new process
+/// starts as a spare, then an old one gets SIGTERM) hands every slot over with its objects,
+/// relabelling none; a slot holder killed while a spare waits is replaced by the spare. The
+/// audit log judges as above: no object written by two processes in turns, every At's Pod
+/// created once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slots_are_handed_over_in_a_rolling_restart_and_after_a_kill() -> anyhow::Result<()> {
+    let scale = scale();
+    let start = Instant::now();
+    let cp = ControlPlane::start(Options {
+        audit_log: true,
+        ..Default::default()
+    })
+    .await?;
+    let client = cp.client().await?;
+    common::install_crds_on(&cp)?;
+    common::create_namespaces(&client, &[NS, OWN_NS]).await?;
+    let slots = ["slot-0", "slot-1", "slot-2"];
+    let with_slots = ["--sharding-slots", "3"];
+    let mut replicas = Vec::new();
+    for name in ["opkit-a", "opkit-b", "opkit-c"] {
+        replicas.push(start_replica_with(&cp, &client, &scale, name, &with_slots).await?);
+    }
+    wait_for("the three slots to be held", Duration::from_secs(60), || {
+        ring_of(&client, &slots)
+    })
+    .await?;
+    let mcs: Api<Memcached> = Api::namespaced(client.clone(), NS);
+    for i in 0..scale.memcacheds {
+        let m: Memcached = serde_json::from_value(serde_json::json!({
+            "apiVersion": "cache.example.com/v1", "kind": "Memcached",
+            "metadata": {"name": format!("mc-{i}")}, "spec": {"size": scale.size},
+        }))?;
+        mcs.create(&PostParams::default(), &m).await?;
+    }
+    let first_due = k8s_openapi::jiff::Timestamp::now() + k8s_openapi::jiff::SignedDuration::from_secs(1);
+    common::create_ats(&client, NS, scale.ats, first_due, scale.spread).await?;
+    let created = Instant::now();
+    wait_converged(&client, &scale, &slots, start, created, "created on slots").await?;
+    let before = shard_labels(&client).await?;
+
+    // The rolling restart, one process at a time.
+    for (old, new) in [
+        ("opkit-a", "opkit-d"),
+        ("opkit-b", "opkit-e"),
+        ("opkit-c", "opkit-f"),
+    ] {
+        let slot = slot_of(&client, old).await?;
+        replicas.push(start_replica_with(&cp, &client, &scale, new, &with_slots).await?);
+        let stopped = Instant::now();
+        let i = replicas.iter().position(|r| r.name == old).unwrap_or_default();
+        replicas[i].process.signal(Signal::SIGTERM)?;
+        let took = slot_of(&client, new).await?;
+        ensure!(took == slot, "{new} took {took}; {old} left {slot}");
+        wait_converged(
+            &client,
+            &scale,
+            &slots,
+            start,
+            stopped,
+            &format!("{new} took {slot} from {old}"),
+        )
+        .await?;
+    }
+    let after = shard_labels(&client).await?;
+    let moved: Vec<&String> = before
+        .keys()
+        .filter(|k| before.get(*k) != after.get(*k))
+        .collect();
+    log(
+        start,
+        &format!(
+            "rolling restart: {} of {} objects relabelled",
+            moved.len(),
+            before.len()
+        ),
+    );
+    ensure!(moved.is_empty(), "relabelled in the rolling restart: {moved:?}");
+
+    // A slot holder killed while a spare waits: the spare has its slot once its Lease ran out.
+    replicas.push(start_replica_with(&cp, &client, &scale, "opkit-g", &with_slots).await?);
+    let slot = slot_of(&client, "opkit-e").await?;
+    let i = replicas
+        .iter()
+        .position(|r| r.name == "opkit-e")
+        .unwrap_or_default();
+    let killed = Instant::now();
+    replicas[i].process.signal(Signal::SIGKILL)?;
+    log(start, &format!("SIGKILL opkit-e ({slot})"));
+    let took = slot_of(&client, "opkit-g").await?;
+    ensure!(took == slot, "opkit-g took {took}; opkit-e held {slot}");
+    wait_converged(
+        &client,
+        &scale,
+        &slots,
+        start,
+        killed,
+        "opkit-g took the killed one's slot",
+    )
+    .await?;
+
+    let ats: Api<At> = Api::namespaced(client.clone(), NS);
+    wait_for(
+        "every At to be DONE",
+        Duration::from_secs(scale.spread + 120),
+        || async {
+            let open = ats
+                .list(&Default::default())
+                .await?
+                .items
+                .into_iter()
+                .filter(|a| a.status.as_ref().and_then(|s| s.phase) != Some(Phase::Done))
+                .count();
+            ensure!(open == 0, "{open} not DONE");
+            Ok(())
+        },
+    )
+    .await?;
+    let audit = read_audit(&cp.dir().join("audit.log"))?;
+    let names = [
+        "opkit-a", "opkit-b", "opkit-c", "opkit-d", "opkit-e", "opkit-f", "opkit-g",
+    ];
+    let users: Vec<String> = names.iter().map(|r| user(r)).collect();
+    let mut failures = written_in_turns(&audit, &users, None);
+    for a in ats.list(&Default::default()).await?.items {
+        let pod = format!("{}-pod", a.name_any());
+        let (creates, refused) = (
+            common::pod_creates(&audit, &pod, 201),
+            common::pod_creates(&audit, &pod, 409),
+        );
+        if creates != 1 || refused != 0 {
+            failures.push(format!("{pod} created {creates} times, {refused} more refused"));
+        }
+    }
+    log(start, &format!("{} failures in the audit", failures.len()));
+    for r in &mut replicas {
+        r.process.stop(Duration::from_secs(5));
+    }
+    ensure!(failures.is_empty(), "{} failures: {failures:#?}", failures.len());
+    Ok(())
 }
