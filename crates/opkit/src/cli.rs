@@ -142,7 +142,7 @@ struct RunArgs<A: Args> {
     #[arg(long, default_value_t = crate::DEFAULT_CONCURRENCY)]
     concurrency: u16,
     /// One controller's setting, as `NAME.KEY=VALUE` (repeatable): `concurrency`,
-    /// `backoff-base`, `backoff-max`, `timeout` and `progress-delay`, e.g. `--tune
+    /// `backoff-base`, `backoff-max`, `timeout`, `progress-delay` and `progress-budget`, e.g. `--tune
     /// memcached.timeout=30s`. NAME is a `--controllers` name (every reconciler it runs) or
     /// one reconciler's name.
     #[arg(long = "tune", value_name = "NAME.KEY=VALUE")]

@@ -9,6 +9,10 @@ use std::time::Duration;
 /// the Deployments, 16 took 1.3x, unlimited 0.8x with more memory and some retried writes.
 pub const DEFAULT_CONCURRENCY: u16 = 16;
 
+/// Progress writes per progress delay and controller: enough to show every slow object of a
+/// small rollout, a bounded cost for a large one (one write a second with the 30 s delay).
+pub const DEFAULT_PROGRESS_BUDGET: u32 = 30;
+
 /// How one controller runs. The manager's defaults, then the controller's own
 /// ([`crate::Reconciler::tuning`]), then the command line (`opkit run --tune NAME.KEY=VALUE`) decide.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -26,6 +30,10 @@ pub struct Tuning {
     /// before it is written anyway (a slow rollout is shown), and the least time between two
     /// such writes; key `progress-delay`.
     pub progress_delay: Duration,
+    /// How many such progress writes the controller makes per `progress_delay`, over all its
+    /// objects (0: no limit): a slow rollout of 10000 objects shows some of them progressing
+    /// rather than writing each one's progress; key `progress-budget`.
+    pub progress_budget: u32,
 }
 
 impl Default for Tuning {
@@ -36,13 +44,14 @@ impl Default for Tuning {
             backoff_max: Duration::from_secs(300),
             timeout: Duration::from_secs(60),
             progress_delay: Duration::from_secs(30),
+            progress_budget: DEFAULT_PROGRESS_BUDGET,
         }
     }
 }
 
 impl Tuning {
     /// Sets `key` (`concurrency`, `backoff-base`, `backoff-max`, `timeout`,
-    /// `progress-delay`) from `value`
+    /// `progress-delay`, `progress-budget`) from `value`
     /// (a count, or a duration such as `500ms`, `30s`, `5m`).
     pub fn set(&mut self, key: &str, value: &str) -> Result<(), String> {
         let duration = || {
@@ -58,9 +67,14 @@ impl Tuning {
             "backoff-max" => self.backoff_max = duration()?,
             "timeout" => self.timeout = duration()?,
             "progress-delay" => self.progress_delay = duration()?,
+            "progress-budget" => {
+                self.progress_budget = value
+                    .parse()
+                    .map_err(|_| format!("progress-budget: not a count: {value:?}"))?
+            }
             _ => {
                 return Err(format!(
-                    "unknown setting {key:?}; known: concurrency, backoff-base, backoff-max, timeout, progress-delay"
+                    "unknown setting {key:?}; known: concurrency, backoff-base, backoff-max, timeout, progress-delay, progress-budget"
                 ));
             }
         }
@@ -101,6 +115,7 @@ mod tests {
         t.set("backoff-base", "250ms").unwrap();
         t.set("backoff-max", "2m").unwrap();
         t.set("progress-delay", "10s").unwrap();
+        t.set("progress-budget", "5").unwrap();
         assert_eq!(
             t,
             Tuning {
@@ -109,6 +124,7 @@ mod tests {
                 backoff_max: Duration::from_secs(120),
                 timeout: Duration::from_secs(90),
                 progress_delay: Duration::from_secs(10),
+                progress_budget: 5,
             }
         );
         assert!(t.set("timeout", "soon").unwrap_err().contains("not a duration"));

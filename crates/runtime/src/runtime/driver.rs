@@ -53,7 +53,8 @@ struct Runner<R: Reconciler> {
     limit: Option<Arc<Semaphore>>,
     writer: Arc<Writer>,
     finalizer: Option<String>,
-    hold: Hold,
+    /// Shared by the controller's namespaces: one progress budget per controller.
+    hold: Arc<Hold>,
     queue: crate::metrics::Queue,
 }
 
@@ -77,6 +78,10 @@ pub(crate) fn run<R: Reconciler>(
     };
     let writer = Arc::new(Writer::new(ctx.clone()));
     let finalizer = reconciler.cleans_up().then(|| finalizer_name(reconciler.name()));
+    let hold = Arc::new(Hold::new(
+        ctx.tuning().progress_delay,
+        ctx.tuning().progress_budget,
+    ));
     let mut runs = Vec::new();
     for ns in namespaces {
         let mut w = Watches::new(reconciler.primary(), &ctx, ns, synced.clone(), concurrency);
@@ -99,7 +104,7 @@ pub(crate) fn run<R: Reconciler>(
             limit: limit.clone(),
             writer: writer.clone(),
             finalizer: finalizer.clone(),
-            hold: Hold::new(ctx.tuning().progress_delay),
+            hold: hold.clone(),
             queue: ctx.metrics().queue(),
         });
         let shutdown = ctx.shutdown_signal();

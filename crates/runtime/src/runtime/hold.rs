@@ -1,7 +1,9 @@
 //! Holding back statuses that describe work still under way ([`crate::Plan::in_progress`]):
 //! per object, when it was first seen in progress (or last written while in progress), so
 //! that a change which settles quickly costs one status write, and a slow one is written
-//! once per delay.
+//! once per delay. The controller's progress writes share a budget: a slow rollout of
+//! thousands of objects costs about as many writes as a slow rollout of a few, the others
+//! showing their progress in `observedGeneration` until they settle.
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -9,21 +11,29 @@ use std::time::{Duration, Instant};
 /// When each object in progress started to be held; objects that settled are not in it.
 pub(crate) struct Hold {
     delay: Duration,
+    /// Progress writes per delay, over all objects (0: no limit).
+    budget: u32,
     inner: Mutex<Inner>,
 }
 
 struct Inner {
     since: HashMap<String, Instant>,
     swept: Instant,
+    /// Progress writes that may still be made, refilled at `budget` per delay up to `budget`.
+    tokens: f64,
+    refilled: Instant,
 }
 
 impl Hold {
-    pub(crate) fn new(delay: Duration) -> Self {
+    pub(crate) fn new(delay: Duration, budget: u32) -> Self {
         Hold {
             delay,
+            budget,
             inner: Mutex::new(Inner {
                 since: HashMap::new(),
                 swept: Instant::now(),
+                tokens: f64::from(budget),
+                refilled: Instant::now(),
             }),
         }
     }
@@ -42,12 +52,23 @@ impl Hold {
         }
         let since = *inner.since.entry(key.to_string()).or_insert(now);
         let held = now.duration_since(since);
-        if held >= self.delay {
-            inner.since.insert(key.to_string(), now);
-            None
-        } else {
-            Some(self.delay - held)
+        if held < self.delay {
+            return Some(self.delay - held);
         }
+        if self.budget > 0 {
+            let budget = f64::from(self.budget);
+            let per_second = budget / self.delay.as_secs_f64().max(0.001);
+            let elapsed = now.saturating_duration_since(inner.refilled).as_secs_f64();
+            inner.tokens = (inner.tokens + elapsed * per_second).min(budget);
+            inner.refilled = now;
+            if inner.tokens < 1.0 {
+                // Spent: shown later, or settled by then (written at once, unbudgeted).
+                return Some(self.delay);
+            }
+            inner.tokens -= 1.0;
+        }
+        inner.since.insert(key.to_string(), now);
+        None
     }
 
     /// `key` settled (or went away): its next in-progress status is held from scratch.
@@ -70,7 +91,7 @@ mod tests {
 
     #[test]
     fn an_in_progress_status_is_held_for_the_delay_then_written_once_per_delay() {
-        let h = Hold::new(D);
+        let h = Hold::new(D, 0);
         let t0 = Instant::now();
         assert_eq!(h.in_progress("a", t0), Some(D));
         assert_eq!(
@@ -88,7 +109,7 @@ mod tests {
 
     #[test]
     fn settling_forgets_the_object_and_others_are_held_on_their_own() {
-        let h = Hold::new(D);
+        let h = Hold::new(D, 0);
         let t0 = Instant::now();
         assert!(h.in_progress("a", t0).is_some());
         assert!(h.in_progress("b", t0 + Duration::from_secs(20)).is_some());
@@ -100,7 +121,7 @@ mod tests {
 
     #[test]
     fn entries_of_objects_gone_while_in_progress_are_swept() {
-        let h = Hold::new(D);
+        let h = Hold::new(D, 0);
         let t0 = Instant::now();
         for i in 0..100 {
             h.in_progress(&format!("gone-{i}"), t0);
@@ -108,5 +129,25 @@ mod tests {
         let later = t0 + D * 5;
         assert!(h.in_progress("live", later).is_some());
         assert_eq!(h.len(), 1);
+    }
+
+    #[test]
+    fn progress_writes_share_the_budget_and_wait_another_delay_when_it_is_spent() {
+        let h = Hold::new(D, 2);
+        let t0 = Instant::now();
+        for k in ["a", "b", "c"] {
+            assert!(h.in_progress(k, t0).is_some());
+        }
+        // Two of three may write after the delay; the third waits another delay.
+        assert_eq!(h.in_progress("a", t0 + D), None);
+        assert_eq!(h.in_progress("b", t0 + D), None);
+        assert_eq!(h.in_progress("c", t0 + D), Some(D));
+        // The budget refills at two per delay: one more half a delay later.
+        let half = t0 + D + D / 2;
+        assert_eq!(h.in_progress("c", half), None);
+        assert_eq!(h.in_progress("d", half), Some(D));
+        // Settled statuses are not progress writes: settling costs nothing from the budget.
+        h.settled("a");
+        assert_eq!(h.len(), 3);
     }
 }
