@@ -60,8 +60,9 @@ test: testenv-build ## Run every test: unit tests and controller tests on the re
 	OPKIT_TESTENV_REAL_NODE=$(REAL_NODE) cargo test --workspace
 
 .PHONY: chaos
-chaos: testenv-build ## Full chaos runs: two replicas (300 Memcacheds, 100 Ats; leader frozen/killed, apiserver/etcd restarted, etcd compacted, rolling restart, 429s, a hung connection), then three sharded replicas (3000 Memcacheds, 300 Ats; one killed, one frozen, two joining), then 60 s of connection floods (15000 idle probe connections), then a write cut off by a partition (iptables, root)
-	OPKIT_CHAOS=full cargo test -p opkit-operator --test chaos --test sharded -- --nocapture
+chaos: testenv-build ## Full chaos runs: two replicas (300 Memcacheds, 100 Ats; leader frozen/killed, apiserver/etcd restarted, etcd compacted, rolling restart, 429s, a hung connection), then three sharded replicas (3000 Memcacheds, 300 Ats; one killed, one frozen, two joining; then with slots: a rolling restart and a kill), one control plane at a time, then 60 s of connection floods (15000 idle probe connections), then a write cut off by a partition (iptables, root)
+	OPKIT_CHAOS=full cargo test -p opkit-operator --test chaos -- --nocapture
+	OPKIT_CHAOS=full cargo test -p opkit-operator --test sharded -- --nocapture --test-threads=1
 	OPKIT_CHAOS=full cargo test -p opkit-operator --test webhooks -- a_flood --nocapture
 	cargo test -p opkit-runtime --lib -- --ignored partition --nocapture
 
