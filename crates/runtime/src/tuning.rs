@@ -11,7 +11,7 @@ pub const DEFAULT_CONCURRENCY: u16 = 16;
 
 /// Progress writes per progress delay and controller: enough to show every slow object of a
 /// small rollout, a bounded cost for a large one (one write a second with the 30 s delay).
-pub const DEFAULT_PROGRESS_BUDGET: u32 = 30;
+const DEFAULT_PROGRESS_BUDGET: u32 = 30;
 
 /// How one controller runs. The manager's defaults, then the controller's own
 /// ([`crate::Reconciler::tuning`]), then the command line (`opkit run --tune NAME.KEY=VALUE`) decide.

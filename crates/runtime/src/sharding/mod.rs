@@ -121,7 +121,7 @@ impl ShardingConfig {
 
 /// The member name of slot `i` (a random member's name always ends in ten hex digits after
 /// its host, so never reads as one).
-pub fn slot_member(i: u16) -> String {
+pub(crate) fn slot_member(i: u16) -> String {
     format!("slot-{i}")
 }
 
