@@ -124,8 +124,7 @@ pub struct Manager {
 struct Sharding {
     cfg: crate::sharding::ShardingConfig,
     /// This replica's member name: known from the start without slots, else once a slot is
-    /// claimed (in `claimed`).
-    member: Option<String>,
+    /// claimed.
     claimed: tokio::sync::watch::Sender<Option<String>>,
     /// Open while the member Lease is certainly held; sharded controllers write through it.
     gate: WriteGate,
@@ -215,7 +214,6 @@ impl Manager {
             None => self.client.clone(),
         };
         self.sharding = Some(Sharding {
-            member: cfg.member(),
             claimed: tokio::sync::watch::channel(cfg.member()).0,
             cfg,
             gate,
@@ -391,7 +389,7 @@ impl Manager {
                 shared: self.shared.clone(),
                 shard: Some(crate::runtime::context::Shard {
                     label: crate::sharding::shard_label(name),
-                    member: s.member.clone().unwrap_or_default(),
+                    member: s.claimed.borrow().clone().unwrap_or_default(),
                     drain: crate::sharding::drain_label(name),
                     adopt: crate::sharding::adopt_annotation(name),
                     released: Default::default(),
@@ -410,7 +408,7 @@ impl Manager {
         // A spare (sharding slots, none claimed yet) builds the controller once it claims one:
         // its watches select that slot's objects.
         let spare = sharded
-            .filter(|s| s.member.is_none())
+            .filter(|s| s.claimed.borrow().is_none())
             .map(|s| s.claimed.subscribe());
         let controller_metrics = self.metrics.for_controller(name);
         let namespaces = match self.scope.list() {
