@@ -3,7 +3,8 @@
 //! is counted and retried while the manager carries on; a cleanup step outside the cluster that
 //! fails keeps the finalizer and warns, and the object goes once it succeeds. `/metrics` over
 //! HTTPS serves a mounted certificate and the renewed one when it changes. A status field the
-//! plan stops setting is gone from the stored status.
+//! plan stops setting is gone from the stored status. After a restart, objects created or
+//! changed while the operator was down are reconciled ahead of the resync of the others.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -609,6 +610,144 @@ async fn a_child_that_reaches_the_cache_after_observe_is_not_pruned_unseen() {
                 late.and_then(|l| l.uid()),
                 op.metrics().describe_errors()
             );
+            Ok(())
+        })
+        .await;
+}
+
+/// A kind of this test's own whose status records the generation it has seen.
+#[derive(kube::CustomResource, Clone, Debug, serde::Serialize, serde::Deserialize, PartialEq)]
+#[kube(
+    group = "probe.opkit.dev",
+    version = "v1",
+    kind = "Tick",
+    namespaced,
+    status = "TickStatus",
+    schema = "disabled"
+)]
+struct TickSpec {
+    n: u32,
+}
+
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+struct TickStatus {
+    observed_generation: Option<i64>,
+}
+
+/// Writes the generation it saw; `planned` lists the Ticks in the order they were planned.
+#[derive(Clone, Default)]
+struct Ticks {
+    planned: Arc<Mutex<Vec<String>>>,
+}
+
+impl Reconciler for Ticks {
+    type Object = Tick;
+    type Caches = ();
+    type World = ();
+    type Status = TickStatus;
+
+    fn name(&self) -> &'static str {
+        "ticks"
+    }
+
+    fn watch(&self, _: &mut Watches<Tick>) {}
+
+    async fn observe(&self, _: &Tick, _: &(), _: &Client) -> kube::Result<()> {
+        Ok(())
+    }
+
+    fn plan(&self, t: &Tick, _: &(), _: Timestamp) -> Result<Plan<TickStatus>, Invalid> {
+        self.planned
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(t.name_any());
+        let status = TickStatus {
+            observed_generation: t.metadata.generation,
+        };
+        Ok(Plan::status(status, Requeue::OnChange))
+    }
+}
+
+fn tick_crd() -> anyhow::Result<
+    k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
+> {
+    let mut crd = flag_crd()?;
+    crd.metadata.name = Some("ticks.probe.opkit.dev".into());
+    crd.spec.names = serde_json::from_value(
+        json!({"kind": "Tick", "plural": "ticks", "singular": "tick", "listKind": "TickList"}),
+    )?;
+    Ok(crd)
+}
+
+#[tokio::test]
+async fn after_a_restart_new_and_changed_objects_are_reconciled_before_the_resync() {
+    shared()
+        .in_namespace("framework-resync", |client, ns| async move {
+            common::install_crd(&client, tick_crd()?).await?;
+            let op = operator_of("ticks", |m, t: &Ticks| {
+                m.add(t.clone());
+            });
+            let ticks: Api<Tick> = Api::namespaced(client.clone(), &ns);
+            const N: usize = 300;
+            let first = Ticks::default();
+            let running = common::start_op(&op, &client, &ns, Run::new(&["ticks"]), &first, |_| {}).await?;
+            futures::future::try_join_all((0..N).map(|i| {
+                let ticks = ticks.clone();
+                async move {
+                    let t = Tick::new(&format!("t{i:03}"), TickSpec { n: 0 });
+                    ticks.create(&PostParams::default(), &t).await
+                }
+            }))
+            .await?;
+            let seen =
+                |t: &Tick| t.status.as_ref().and_then(|s| s.observed_generation) == t.metadata.generation;
+            wait_for("every Tick settled", T, || async {
+                let list = ticks.list(&Default::default()).await?;
+                let open = list.items.iter().filter(|t| !seen(t)).count();
+                ensure!(
+                    list.items.len() == N && open == 0,
+                    "{open} of {} not settled",
+                    list.items.len()
+                );
+                Ok(())
+            })
+            .await?;
+            running.stop().await;
+            // While the operator is down: one created (listed last), one changed.
+            ticks
+                .create(&PostParams::default(), &Tick::new("z-new", TickSpec { n: 0 }))
+                .await?;
+            ticks
+                .patch(
+                    "t250",
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({"spec": {"n": 1}})),
+                )
+                .await?;
+            let second = Ticks::default();
+            let _running = common::start_op(&op, &client, &ns, Run::new(&["ticks"]), &second, |_| {}).await?;
+            // The resync still reaches every object.
+            wait_for("every Tick planned after the restart", T, || async {
+                let planned: BTreeSet<String> = second.planned.lock().unwrap().iter().cloned().collect();
+                ensure!(planned.len() == N + 1, "{} of {} planned", planned.len(), N + 1);
+                Ok(())
+            })
+            .await?;
+            let order = second.planned.lock().unwrap().clone();
+            let at = |name: &str| order.iter().position(|n| n == name);
+            // Ahead of all but at most one batch (16 reconciles at once) of the resync.
+            for name in ["z-new", "t250"] {
+                let i = at(name).ok_or_else(|| anyhow!("{name} not planned"))?;
+                ensure!(
+                    i < 2 * 16,
+                    "{name} planned {}th of {}: {order:?}",
+                    i + 1,
+                    order.len()
+                );
+            }
+            let t = ticks.get("z-new").await?;
+            ensure!(seen(&t), "the new Tick's status: {:?}", t.status);
             Ok(())
         })
         .await;

@@ -56,6 +56,7 @@ struct Runner<R: Reconciler> {
     /// Shared by the controller's namespaces: one progress budget per controller.
     hold: Arc<Hold>,
     queue: crate::metrics::Queue,
+    resync: Arc<super::resync::Resync<R::Object>>,
 }
 
 /// Builds and runs a controller over `namespaces` (`None`: all; a cluster-scoped primary kind
@@ -91,6 +92,7 @@ pub(crate) fn run<R: Reconciler>(
             pruners,
             adopters,
             background,
+            resync,
             ..
         } = w;
         let Some(controller) = controller else { continue };
@@ -106,6 +108,7 @@ pub(crate) fn run<R: Reconciler>(
             finalizer: finalizer.clone(),
             hold: hold.clone(),
             queue: ctx.metrics().queue(),
+            resync,
         });
         let shutdown = ctx.shutdown_signal();
         let background = async move {
@@ -168,6 +171,7 @@ impl<R: Reconciler> Runner<R> {
             None => None,
         };
         let _work = self.queue.start(&key);
+        self.resync.started(&key);
         let timer = self.ctx.metrics().reconcile_started();
         let timeout = self.ctx.tuning().timeout;
         // A panic (in a plan, an observe, a mapper) fails this object's reconcile only: it is

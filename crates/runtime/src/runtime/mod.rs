@@ -14,6 +14,7 @@
 pub(crate) mod context;
 mod driver;
 mod hold;
+mod resync;
 mod shared;
 pub mod watches;
 mod write;

@@ -16,6 +16,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 
+use super::resync::{Resync, settled};
 use super::shared::{Echoes, ShareKey, Shared, SharedWatches, Synced};
 use crate::OWNER_LABEL;
 use crate::cache::{Cache, Filter, Indexes, KeyFn, OWNER_INDEX, Watch, keep_applied, observe_all};
@@ -96,6 +97,8 @@ where
     echoes: Echoes,
     shared: SharedWatches,
     enqueue: Enqueue<K>,
+    /// The listed objects whose reconcile waits behind new work.
+    pub(crate) resync: Arc<Resync<K>>,
 }
 
 /// Tells the controller's work-queue metrics that a reconcile of an object was asked for
@@ -157,6 +160,7 @@ where
                 ctx: ctx.clone(),
                 store: reflector::store().0,
             },
+            resync: Resync::new(concurrency),
         };
         if let Some(shard) = ctx.shard() {
             // A member watches, caches and reconciles only the objects placed on it.
@@ -166,18 +170,39 @@ where
         primary.add_index(UID_INDEX, Arc::new(|o: &K| o.uid().into_iter().collect()));
         w.enqueue.store = primary.store();
         let enqueue = w.enqueue.clone();
+        let resync = w.resync.clone();
+        // What the sharder asks of an object (take its children over, give it back) is work.
+        let asked = ctx.shard().map(|s| (s.adopt.clone(), s.drain.clone()));
+        let asked = move |o: &K| {
+            asked.as_ref().is_some_and(|(adopt, drain)| {
+                o.annotations().contains_key(adopt) || o.labels().contains_key(drain)
+            })
+        };
         let stream = events
             .inspect(w.synced.track())
             .filter(triggers(watch.filter, w.echoes.clone()))
+            .filter(move |ev| {
+                // A listed object that has seen its generation waits behind new work.
+                let later = match ev {
+                    Ok(watcher::Event::InitApply(o)) if settled(o) && !asked(o) => {
+                        resync.defer(ObjectRef::from_obj(o));
+                        true
+                    }
+                    _ => false,
+                };
+                futures::future::ready(!later)
+            })
             .applied_objects()
             .inspect(move |o| {
                 if let Ok(o) = o {
                     enqueue.add(&ObjectRef::from_obj(o));
                 }
             });
+        let resync = w.resync.clone().feed(ctx.clone(), w.synced.subscribe());
         w.controller = Some(
             Controller::for_stream(stream, primary.store())
-                .with_config(ControllerConfig::default().concurrency(concurrency)),
+                .with_config(ControllerConfig::default().concurrency(concurrency))
+                .reconcile_on(resync),
         );
         w.primary = primary;
         w
@@ -308,7 +333,7 @@ where
         w: Watch<C>,
     ) -> (
         Cache<C>,
-        impl Stream<Item = Result<C, watcher::Error>> + Send + use<K, C>,
+        impl Stream<Item = Result<watcher::Event<C>, watcher::Error>> + Send + use<K, C>,
     )
     where
         C: Watchable,
@@ -320,9 +345,31 @@ where
         }
         let stream = events
             .inspect(self.synced.track())
-            .filter(triggers(w.filter, self.echoes.clone()))
-            .touched_objects();
+            .filter(triggers(w.filter, self.echoes.clone()));
         (cache, stream)
+    }
+
+    /// The changes of a related kind that trigger reconciles of the primaries `refs` names.
+    /// What a list brings (the operator starting, a watch listing again) only puts those
+    /// primaries into the resync: listed unchanged, a child says nothing new of its owner.
+    fn triggered<C: Watchable>(
+        &self,
+        events: impl Stream<Item = Result<watcher::Event<C>, watcher::Error>> + Send + 'static,
+        refs: Arc<dyn Fn(C) -> Vec<ObjectRef<K>> + Send + Sync>,
+    ) -> impl Stream<Item = Result<C, watcher::Error>> + Send + 'static {
+        let resync = self.resync.clone();
+        events
+            .filter_map(move |ev| {
+                let ev = match ev {
+                    Ok(watcher::Event::InitApply(c)) => {
+                        refs(c).into_iter().for_each(|r| resync.defer(r));
+                        None
+                    }
+                    ev => Some(ev),
+                };
+                futures::future::ready(ev)
+            })
+            .touched_objects()
     }
 
     fn add_pruner<C: Watchable>(&mut self, cache: &Cache<C>) {
@@ -359,7 +406,6 @@ where
             }));
         }
         let primary = self.primary.clone();
-        let enqueue = self.enqueue.clone();
         let owners = move |c: C| {
             let ns = c.namespace().filter(|_| namespaced::<K>());
             let mut refs: Vec<ObjectRef<K>> = c
@@ -385,11 +431,27 @@ where
                     }
                 }
             }
+            refs
+        };
+        self.trigger(stream, owners);
+        cache
+    }
+
+    /// Wires a related kind's events to the primaries `refs` names (counted as queued).
+    fn trigger<C: Watchable>(
+        &mut self,
+        events: impl Stream<Item = Result<watcher::Event<C>, watcher::Error>> + Send + 'static,
+        refs: impl Fn(C) -> Vec<ObjectRef<K>> + Send + Sync + 'static,
+    ) {
+        let refs: Arc<dyn Fn(C) -> Vec<ObjectRef<K>> + Send + Sync> = Arc::new(refs);
+        let stream = self.triggered(events, refs.clone());
+        let enqueue = self.enqueue.clone();
+        let map = move |c: C| {
+            let refs = refs(c);
             refs.iter().for_each(|r| enqueue.add(r));
             refs
         };
-        self.controller = self.controller.take().map(|c| c.watches_stream(stream, owners));
-        cache
+        self.controller = self.controller.take().map(|c| c.watches_stream(stream, map));
     }
 
     /// Watches a related kind: a change to one reconciles the primary objects `map` names.
@@ -400,13 +462,7 @@ where
         I::IntoIter: Send,
     {
         let (cache, stream) = self.reflect(w);
-        let enqueue = self.enqueue.clone();
-        let map = move |c: C| {
-            let refs: Vec<ObjectRef<K>> = map(c).into_iter().collect();
-            refs.iter().for_each(|r| enqueue.add(r));
-            refs
-        };
-        self.controller = self.controller.take().map(|c| c.watches_stream(stream, map));
+        self.trigger(stream, move |c: C| map(c).into_iter().collect());
         cache
     }
 

@@ -1,0 +1,303 @@
+//! The resync after a (re)list, behind the work that is actually new.
+//!
+//! When the operator starts (or a watch has to list again), every object it lists would be
+//! reconciled in list order: 10000 objects that have not changed since the operator last saw
+//! them queue ahead of the one created a second ago. So an initial list splits in two:
+//! - *fresh*: a primary whose status does not yet describe its current generation (new,
+//!   changed while the operator was down, still rolling out) or that is being deleted; it is
+//!   reconciled at once, as any watch event is;
+//! - *settled*: a primary whose status says it has seen its generation, and every owner of a
+//!   listed child; these wait here and are handed to the work queue a batch at a time, only
+//!   while the queue holds fewer than half a batch of them, so a new object waits behind at
+//!   most one batch of resync work, and the resync, which has the workers whenever nothing
+//!   else needs them, is never starved.
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::{Stream, StreamExt};
+use kube::Resource;
+use kube::runtime::reflector::ObjectRef;
+use serde::{Deserialize, Serialize};
+use tokio::sync::{Notify, watch};
+
+use super::watches::queue_key;
+use crate::runtime::context::ControllerContext;
+
+/// A handed-out object that has not started after this long (gone meanwhile, or merged into a
+/// request that ran) no longer counts as waiting in the queue.
+const STALE: Duration = Duration::from_secs(5);
+
+/// The settled objects of one controller's watch scope, waiting for the queue to run short.
+pub(crate) struct Resync<K: Resource<DynamicType = ()>> {
+    inner: Mutex<Inner<K>>,
+    wake: Notify,
+    batch: usize,
+}
+
+struct Inner<K: Resource<DynamicType = ()>> {
+    waiting: VecDeque<ObjectRef<K>>,
+    queued: HashSet<ObjectRef<K>>,
+    /// Handed to the work queue, not started yet: by queue key, since when.
+    released: HashMap<String, Instant>,
+}
+
+impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Resync<K> {
+    /// `concurrency` is the controller's limit of reconciles at once (0: none).
+    pub(crate) fn new(concurrency: u16) -> Arc<Self> {
+        let batch = if concurrency == 0 { 64 } else { concurrency.into() };
+        Arc::new(Resync {
+            inner: Mutex::new(Inner {
+                waiting: VecDeque::new(),
+                queued: HashSet::new(),
+                released: HashMap::new(),
+            }),
+            wake: Notify::new(),
+            batch,
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner<K>> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Puts an object at the end of the resync (once, however often it is listed).
+    pub(crate) fn defer(&self, r: ObjectRef<K>) {
+        let mut inner = self.lock();
+        if inner.queued.insert(r.clone()) {
+            inner.waiting.push_back(r);
+            drop(inner);
+            self.wake.notify_one();
+        }
+    }
+
+    /// A reconcile of `key` takes a worker: if it was handed out from here, it no longer waits.
+    pub(crate) fn started(&self, key: &str) {
+        let mut inner = self.lock();
+        if inner.released.remove(key).is_some() && inner.released.len() < self.batch / 2 {
+            drop(inner);
+            self.wake.notify_one();
+        }
+    }
+
+    /// How many objects wait for their resync (not yet handed out).
+    #[cfg(test)]
+    fn waiting(&self) -> usize {
+        self.lock().waiting.len()
+    }
+
+    /// The next batch to hand out, if the queue has room for one; else when to look again
+    /// (`None`: when woken).
+    fn take(&self, now: Instant) -> Result<Vec<ObjectRef<K>>, Option<Duration>> {
+        let mut inner = self.lock();
+        inner.released.retain(|_, at| now.duration_since(*at) < STALE);
+        if inner.waiting.is_empty() {
+            return Err(None);
+        }
+        if inner.released.len() >= self.batch / 2 {
+            let oldest = inner.released.values().min().copied().unwrap_or(now);
+            return Err(Some(STALE.saturating_sub(now.duration_since(oldest))));
+        }
+        let n = self.batch.min(inner.waiting.len());
+        let refs: Vec<ObjectRef<K>> = inner.waiting.drain(..n).collect();
+        for r in &refs {
+            inner.queued.remove(r);
+            inner
+                .released
+                .insert(queue_key(r.namespace.as_deref(), &r.name), now);
+        }
+        Ok(refs)
+    }
+
+    /// The reconcile requests of the resync: after the controller's caches have synced, while
+    /// this replica leads, a batch whenever the queue has room.
+    pub(crate) fn feed(
+        self: Arc<Self>,
+        ctx: ControllerContext,
+        synced: watch::Receiver<bool>,
+    ) -> impl Stream<Item = ObjectRef<K>> + Send + 'static {
+        futures::stream::unfold((self, ctx, synced), |(this, ctx, mut synced)| async move {
+            let _ = synced.wait_for(|s| *s).await;
+            loop {
+                ctx.leading().await;
+                match this.take(Instant::now()) {
+                    Ok(refs) => return Some((futures::stream::iter(refs), (this, ctx, synced))),
+                    Err(None) => this.wake.notified().await,
+                    Err(Some(after)) => {
+                        let _ = tokio::time::timeout(after, this.wake.notified()).await;
+                    }
+                }
+            }
+        })
+        .flatten()
+    }
+}
+
+/// Whether a listed primary's status says it has seen its current generation (and it is not
+/// being deleted): a top-level `status.observedGeneration` equal to `metadata.generation`, or,
+/// without one, conditions that all carry it. A kind without generations, or a status that
+/// says neither, counts as not settled: it is reconciled at once, as before.
+pub(crate) fn settled<K: Resource + Serialize>(obj: &K) -> bool {
+    #[derive(Deserialize)]
+    struct Object {
+        status: Option<Status>,
+    }
+    #[derive(Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct Status {
+        observed_generation: Option<i64>,
+        #[serde(default)]
+        conditions: Vec<Condition>,
+    }
+    #[derive(Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct Condition {
+        observed_generation: Option<i64>,
+    }
+    let meta = obj.meta();
+    let Some(generation) = meta.generation.filter(|_| meta.deletion_timestamp.is_none()) else {
+        return false;
+    };
+    // Serialised to bytes and read back for the status only: cheaper than a JSON tree.
+    let Some(status) = serde_json::to_vec(obj)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<Object>(&b).ok())
+        .and_then(|o| o.status)
+    else {
+        return false;
+    };
+    match status.observed_generation {
+        Some(g) => g == generation,
+        None => {
+            !status.conditions.is_empty()
+                && status
+                    .conditions
+                    .iter()
+                    .all(|c| c.observed_generation == Some(generation))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::apps::v1::{Deployment, DeploymentStatus};
+    use k8s_openapi::api::core::v1::ConfigMap;
+
+    fn deployment(generation: Option<i64>, status: Option<DeploymentStatus>) -> Deployment {
+        let mut d = Deployment::default();
+        d.metadata.name = Some("d".into());
+        d.metadata.generation = generation;
+        d.status = status;
+        d
+    }
+
+    #[test]
+    fn settled_means_the_status_has_seen_the_generation() {
+        let seen = |g| {
+            Some(DeploymentStatus {
+                observed_generation: Some(g),
+                ..Default::default()
+            })
+        };
+        assert!(settled(&deployment(Some(2), seen(2))));
+        assert!(!settled(&deployment(Some(3), seen(2))), "changed since");
+        assert!(!settled(&deployment(Some(1), None)), "new: no status");
+        assert!(!settled(&deployment(None, seen(1))), "no generation to compare");
+        let mut deleting = deployment(Some(2), seen(2));
+        deleting.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+            k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+        ));
+        assert!(!settled(&deleting), "being deleted");
+        assert!(!settled(&ConfigMap::default()), "a kind without status");
+    }
+
+    /// A custom kind: its status is whatever JSON the test gives.
+    #[derive(Clone, Debug, serde::Serialize)]
+    struct Custom {
+        metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+        status: serde_json::Value,
+    }
+
+    impl Resource for Custom {
+        type DynamicType = ();
+        type Scope = k8s_openapi::NamespaceResourceScope;
+        fn kind(_: &()) -> std::borrow::Cow<'_, str> {
+            "Custom".into()
+        }
+        fn group(_: &()) -> std::borrow::Cow<'_, str> {
+            "example.com".into()
+        }
+        fn version(_: &()) -> std::borrow::Cow<'_, str> {
+            "v1".into()
+        }
+        fn plural(_: &()) -> std::borrow::Cow<'_, str> {
+            "customs".into()
+        }
+        fn meta(&self) -> &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+            &self.metadata
+        }
+        fn meta_mut(&mut self) -> &mut k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+            &mut self.metadata
+        }
+    }
+
+    #[test]
+    fn without_a_top_level_observed_generation_every_condition_must_carry_it() {
+        let custom = |status: serde_json::Value| {
+            let metadata = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+                generation: Some(4),
+                ..Default::default()
+            };
+            Custom { metadata, status }
+        };
+        let cond = |g: i64| serde_json::json!({"type": "Ready", "status": "True", "observedGeneration": g});
+        assert!(settled(&custom(
+            serde_json::json!({"conditions": [cond(4), cond(4)]})
+        )));
+        assert!(!settled(&custom(
+            serde_json::json!({"conditions": [cond(4), cond(3)]})
+        )));
+        assert!(
+            !settled(&custom(serde_json::json!({"conditions": []}))),
+            "no conditions say nothing"
+        );
+        assert!(
+            !settled(&custom(serde_json::json!({"phase": "Done"}))),
+            "neither field"
+        );
+        assert!(
+            settled(&custom(
+                serde_json::json!({"observedGeneration": 4, "conditions": [cond(3)]})
+            )),
+            "the top-level field decides"
+        );
+        assert!(!settled(&custom(serde_json::json!({"conditions": "not a list"}))));
+    }
+
+    #[tokio::test]
+    async fn a_batch_is_handed_out_only_while_the_queue_has_room() {
+        let r: Arc<Resync<ConfigMap>> = Resync::new(4);
+        for i in 0..10 {
+            r.defer(ObjectRef::new(&format!("c{i}")).within("ns"));
+        }
+        r.defer(ObjectRef::new("c0").within("ns"));
+        assert_eq!(r.waiting(), 10, "listed twice, waiting once");
+        let now = Instant::now();
+        let first = r.take(now).expect("room for a batch");
+        assert_eq!(first.len(), 4);
+        assert_eq!(first[0].name, "c0", "in list order");
+        assert!(r.take(now).is_err(), "four handed out, none started");
+        r.started("ns/c0");
+        r.started("ns/c1");
+        assert!(r.take(now).is_err(), "two still wait: half a batch");
+        r.started("ns/c2");
+        let second = r.take(now).expect("fewer than half a batch wait");
+        assert_eq!(second[0].name, "c4");
+        // One that never starts (deleted meanwhile) stops counting after a while.
+        assert!(r.take(now).is_err());
+        let third = r.take(now + STALE).expect("the handed-out ones went stale");
+        assert_eq!(third.len(), 2);
+        assert_eq!(r.take(now + STALE), Err(None), "nothing left: wait to be woken");
+    }
+}
