@@ -387,6 +387,8 @@ struct Outcome {
     restart_reacts: Option<Duration>,
     restart_writes: Option<u64>,
     restart_requests: BTreeMap<String, u64>,
+    /// `BENCH_RESTARTS`: (ready, reacts) of the restarts after the first.
+    more_restarts: Vec<(Option<Duration>, Duration)>,
     /// opkit's own view of its caches (`opkit_cache_*` at the end of the idle window; of
     /// several processes, each line after `shard-<i>: `).
     cache_metrics: Vec<String>,
@@ -1118,8 +1120,37 @@ impl Run<'_> {
         }
         wait_converged(admin, scenario, &probe_ns, "probe", bigger, self.limit).await?;
         out.restart_reacts = Some(t2.elapsed());
-        tokio::time::sleep(Duration::from_secs(env_or("BENCH_RESTART_SETTLE_SECONDS", 30))).await;
+        let settle = Duration::from_secs(env_or("BENCH_RESTART_SETTLE_SECONDS", 30));
+        tokio::time::sleep(settle).await;
         let restart_end = Timestamp::now();
+        // `BENCH_RESTARTS=K`: K-1 more restarts, timed the same way (each with a probe of its
+        // own), for the spread of ready / reacts; their requests are not counted.
+        for k in 1..env_or("BENCH_RESTARTS", 1usize) {
+            stop(&mut children);
+            let probe_ns = format!("bench-restart-{lane}-{k}");
+            create_namespace(admin, &probe_ns).await?;
+            let t = Instant::now();
+            children = scenario.start(cp, lane, &ns, &kubeconfig, &ports)?;
+            Api::<DynamicObject>::namespaced_with(admin.clone(), &probe_ns, &scenario.resource())
+                .create(&PostParams::default(), &scenario.object("probe", bigger)?)
+                .await?;
+            let mut ready = None;
+            if lane != "go" {
+                let each = ports.iter().map(|p| wait_ready(p.health, self.limit));
+                ready = futures::future::try_join_all(each).await?.into_iter().max();
+            }
+            wait_converged(admin, scenario, &probe_ns, "probe", bigger, self.limit).await?;
+            let reacts = t.elapsed();
+            println!(
+                "{lane}: restart {}: ready {}, reacted {:.2}s",
+                k + 1,
+                fmt_opt(ready.map(|d| format!("{:.2}s", d.as_secs_f64()))),
+                reacts.as_secs_f64()
+            );
+            out.more_restarts.push((ready, reacts));
+            tokio::time::sleep(settle).await;
+            delete_namespace(admin, &probe_ns).await?;
+        }
         stop(&mut children);
         delete_webhook_configurations(admin).await?;
         println!(
@@ -1314,6 +1345,7 @@ fn run_json(r: &Outcome, n: usize) -> Value {
         "restart_writes": r.restart_writes,
         "requests": r.requests,
         "restart_requests": r.restart_requests,
+        "more_restarts": r.more_restarts.iter().map(|(ready, reacts)| json!({"ready_s": ready.map(secs), "reacts_s": secs(*reacts)})).collect::<Vec<_>>(),
         "cache_metrics": r.cache_metrics,
         "create_timeline": r.create.timeline,
         "update_timeline": r.update.timeline,
