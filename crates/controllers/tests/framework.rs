@@ -4,7 +4,9 @@
 //! fails keeps the finalizer and warns, and the object goes once it succeeds. `/metrics` over
 //! HTTPS serves a mounted certificate and the renewed one when it changes. A status field the
 //! plan stops setting is gone from the stored status. After a restart, objects created or
-//! changed while the operator was down are reconciled ahead of the resync of the others.
+//! changed while the operator was down are reconciled ahead of the resync of the others. A
+//! trigger from outside the cluster reconciles the object it names, or all of them. A `Retry`
+//! from `observe` is shown as a condition and an Event, and honoured until the service is back.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -20,7 +22,7 @@ use opkit::{
     Cleanup, Deletion, Invalid, ManagerOptions, Plan, Reconciler, Registration, Registry, Requeue, Tuning,
     Watch, Watches,
 };
-use opkit_testenv::{free_port, https_get, shared, tls_trusted, wait_for};
+use opkit_testenv::{consistently, free_port, https_get, shared, tls_trusted, wait_for};
 use serde_json::json;
 
 mod common;
@@ -633,6 +635,8 @@ struct TickSpec {
 #[serde(rename_all = "camelCase")]
 struct TickStatus {
     observed_generation: Option<i64>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    conditions: Vec<k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition>,
 }
 
 /// Writes the generation it saw; `planned` lists the Ticks in the order they were planned.
@@ -664,6 +668,7 @@ impl Reconciler for Ticks {
             .push(t.name_any());
         let status = TickStatus {
             observed_generation: t.metadata.generation,
+            ..Default::default()
         };
         Ok(Plan::status(status, Requeue::OnChange))
     }
@@ -748,6 +753,233 @@ async fn after_a_restart_new_and_changed_objects_are_reconciled_before_the_resyn
             }
             let t = ticks.get("z-new").await?;
             ensure!(seen(&t), "the new Tick's status: {:?}", t.status);
+            Ok(())
+        })
+        .await;
+}
+
+/// Counts its plans per ConfigMap (labelled `opkit-ping`); reconciles what `trigger` asks for.
+#[derive(Clone, Default)]
+struct Pinged {
+    trigger: opkit::Trigger<ConfigMap>,
+    planned: Arc<Mutex<std::collections::BTreeMap<String, usize>>>,
+}
+
+impl Pinged {
+    fn count(&self, name: &str) -> usize {
+        self.planned
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(name)
+            .copied()
+            .unwrap_or(0)
+    }
+}
+
+impl Reconciler for Pinged {
+    type Object = ConfigMap;
+    type Caches = ();
+    type World = ();
+    type Status = ();
+
+    fn name(&self) -> &'static str {
+        "pinged"
+    }
+
+    fn primary(&self) -> Watch<ConfigMap> {
+        Watch::labels("opkit-ping")
+    }
+
+    fn watch(&self, w: &mut Watches<ConfigMap>) {
+        w.triggered_by(&self.trigger);
+    }
+
+    async fn observe(&self, _: &ConfigMap, _: &(), _: &Client) -> kube::Result<()> {
+        Ok(())
+    }
+
+    fn plan(&self, cm: &ConfigMap, _: &(), _: Timestamp) -> Result<Plan<()>, Invalid> {
+        *self
+            .planned
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(cm.name_any())
+            .or_default() += 1;
+        Ok(Plan::nothing(Requeue::OnChange))
+    }
+}
+
+#[tokio::test]
+async fn a_trigger_from_outside_reconciles_the_object_it_names_or_all() {
+    shared()
+        .in_namespace("framework-trigger", |client, ns| async move {
+            let pinged = Pinged::default();
+            let op = operator_of("pinged", |m, p: &Pinged| {
+                m.add(p.clone());
+            });
+            let _op = common::start_op(&op, &client, &ns, Run::new(&["pinged"]), &pinged, |_| {}).await?;
+            let api: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
+            for name in ["a", "b"] {
+                let cm = json!({"metadata": {"name": name, "labels": {"opkit-ping": "yes"}}});
+                api.create(&PostParams::default(), &serde_json::from_value(cm)?)
+                    .await?;
+            }
+            wait_for("both planned once", T, || async {
+                ensure!(
+                    pinged.count("a") == 1 && pinged.count("b") == 1,
+                    "{:?}",
+                    pinged.planned
+                );
+                Ok(())
+            })
+            .await?;
+            // Another namespace's object of that name is not this scope's.
+            pinged.trigger.reconcile(Some("elsewhere"), "a");
+            pinged.trigger.reconcile(Some(&ns), "b");
+            wait_for("b planned again", T, || async {
+                ensure!(pinged.count("b") == 2, "{:?}", pinged.planned);
+                Ok(())
+            })
+            .await?;
+            consistently(
+                "a not reconciled: it was not asked for",
+                Duration::from_secs(1),
+                || async {
+                    ensure!(pinged.count("a") == 1, "{:?}", pinged.planned);
+                    Ok(())
+                },
+            )
+            .await?;
+            pinged.trigger.reconcile_all();
+            wait_for("both planned again", T, || async {
+                ensure!(
+                    pinged.count("a") == 2 && pinged.count("b") == 3,
+                    "{:?}",
+                    pinged.planned
+                );
+                Ok(())
+            })
+            .await?;
+            Ok(())
+        })
+        .await;
+}
+
+/// Its outside service is down while `down` is set: `observe` then says when to try again
+/// (`Retry`, 2 s). `observed` keeps when each observe ran.
+#[derive(Clone, Default)]
+struct Flaky {
+    down: Arc<AtomicBool>,
+    observed: Arc<Mutex<Vec<std::time::Instant>>>,
+}
+
+const FLAKY_RETRY: Duration = Duration::from_secs(2);
+
+impl Reconciler for Flaky {
+    type Object = Tick;
+    type Caches = ();
+    type World = ();
+    type Status = TickStatus;
+
+    fn name(&self) -> &'static str {
+        "flaky"
+    }
+
+    fn tuning(&self, defaults: Tuning) -> Tuning {
+        // A backoff far quicker than the retry's own delay.
+        Tuning {
+            backoff_base: Duration::from_millis(50),
+            ..defaults
+        }
+    }
+
+    fn watch(&self, _: &mut Watches<Tick>) {}
+
+    async fn observe(&self, _: &Tick, _: &(), _: &Client) -> kube::Result<()> {
+        self.observed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(std::time::Instant::now());
+        if self.down.load(Ordering::SeqCst) {
+            let down = "the inventory service refused the connection";
+            return Err(opkit::Retry::new(FLAKY_RETRY, "Ready", false, "ServiceUnavailable", down).into());
+        }
+        Ok(())
+    }
+
+    fn plan(&self, t: &Tick, _: &(), _: Timestamp) -> Result<Plan<TickStatus>, Invalid> {
+        let status = TickStatus {
+            observed_generation: t.metadata.generation,
+            ..Default::default()
+        };
+        Ok(Plan::status(status, Requeue::OnChange))
+    }
+}
+
+#[tokio::test]
+async fn a_retry_is_shown_as_a_condition_and_honoured_until_the_outside_service_is_back() {
+    shared()
+        .in_namespace("framework-retry", |client, ns| async move {
+            common::install_crd(&client, tick_crd()?).await?;
+            let flaky = Flaky::default();
+            flaky.down.store(true, Ordering::SeqCst);
+            let op = operator_of("flaky", |m, f: &Flaky| {
+                m.add(f.clone());
+            });
+            let op = common::start_op(&op, &client, &ns, Run::new(&["flaky"]), &flaky, |_| {}).await?;
+            let ticks: Api<Tick> = Api::namespaced(client.clone(), &ns);
+            ticks
+                .create(&PostParams::default(), &Tick::new("f", TickSpec { n: 0 }))
+                .await?;
+            wait_for("the condition and its Event", T, || async {
+                let status = ticks.get("f").await?.status.unwrap_or_default();
+                let c = status.conditions.first();
+                ensure!(
+                    c.is_some_and(|c| c.type_ == "Ready"
+                        && c.status == "False"
+                        && c.reason == "ServiceUnavailable"),
+                    "{status:?}"
+                );
+                let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), &ns);
+                let listed = events.list(&Default::default()).await?;
+                ensure!(
+                    listed
+                        .items
+                        .iter()
+                        .any(|e| e.reason.as_deref() == Some("ServiceUnavailable")
+                            && e.type_.as_deref() == Some("Warning")),
+                    "no Warning Event yet"
+                );
+                Ok(())
+            })
+            .await?;
+            wait_for("four observes", T, || async {
+                let n = flaky.observed.lock().unwrap().len();
+                ensure!(n >= 4, "{n} observes");
+                Ok(())
+            })
+            .await?;
+            let times = flaky.observed.lock().unwrap().clone();
+            // Only the retry's delay brings the object back (the backoff would be 50 ms): the
+            // condition is written once, and that write's echo triggers nothing.
+            let gaps: Vec<Duration> = times.windows(2).map(|w| w[1] - w[0]).collect();
+            ensure!(
+                gaps.iter()
+                    .all(|g| *g >= FLAKY_RETRY - Duration::from_millis(100) && *g < 3 * FLAKY_RETRY),
+                "gaps between observes: {gaps:?}"
+            );
+            let retries = op.sample(r#"opkit_reconcile_total{controller="flaky",result="retry"}"#);
+            ensure!(retries >= 3.0, "{retries} reconciles counted as retry");
+            flaky.down.store(false, Ordering::SeqCst);
+            wait_for("converged once the service is back", T, || async {
+                let status = ticks.get("f").await?.status.unwrap_or_default();
+                ensure!(
+                    status.observed_generation == Some(1) && status.conditions.is_empty(),
+                    "{status:?}"
+                );
+                Ok(())
+            })
+            .await?;
             Ok(())
         })
         .await;

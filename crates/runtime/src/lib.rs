@@ -35,6 +35,7 @@ pub mod server;
 pub mod sharding;
 mod tls;
 mod trace;
+mod trigger;
 mod tuning;
 pub mod webhook;
 
@@ -47,11 +48,12 @@ pub use operator::{
     Connect, CrdError, Operator, RunConfig, RunError, Running, Started, WebhookServing, install_crd,
     own_namespace,
 };
-pub use plan::{Child, Cleanup, Deletion, Event, Invalid, OWNER_LABEL, Plan, Requeue, finalizer_name};
+pub use plan::{Child, Cleanup, Deletion, Event, Invalid, OWNER_LABEL, Plan, Requeue, Retry, finalizer_name};
 pub use reconciler::Reconciler;
 pub use registry::{Registration, Registry};
 pub use runtime::Watches;
 pub use scope::Scope;
+pub use trigger::Trigger;
 pub use tuning::{DEFAULT_CONCURRENCY, Tuning};
 
 pub use k8s_openapi;

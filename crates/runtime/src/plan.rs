@@ -434,6 +434,8 @@ pub struct Invalid {
     /// Other conditions the plan could still decide (e.g. whether a target exists), written
     /// in the same status update.
     pub also: Vec<crate::conditions::Desired<'static>>,
+    /// Made from a [`Retry`]: reconcile again after this long.
+    pub retry: Option<Duration>,
 }
 
 impl Invalid {
@@ -450,6 +452,7 @@ impl Invalid {
             reason,
             message: message.into(),
             also: Vec::new(),
+            retry: None,
         }
     }
 
@@ -460,9 +463,107 @@ impl Invalid {
     }
 }
 
+/// A failure that passes: an outside service that is down or limits its rate, something the
+/// object needs that is not there yet. opkit records it as this condition, as it does an
+/// [`Invalid`] (one Warning Event when the condition changes), and reconciles the object again
+/// after `after`: not on the backoff's schedule, since whoever failed knows best when trying
+/// again is worth it (a `Retry-After`, a rate limit's window). A change of the object still
+/// reconciles it at once.
+///
+/// `observe` returns it as its error (`Err(retry.into())`, a `kube::Error` that opkit
+/// recognises), a plan as its [`Invalid`] (`Err(retry.into())`). Reconciles that end in one
+/// are counted with the result `retry`, apart from failures.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Retry {
+    /// How long to wait before reconciling again.
+    pub after: Duration,
+    /// Condition type, e.g. `Ready`.
+    pub condition: &'static str,
+    /// The condition's status: `false` for a `Ready`-style type, `true` for `Degraded`-style.
+    pub status: bool,
+    /// Condition reason and Event reason, e.g. `ServerUnavailable`.
+    pub reason: &'static str,
+    /// What failed, as a person reads it in `kubectl describe`. Never a secret.
+    pub message: String,
+}
+
+impl Retry {
+    /// A failure reported as condition `condition` at `status`, with `reason`, tried again
+    /// after `after`.
+    pub fn new(
+        after: Duration,
+        condition: &'static str,
+        status: bool,
+        reason: &'static str,
+        message: impl Into<String>,
+    ) -> Self {
+        Retry {
+            after,
+            condition,
+            status,
+            reason,
+            message: message.into(),
+        }
+    }
+
+    /// The `Retry` an `observe` returned, if `err` is one.
+    pub(crate) fn of(err: &kube::Error) -> Option<&Retry> {
+        match err {
+            kube::Error::Service(e) => e.downcast_ref::<Retry>(),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for Retry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} (trying again in {:?})", self.message, self.after)
+    }
+}
+
+impl std::error::Error for Retry {}
+
+impl From<Retry> for kube::Error {
+    fn from(r: Retry) -> Self {
+        kube::Error::Service(Box::new(r))
+    }
+}
+
+impl From<Retry> for Invalid {
+    fn from(r: Retry) -> Self {
+        Invalid {
+            condition: r.condition,
+            status: r.status,
+            reason: r.reason,
+            message: r.message,
+            also: Vec::new(),
+            retry: Some(r.after),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_retry_survives_the_trip_through_a_kube_error_and_becomes_an_invalid_with_a_delay() {
+        let r = Retry::new(
+            Duration::from_secs(30),
+            "Ready",
+            false,
+            "RateLimited",
+            "the API said: slow down",
+        );
+        let e: kube::Error = r.clone().into();
+        assert_eq!(Retry::of(&e), Some(&r));
+        assert!(e.to_string().contains("slow down"), "{e}");
+        assert_eq!(Retry::of(&kube::Error::LinesCodecMaxLineLengthExceeded), None);
+        let i: Invalid = r.into();
+        assert_eq!(i.retry, Some(Duration::from_secs(30)));
+        assert_eq!(i.reason, "RateLimited");
+    }
 
     #[test]
     fn event_notes_fit_what_the_apiserver_accepts() {

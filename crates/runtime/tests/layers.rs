@@ -27,7 +27,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "tuning",
         ],
     ),
-    ("what an author declares and plans", &["cache", "plan"]),
+    ("what an author declares and plans", &["cache", "plan", "trigger"]),
     (
         "client, leader election, metrics, TLS",
         &[
@@ -60,6 +60,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "runtime/hold",
             "runtime/shared",
             "runtime/context",
+            "runtime/resync",
             "runtime/watches",
             "reconciler",
             "runtime/write",

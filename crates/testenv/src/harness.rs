@@ -340,6 +340,26 @@ where
     }
 }
 
+/// Checks `check` every 100 ms for `window` and fails at its first `Err`: that nothing happens.
+/// Call it once the work that could make something happen has finished, not merely started.
+pub async fn consistently<E, F, Fut>(what: &str, window: Duration, mut check: F) -> anyhow::Result<()>
+where
+    E: Display,
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<(), E>>,
+{
+    let start = Instant::now();
+    loop {
+        if let Err(e) = check().await {
+            anyhow::bail!("{what} no longer held after {:?}: {e}", start.elapsed());
+        }
+        if start.elapsed() >= window {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// A bare HTTP/1.0 GET on a local endpoint (metrics, probes): returns status code and body.
 pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
     http_request(addr, "GET", path, None).await

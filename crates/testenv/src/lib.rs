@@ -19,7 +19,7 @@ pub mod proxy;
 pub use binaries::{Binaries, Versions};
 pub use cluster::{ControlPlane, Options, config_from_file};
 pub use harness::{
-    Shared, TestNamespace, http_get, http_request, https_get, kubeconfig_with_token, shared,
+    Shared, TestNamespace, consistently, http_get, http_request, https_get, kubeconfig_with_token, shared,
     shared_real_node, tls_connector, tls_trusted, wait_for,
 };
 pub use nix::sys::signal::Signal;

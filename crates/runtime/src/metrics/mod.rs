@@ -574,10 +574,14 @@ impl ReconcileTimer {
         let seconds = self.start.elapsed().as_secs_f64();
         m.metrics.duration.get_or_create(&m.label()).observe(seconds);
         // controller-runtime's results: an invalid spec is its terminal error (not retried
-        // until the object changes); every other outcome that is not an error succeeded.
+        // until the object changes), a `Retry` an error; every other outcome succeeded.
         let standard = &m.metrics.standard;
         let cr = match result {
             "error" => "error",
+            "retry" => {
+                standard.errors.get_or_create(&m.cr_label()).inc();
+                "error"
+            }
             "invalid" => {
                 standard.errors.get_or_create(&m.cr_label()).inc();
                 standard.terminal.get_or_create(&m.cr_label()).inc();

@@ -20,7 +20,7 @@ use super::watches::{Adopter, Pruner, Watches};
 use super::write::Writer;
 use crate::conditions::Desired;
 use crate::conditions::{CLEANUP_FAILED, DELETING};
-use crate::plan::{Cleanup, Deletion, Event, Invalid, Plan, Requeue, finalizer_name};
+use crate::plan::{Cleanup, Deletion, Event, Invalid, Plan, Requeue, Retry, finalizer_name};
 use crate::reconciler::Reconciler;
 use crate::runtime::context::ControllerContext;
 
@@ -164,7 +164,7 @@ impl<R: Reconciler> Runner<R> {
     async fn reconcile_leading(&self, obj: &Arc<R::Object>) -> Result<Action, Error> {
         // Waiting for a worker slot is waiting in the queue: a requeue that fell due (no watch
         // event announced it) counts from here.
-        let key = super::watches::queue_key(obj.namespace().as_deref(), &obj.name_any());
+        let key = super::shared::queue_key(obj.namespace().as_deref(), &obj.name_any());
         self.queue.add(key.clone(), Box::new(|| true));
         let _permit = match &self.limit {
             Some(s) => s.clone().acquire_owned().await.ok(),
@@ -260,13 +260,19 @@ impl<R: Reconciler> Runner<R> {
             _ => Vec::new(),
         };
         // observe (caches; a client read only where the controller asks for one)
-        let world = self
+        let observed = self
             .reconciler
             .observe(obj, &self.cache, self.ctx.client())
             .instrument(tracing::debug_span!("observe"))
-            .await
-            .map_err(|source| Error::Observe { source })?;
+            .await;
         let now = Timestamp::now();
+        let world = match observed {
+            Ok(world) => world,
+            Err(source) => match Retry::of(&source) {
+                Some(retry) => return self.report_invalid(obj, retry.clone().into(), now).await,
+                None => return Err(Error::Observe { source }),
+            },
+        };
         if let (true, Some(f)) = (deleting, ours) {
             // cleanup (pure), then carried out
             let cleanup =
@@ -283,8 +289,7 @@ impl<R: Reconciler> Runner<R> {
             }
             Err(invalid) => {
                 tracing::debug!(?invalid, "invalid spec");
-                self.report_invalid(obj, invalid, now).await?;
-                Ok((Action::await_change(), "invalid"))
+                self.report_invalid(obj, invalid, now).await
             }
         }
     }
@@ -494,7 +499,17 @@ impl<R: Reconciler> Runner<R> {
 
     /// Records an invalid spec as a condition on the live status and warns once per change of
     /// that condition.
-    async fn report_invalid(&self, obj: &R::Object, invalid: Invalid, now: Timestamp) -> Result<(), Error> {
+    /// Records an invalid spec or a [`Retry`] as its condition (one Warning Event when that
+    /// changes); a retry comes back after its delay, an invalid spec with the next change.
+    async fn report_invalid(
+        &self,
+        obj: &R::Object,
+        invalid: Invalid,
+        now: Timestamp,
+    ) -> Result<(Action, &'static str), Error> {
+        if let Some(after) = invalid.retry {
+            tracing::info!(reason = invalid.reason, message = %invalid.message, ?after, "trying again later");
+        }
         let mut all = vec![Desired {
             type_: invalid.condition,
             status: Some(invalid.status),
@@ -503,9 +518,17 @@ impl<R: Reconciler> Runner<R> {
         }];
         all.extend(invalid.also.iter().cloned());
         if self.writer.conditions::<_, R::Status>(obj, all, now).await? {
-            let e = Event::warning(invalid.reason, "Validate", invalid.message);
+            let action = if invalid.retry.is_some() {
+                "Reconcile"
+            } else {
+                "Validate"
+            };
+            let e = Event::warning(invalid.reason, action, invalid.message);
             self.ctx.event(obj, &e).await;
         }
-        Ok(())
+        Ok(match invalid.retry {
+            Some(after) => (Action::requeue(after), "retry"),
+            None => (Action::await_change(), "invalid"),
+        })
     }
 }

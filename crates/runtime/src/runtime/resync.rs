@@ -21,7 +21,7 @@ use kube::runtime::reflector::ObjectRef;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{Notify, watch};
 
-use super::watches::queue_key;
+use super::shared::queue_key;
 use crate::runtime::context::ControllerContext;
 
 /// A handed-out object that has not started after this long (gone meanwhile, or merged into a

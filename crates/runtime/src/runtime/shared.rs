@@ -13,6 +13,11 @@ use tokio::sync::watch;
 
 use crate::cache::{Cache, TrimKey};
 
+/// What the work-queue metrics know an object by; the same at both ends of the queue.
+pub(crate) fn queue_key(namespace: Option<&str>, name: &str) -> String {
+    format!("{}/{name}", namespace.unwrap_or(""))
+}
+
 /// Counts the watch streams of one controller that have not yet delivered their initial list.
 #[derive(Clone)]
 pub(crate) struct Synced {

@@ -17,7 +17,7 @@ use kube::{Client, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 
 use super::resync::{Resync, settled};
-use super::shared::{Echoes, ShareKey, Shared, SharedWatches, Synced};
+use super::shared::{Echoes, ShareKey, Shared, SharedWatches, Synced, queue_key};
 use crate::OWNER_LABEL;
 use crate::cache::{Cache, Filter, Indexes, KeyFn, OWNER_INDEX, Watch, keep_applied, observe_all};
 use crate::kind::{Watchable, api, namespaced};
@@ -157,11 +157,6 @@ impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Enqueue<K> {
             self.queue.add(key, exists);
         }
     }
-}
-
-/// What the work-queue metrics know an object by; the same at both ends of the queue.
-pub(crate) fn queue_key(namespace: Option<&str>, name: &str) -> String {
-    format!("{}/{name}", namespace.unwrap_or(""))
 }
 
 impl<K> Watches<K>
@@ -503,6 +498,19 @@ where
         let (cache, stream) = self.reflect(w);
         self.trigger(stream, move |c: C| map(c).into_iter().collect());
         cache
+    }
+
+    /// Reconciles what `trigger` asks for: objects of the primary kind named from outside the
+    /// cluster (a file that changed, an HTTP callback), or all of them.
+    pub fn triggered_by(&mut self, trigger: &crate::trigger::Trigger<K>) {
+        let namespace = self.namespace.clone().filter(|_| namespaced::<K>());
+        let (one, all) = trigger.subscribe(namespace);
+        let enqueue = self.enqueue.clone();
+        let one = one.inspect(move |r| enqueue.add(r));
+        self.controller = self
+            .controller
+            .take()
+            .map(|c| c.reconcile_on(one).reconcile_all_on(all));
     }
 
     /// Caches a kind without triggering anything on its changes.
