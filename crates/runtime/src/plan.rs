@@ -476,7 +476,7 @@ impl Invalid {
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Retry {
-    /// How long to wait before reconciling again.
+    /// How long to wait before reconciling again (at least a second).
     pub after: Duration,
     /// Condition type, e.g. `Ready`.
     pub condition: &'static str,

@@ -77,7 +77,7 @@ impl<K: Resource<DynamicType = ()>> Trigger<K> {
         self.subscribers
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .retain(|s| f(s));
+            .retain(|s| !s.one.is_closed() && f(s));
     }
 
     /// The requests for one watch scope: of single objects, and of all.

@@ -28,6 +28,10 @@ use crate::runtime::context::ControllerContext;
 /// end of its term (both follow from one missed renewal) before it counts as failed.
 const NOT_LEADER_GRACE: Duration = Duration::from_secs(2);
 
+/// The shortest wait a [`Retry`] gets: a `Retry-After: 0` passed on does not call the outside
+/// service in a loop.
+const MIN_RETRY: Duration = Duration::from_secs(1);
+
 /// What the progress hold knows an object by: its uid, so a recreated object starts afresh.
 fn hold_key<K: Resource>(obj: &K) -> String {
     obj.uid().unwrap_or_else(|| obj.name_any())
@@ -527,7 +531,7 @@ impl<R: Reconciler> Runner<R> {
             self.ctx.event(obj, &e).await;
         }
         Ok(match invalid.retry {
-            Some(after) => (Action::requeue(after), "retry"),
+            Some(after) => (Action::requeue(after.max(MIN_RETRY)), "retry"),
             None => (Action::await_change(), "invalid"),
         })
     }

@@ -17,16 +17,23 @@ use std::time::{Duration, Instant};
 
 use futures::{Stream, StreamExt};
 use kube::Resource;
-use kube::runtime::reflector::ObjectRef;
+use kube::runtime::reflector::{ObjectRef, Store};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{Notify, watch};
 
 use super::shared::queue_key;
 use crate::runtime::context::ControllerContext;
 
-/// A handed-out object that has not started after this long (gone meanwhile, or merged into a
-/// request that ran) no longer counts as waiting in the queue.
+/// A handed-out object that has not started after this long and is gone from the cache no
+/// longer counts as waiting in the queue; one still there counts until [`LOST`].
 const STALE: Duration = Duration::from_secs(5);
+
+/// A handed-out object that has not started after this long no longer counts, gone or not: a
+/// safety net, so that no request lost on the way can stop the resync.
+const LOST: Duration = Duration::from_secs(60);
+
+/// How often a resync that waits for handed-out objects to start looks again.
+const POLL: Duration = Duration::from_secs(1);
 
 /// The settled objects of one controller's watch scope, waiting for the queue to run short.
 pub(crate) struct Resync<K: Resource<DynamicType = ()>> {
@@ -39,7 +46,7 @@ struct Inner<K: Resource<DynamicType = ()>> {
     waiting: VecDeque<ObjectRef<K>>,
     queued: HashSet<ObjectRef<K>>,
     /// Handed to the work queue, not started yet: by queue key, since when.
-    released: HashMap<String, Instant>,
+    released: HashMap<String, (ObjectRef<K>, Instant)>,
 }
 
 impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Resync<K> {
@@ -74,7 +81,7 @@ impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Resync<K> {
     /// A reconcile of `key` takes a worker: if it was handed out from here, it no longer waits.
     pub(crate) fn started(&self, key: &str) {
         let mut inner = self.lock();
-        if inner.released.remove(key).is_some() && inner.released.len() < self.batch / 2 {
+        if inner.released.remove(key).is_some() && inner.released.len() * 2 < self.batch {
             drop(inner);
             self.wake.notify_one();
         }
@@ -86,27 +93,40 @@ impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Resync<K> {
         self.lock().waiting.len()
     }
 
-    /// The next batch to hand out, if the queue has room for one; else when to look again
-    /// (`None`: when woken).
-    fn take(&self, now: Instant) -> Result<Vec<ObjectRef<K>>, Option<Duration>> {
+    /// The next batch to hand out, if the queue has room for one (fewer than half a batch
+    /// handed out and not started); else when to look again (`None`: when woken). Only
+    /// objects the primary cache has (`cached`) are handed out: a gone one, or the owner of a
+    /// listed child that this controller does not reconcile, would never start.
+    fn take(
+        &self,
+        now: Instant,
+        cached: impl Fn(&ObjectRef<K>) -> bool,
+    ) -> Result<Vec<ObjectRef<K>>, Option<Duration>> {
         let mut inner = self.lock();
-        inner.released.retain(|_, at| now.duration_since(*at) < STALE);
+        inner.released.retain(|_, (r, at)| {
+            let waited = now.duration_since(*at);
+            waited < STALE || (waited < LOST && cached(r))
+        });
         if inner.waiting.is_empty() {
             return Err(None);
         }
-        if inner.released.len() >= self.batch / 2 {
-            let oldest = inner.released.values().min().copied().unwrap_or(now);
-            return Err(Some(STALE.saturating_sub(now.duration_since(oldest))));
+        if inner.released.len() * 2 >= self.batch {
+            return Err(Some(POLL));
         }
-        let n = self.batch.min(inner.waiting.len());
-        let refs: Vec<ObjectRef<K>> = inner.waiting.drain(..n).collect();
-        for r in &refs {
-            inner.queued.remove(r);
-            inner
-                .released
-                .insert(queue_key(r.namespace.as_deref(), &r.name), now);
+        let mut refs = Vec::with_capacity(self.batch);
+        while refs.len() < self.batch {
+            let Some(r) = inner.waiting.pop_front() else { break };
+            inner.queued.remove(&r);
+            if cached(&r) {
+                let key = queue_key(r.namespace.as_deref(), &r.name);
+                inner.released.insert(key, (r.clone(), now));
+                refs.push(r);
+            }
         }
-        Ok(refs)
+        match refs.is_empty() {
+            true => Err(None),
+            false => Ok(refs),
+        }
     }
 
     /// The reconcile requests of the resync: after the controller's caches have synced, while
@@ -115,13 +135,15 @@ impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Resync<K> {
         self: Arc<Self>,
         ctx: ControllerContext,
         synced: watch::Receiver<bool>,
+        primary: Store<K>,
     ) -> impl Stream<Item = ObjectRef<K>> + Send + 'static {
-        futures::stream::unfold((self, ctx, synced), |(this, ctx, mut synced)| async move {
+        let state = (self, ctx, synced, primary);
+        futures::stream::unfold(state, |(this, ctx, mut synced, primary)| async move {
             let _ = synced.wait_for(|s| *s).await;
             loop {
                 ctx.leading().await;
-                match this.take(Instant::now()) {
-                    Ok(refs) => return Some((futures::stream::iter(refs), (this, ctx, synced))),
+                match this.take(Instant::now(), |r| primary.get(r).is_some()) {
+                    Ok(refs) => return Some((futures::stream::iter(refs), (this, ctx, synced, primary))),
                     Err(None) => this.wake.notified().await,
                     Err(Some(after)) => {
                         let _ = tokio::time::timeout(after, this.wake.notified()).await;
@@ -283,21 +305,51 @@ mod tests {
         }
         r.defer(ObjectRef::new("c0").within("ns"));
         assert_eq!(r.waiting(), 10, "listed twice, waiting once");
+        let all = |_: &ObjectRef<ConfigMap>| true;
         let now = Instant::now();
-        let first = r.take(now).expect("room for a batch");
+        let first = r.take(now, all).expect("room for a batch");
         assert_eq!(first.len(), 4);
         assert_eq!(first[0].name, "c0", "in list order");
-        assert!(r.take(now).is_err(), "four handed out, none started");
+        assert!(r.take(now, all).is_err(), "four handed out, none started");
         r.started("ns/c0");
         r.started("ns/c1");
-        assert!(r.take(now).is_err(), "two still wait: half a batch");
+        assert!(r.take(now, all).is_err(), "two still wait: half a batch");
         r.started("ns/c2");
-        let second = r.take(now).expect("fewer than half a batch wait");
+        let second = r.take(now, all).expect("fewer than half a batch wait");
         assert_eq!(second[0].name, "c4");
-        // One that never starts (deleted meanwhile) stops counting after a while.
-        assert!(r.take(now).is_err());
-        let third = r.take(now + STALE).expect("the handed-out ones went stale");
-        assert_eq!(third.len(), 2);
-        assert_eq!(r.take(now + STALE), Err(None), "nothing left: wait to be woken");
+        // Handed out and never started: counted while the object is there, until LOST; a gone
+        // one stops counting after STALE.
+        assert!(r.take(now + STALE, all).is_err(), "still cached: still waiting");
+        let third = r.take(now + STALE, |_| false);
+        assert_eq!(
+            third,
+            Err(None),
+            "all gone: the rest are dropped, nothing handed out"
+        );
+        assert_eq!(r.waiting(), 0);
+    }
+
+    #[test]
+    fn one_worker_still_gets_the_resync_one_at_a_time() {
+        let r: Arc<Resync<ConfigMap>> = Resync::new(1);
+        r.defer(ObjectRef::new("a").within("ns"));
+        r.defer(ObjectRef::new("b").within("ns"));
+        let now = Instant::now();
+        let all = |_: &ObjectRef<ConfigMap>| true;
+        assert_eq!(r.take(now, all).map(|v| v.len()), Ok(1));
+        assert!(r.take(now, all).is_err(), "a not started yet");
+        r.started("ns/a");
+        assert_eq!(r.take(now, all).map(|v| v[0].name.clone()), Ok("b".to_string()));
+    }
+
+    #[test]
+    fn objects_the_cache_does_not_have_are_not_handed_out() {
+        let r: Arc<Resync<ConfigMap>> = Resync::new(4);
+        for name in ["gone", "here", "other"] {
+            r.defer(ObjectRef::new(name).within("ns"));
+        }
+        let refs = r.take(Instant::now(), |o| o.name != "gone").expect("two cached");
+        let names: Vec<&str> = refs.iter().map(|o| o.name.as_str()).collect();
+        assert_eq!(names, ["here", "other"]);
     }
 }

@@ -79,7 +79,7 @@ fn streamed_or_paged<C: Watchable>(
             loop {
                 match events.next().await? {
                     Err(watcher::Error::WatchStartFailed(kube::Error::Api(s)))
-                        if streamed && (s.code == 422 || s.code == 400) =>
+                        if streamed && refuses_streaming(&s) =>
                     {
                         tracing::info!(kind = %C::kind(&()), reason = %s.message, "the apiserver does not stream initial lists; listing in pages");
                         pages.store(true, Ordering::SeqCst);
@@ -90,6 +90,16 @@ fn streamed_or_paged<C: Watchable>(
             }
         }
     })
+}
+
+/// Whether a watch was refused for asking for a streamed list (Kubernetes 1.33: "422
+/// sendInitialEvents is forbidden for watch unless the WatchList feature gate is enabled"),
+/// not for anything else wrong with it (a bad selector keeps its error, and streaming).
+fn refuses_streaming(s: &kube::core::Status) -> bool {
+    s.code == 422
+        && ["sendInitialEvents", "resourceVersionMatch", "WatchList"]
+            .iter()
+            .any(|w| s.message.contains(w))
 }
 
 /// Lists the cached children controlled by the object of a uid: what pruning may delete (by
@@ -228,7 +238,10 @@ where
                     enqueue.add(&ObjectRef::from_obj(o));
                 }
             });
-        let resync = w.resync.clone().feed(ctx.clone(), w.synced.subscribe());
+        let resync = w
+            .resync
+            .clone()
+            .feed(ctx.clone(), w.synced.subscribe(), primary.store());
         w.controller = Some(
             Controller::for_stream(stream, primary.store())
                 .with_config(ControllerConfig::default().concurrency(concurrency))
