@@ -139,8 +139,6 @@ impl Echoes {
 #[derive(Clone, Default)]
 pub(crate) struct SharedWatches {
     pub(super) inner: Arc<Mutex<SharedInner>>,
-    /// The apiserver refused a streamed initial list (`sendInitialEvents`): list in pages.
-    pub(super) pages: Arc<AtomicBool>,
 }
 
 #[derive(Default)]

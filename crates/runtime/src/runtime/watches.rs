@@ -57,51 +57,6 @@ fn triggers<C: Resource<DynamicType = ()>>(
     }
 }
 
-/// A watcher whose initial list is streamed over the watch (`sendInitialEvents`, served from
-/// the apiserver's watch cache in one response: no round trip per page of 500), or, once any
-/// watch of this manager has been refused one (Kubernetes 1.33 and servers with the
-/// `WatchList` feature gate off answer 422), listed in pages as before.
-fn streamed_or_paged<C: Watchable>(
-    api: kube::Api<C>,
-    cfg: watcher::Config,
-    pages: Arc<std::sync::atomic::AtomicBool>,
-) -> impl Stream<Item = Result<watcher::Event<C>, watcher::Error>> + Send + 'static {
-    use std::sync::atomic::Ordering;
-    type Events<C> = futures::stream::BoxStream<'static, Result<watcher::Event<C>, watcher::Error>>;
-    let streamed = !pages.load(Ordering::SeqCst);
-    let first: Events<C> = match streamed {
-        true => watcher(api.clone(), cfg.clone().streaming_lists()).boxed(),
-        false => watcher(api.clone(), cfg.clone()).boxed(),
-    };
-    futures::stream::unfold((first, streamed), move |(mut events, mut streamed)| {
-        let (api, cfg, pages) = (api.clone(), cfg.clone(), pages.clone());
-        async move {
-            loop {
-                match events.next().await? {
-                    Err(watcher::Error::WatchStartFailed(kube::Error::Api(s)))
-                        if streamed && refuses_streaming(&s) =>
-                    {
-                        tracing::info!(kind = %C::kind(&()), reason = %s.message, "the apiserver does not stream initial lists; listing in pages");
-                        pages.store(true, Ordering::SeqCst);
-                        (events, streamed) = (watcher(api.clone(), cfg.clone()).boxed(), false);
-                    }
-                    ev => return Some((ev, (events, streamed))),
-                }
-            }
-        }
-    })
-}
-
-/// Whether a watch was refused for asking for a streamed list (Kubernetes 1.33: "422
-/// sendInitialEvents is forbidden for watch unless the WatchList feature gate is enabled"),
-/// not for anything else wrong with it (a bad selector keeps its error, and streaming).
-fn refuses_streaming(s: &kube::core::Status) -> bool {
-    s.code == 422
-        && ["sendInitialEvents", "resourceVersionMatch", "WatchList"]
-            .iter()
-            .any(|w| s.message.contains(w))
-}
-
 /// Lists the cached children controlled by the object of a uid: what pruning may delete (by
 /// name, as it always has: no uid precondition).
 pub(crate) type Pruner = Box<dyn Fn(&str) -> Vec<Deletion> + Send + Sync>;
@@ -317,21 +272,17 @@ where
                 let kind = C::kind(&()).to_string();
                 let driver = reflector::reflector(
                     writer,
-                    streamed_or_paged(
-                        api::<C>(&self.client, self.namespace.as_deref()),
-                        cfg,
-                        self.shared.pages.clone(),
-                    )
-                    .default_backoff()
-                    .modify(move |o| {
-                        if let Some(manager) = &applied {
-                            keep_applied(o, manager);
-                        }
-                        o.managed_fields_mut().clear();
-                        if let Some(t) = &trim {
-                            (t.apply)(o);
-                        }
-                    }),
+                    watcher(api::<C>(&self.client, self.namespace.as_deref()), cfg)
+                        .default_backoff()
+                        .modify(move |o| {
+                            if let Some(manager) = &applied {
+                                keep_applied(o, manager);
+                            }
+                            o.managed_fields_mut().clear();
+                            if let Some(t) = &trim {
+                                (t.apply)(o);
+                            }
+                        }),
                 )
                 .for_each(move |ev| {
                     match ev {
@@ -632,79 +583,6 @@ fn not_older(cached: Option<&str>, wanted: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
-    /// An apiserver that refuses `sendInitialEvents` as Kubernetes 1.33 does: the watcher
-    /// lists in pages instead, and so does every later watch of the manager.
-    #[tokio::test]
-    async fn a_server_that_refuses_streamed_lists_is_listed_in_pages() {
-        use k8s_openapi::api::core::v1::ConfigMap;
-        let seen = Arc::new(Mutex::new(Vec::<String>::new()));
-        let log = seen.clone();
-        let svc = tower::service_fn(move |req: http::Request<kube::client::Body>| {
-            let uri = req.uri().to_string();
-            log.lock().unwrap().push(uri.clone());
-            async move {
-                let (code, body) = if uri.contains("sendInitialEvents=true") {
-                    (
-                        422,
-                        serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Invalid", "code": 422,
-                        "message": "sendInitialEvents is forbidden for watch unless the WatchList feature gate is enabled"}),
-                    )
-                } else if uri.contains("watch=") {
-                    (200, serde_json::json!(null))
-                } else {
-                    (
-                        200,
-                        serde_json::json!({"kind": "ConfigMapList", "apiVersion": "v1", "metadata": {"resourceVersion": "5"},
-                        "items": [{"metadata": {"name": "a", "namespace": "ns", "resourceVersion": "4"}}]}),
-                    )
-                };
-                let body = if body.is_null() {
-                    Vec::new()
-                } else {
-                    serde_json::to_vec(&body).unwrap()
-                };
-                Ok::<_, std::convert::Infallible>(
-                    http::Response::builder()
-                        .status(code)
-                        .body(kube::client::Body::from(body))
-                        .unwrap(),
-                )
-            }
-        });
-        let client = kube::Client::new(svc, "ns");
-        let pages = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let api = kube::Api::<ConfigMap>::namespaced(client, "ns");
-        let events: Vec<_> = streamed_or_paged(api.clone(), watcher::Config::default(), pages.clone())
-            .take(3)
-            .collect()
-            .await;
-        let names: Vec<String> = events
-            .iter()
-            .map(|e| match e {
-                Ok(watcher::Event::Init) => "init".into(),
-                Ok(watcher::Event::InitApply(c)) => c.name_any(),
-                Ok(watcher::Event::InitDone) => "done".into(),
-                other => format!("{other:?}"),
-            })
-            .collect();
-        assert_eq!(names, ["init", "a", "done"], "the refusal is not an error");
-        assert!(pages.load(std::sync::atomic::Ordering::SeqCst));
-        let first = seen.lock().unwrap().clone();
-        assert!(first[0].contains("sendInitialEvents=true"), "{first:?}");
-        assert!(!first[1].contains("watch="), "then a list: {first:?}");
-        // The next watch of the manager does not ask again.
-        seen.lock().unwrap().clear();
-        let _ = streamed_or_paged(api, watcher::Config::default(), pages)
-            .take(2)
-            .collect::<Vec<_>>()
-            .await;
-        let next = seen.lock().unwrap().clone();
-        assert!(
-            !next.is_empty() && next.iter().all(|u| !u.contains("watch=")),
-            "{next:?}"
-        );
-    }
-
     #[test]
     fn resource_versions_compare_as_integers_when_they_are() {
         assert!(not_older(Some("10"), "9"));
