@@ -501,8 +501,6 @@ impl<R: Reconciler> Runner<R> {
         Ok(())
     }
 
-    /// Records an invalid spec as a condition on the live status and warns once per change of
-    /// that condition.
     /// Records an invalid spec or a [`Retry`] as its condition (one Warning Event when that
     /// changes); a retry comes back after its delay, an invalid spec with the next change.
     async fn report_invalid(

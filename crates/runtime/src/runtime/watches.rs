@@ -347,29 +347,6 @@ where
         (cache, stream)
     }
 
-    /// The changes of a related kind that trigger reconciles of the primaries `refs` names.
-    /// What a list brings (the operator starting, a watch listing again) only puts those
-    /// primaries into the resync: listed unchanged, a child says nothing new of its owner.
-    fn triggered<C: Watchable>(
-        &self,
-        events: impl Stream<Item = Result<watcher::Event<C>, watcher::Error>> + Send + 'static,
-        refs: Arc<dyn Fn(C) -> Vec<ObjectRef<K>> + Send + Sync>,
-    ) -> impl Stream<Item = Result<C, watcher::Error>> + Send + 'static {
-        let resync = self.resync.clone();
-        events
-            .filter_map(move |ev| {
-                let ev = match ev {
-                    Ok(watcher::Event::InitApply(c)) => {
-                        refs(c).into_iter().for_each(|r| resync.defer(r));
-                        None
-                    }
-                    ev => Some(ev),
-                };
-                futures::future::ready(ev)
-            })
-            .touched_objects()
-    }
-
     fn add_pruner<C: Watchable>(&mut self, cache: &Cache<C>) {
         let cache = cache.clone();
         self.pruners.push(Box::new(move |uid: &str| {
@@ -435,14 +412,28 @@ where
         cache
     }
 
-    /// Wires a related kind's events to the primaries `refs` names (counted as queued).
+    /// Wires a related kind's events to the primaries `refs` names (counted as queued). What a
+    /// list brings (the operator starting, a watch listing again) only puts those primaries
+    /// into the resync: listed unchanged, a child says nothing new of its owner.
     fn trigger<C: Watchable>(
         &mut self,
         events: impl Stream<Item = Result<watcher::Event<C>, watcher::Error>> + Send + 'static,
         refs: impl Fn(C) -> Vec<ObjectRef<K>> + Send + Sync + 'static,
     ) {
-        let refs: Arc<dyn Fn(C) -> Vec<ObjectRef<K>> + Send + Sync> = Arc::new(refs);
-        let stream = self.triggered(events, refs.clone());
+        let refs = Arc::new(refs);
+        let (listed, resync) = (refs.clone(), self.resync.clone());
+        let stream = events
+            .filter_map(move |ev| {
+                let ev = match ev {
+                    Ok(watcher::Event::InitApply(c)) => {
+                        listed(c).into_iter().for_each(|r| resync.defer(r));
+                        None
+                    }
+                    ev => Some(ev),
+                };
+                futures::future::ready(ev)
+            })
+            .touched_objects();
         let enqueue = self.enqueue.clone();
         let map = move |c: C| {
             let refs = refs(c);
