@@ -179,6 +179,205 @@ fn merge(into: &mut Value, other: Value) {
     }
 }
 
+/// The `status` of `obj`, serialised alone.
+///
+/// A no-op reconcile compares the planned status with the live one. Serialising the whole
+/// object for that costs its spec, metadata and managed fields on every reconcile; this
+/// visits the object's top-level fields and serialises only the one named `status`. `Null`
+/// when the object has none.
+pub fn status_of<K: serde::Serialize + ?Sized>(obj: &K) -> Value {
+    obj.serialize(StatusOnly).ok().flatten().unwrap_or(Value::Null)
+}
+
+/// A serializer that keeps one top-level field, `status`, of a struct or a map.
+struct StatusOnly;
+
+/// What a top-level shape other than a struct or a map turns into: no status.
+fn no_status<T>() -> Result<T, serde_json::Error> {
+    Err(serde::ser::Error::custom("not an object"))
+}
+
+/// The `status` field, once seen, of a struct or map being serialised.
+#[derive(Default)]
+struct Picked {
+    status: Option<Value>,
+    /// The last map key was `status`.
+    next_is_status: bool,
+}
+
+impl serde::ser::SerializeStruct for Picked {
+    type Ok = Option<Value>;
+    type Error = serde_json::Error;
+
+    fn serialize_field<T: serde::Serialize + ?Sized>(
+        &mut self,
+        key: &'static str,
+        value: &T,
+    ) -> Result<(), Self::Error> {
+        if key == "status" {
+            self.status = Some(serde_json::to_value(value)?);
+        }
+        Ok(())
+    }
+
+    fn end(self) -> Result<Self::Ok, Self::Error> {
+        Ok(self.status)
+    }
+}
+
+impl serde::ser::SerializeMap for Picked {
+    type Ok = Option<Value>;
+    type Error = serde_json::Error;
+
+    fn serialize_key<T: serde::Serialize + ?Sized>(&mut self, key: &T) -> Result<(), Self::Error> {
+        self.next_is_status = serde_json::to_value(key)? == "status";
+        Ok(())
+    }
+
+    fn serialize_value<T: serde::Serialize + ?Sized>(&mut self, value: &T) -> Result<(), Self::Error> {
+        if std::mem::take(&mut self.next_is_status) {
+            self.status = Some(serde_json::to_value(value)?);
+        }
+        Ok(())
+    }
+
+    fn end(self) -> Result<Self::Ok, Self::Error> {
+        Ok(self.status)
+    }
+}
+
+impl serde::Serializer for StatusOnly {
+    type Ok = Option<Value>;
+    type Error = serde_json::Error;
+    type SerializeSeq = serde::ser::Impossible<Self::Ok, Self::Error>;
+    type SerializeTuple = serde::ser::Impossible<Self::Ok, Self::Error>;
+    type SerializeTupleStruct = serde::ser::Impossible<Self::Ok, Self::Error>;
+    type SerializeTupleVariant = serde::ser::Impossible<Self::Ok, Self::Error>;
+    type SerializeMap = Picked;
+    type SerializeStruct = Picked;
+    type SerializeStructVariant = serde::ser::Impossible<Self::Ok, Self::Error>;
+
+    fn serialize_struct(self, _: &'static str, _: usize) -> Result<Picked, Self::Error> {
+        Ok(Picked::default())
+    }
+
+    fn serialize_map(self, _: Option<usize>) -> Result<Picked, Self::Error> {
+        Ok(Picked::default())
+    }
+
+    fn serialize_some<T: serde::Serialize + ?Sized>(self, value: &T) -> Result<Self::Ok, Self::Error> {
+        value.serialize(self)
+    }
+
+    fn serialize_newtype_struct<T: serde::Serialize + ?Sized>(
+        self,
+        _: &'static str,
+        value: &T,
+    ) -> Result<Self::Ok, Self::Error> {
+        value.serialize(self)
+    }
+
+    fn serialize_bool(self, _: bool) -> Result<Self::Ok, Self::Error> {
+        no_status()
+    }
+    fn serialize_i8(self, _: i8) -> Result<Self::Ok, Self::Error> {
+        no_status()
+    }
+    fn serialize_i16(self, _: i16) -> Result<Self::Ok, Self::Error> {
+        no_status()
+    }
+    fn serialize_i32(self, _: i32) -> Result<Self::Ok, Self::Error> {
+        no_status()
+    }
+    fn serialize_i64(self, _: i64) -> Result<Self::Ok, Self::Error> {
+        no_status()
+    }
+    fn serialize_u8(self, _: u8) -> Result<Self::Ok, Self::Error> {
+        no_status()
+    }
+    fn serialize_u16(self, _: u16) -> Result<Self::Ok, Self::Error> {
+        no_status()
+    }
+    fn serialize_u32(self, _: u32) -> Result<Self::Ok, Self::Error> {
+        no_status()
+    }
+    fn serialize_u64(self, _: u64) -> Result<Self::Ok, Self::Error> {
+        no_status()
+    }
+    fn serialize_f32(self, _: f32) -> Result<Self::Ok, Self::Error> {
+        no_status()
+    }
+    fn serialize_f64(self, _: f64) -> Result<Self::Ok, Self::Error> {
+        no_status()
+    }
+    fn serialize_char(self, _: char) -> Result<Self::Ok, Self::Error> {
+        no_status()
+    }
+    fn serialize_str(self, _: &str) -> Result<Self::Ok, Self::Error> {
+        no_status()
+    }
+    fn serialize_bytes(self, _: &[u8]) -> Result<Self::Ok, Self::Error> {
+        no_status()
+    }
+    fn serialize_none(self) -> Result<Self::Ok, Self::Error> {
+        Ok(None)
+    }
+    fn serialize_unit(self) -> Result<Self::Ok, Self::Error> {
+        Ok(None)
+    }
+    fn serialize_unit_struct(self, _: &'static str) -> Result<Self::Ok, Self::Error> {
+        Ok(None)
+    }
+    fn serialize_unit_variant(
+        self,
+        _: &'static str,
+        _: u32,
+        _: &'static str,
+    ) -> Result<Self::Ok, Self::Error> {
+        no_status()
+    }
+    fn serialize_newtype_variant<T: serde::Serialize + ?Sized>(
+        self,
+        _: &'static str,
+        _: u32,
+        _: &'static str,
+        _: &T,
+    ) -> Result<Self::Ok, Self::Error> {
+        no_status()
+    }
+    fn serialize_seq(self, _: Option<usize>) -> Result<Self::SerializeSeq, Self::Error> {
+        no_status()
+    }
+    fn serialize_tuple(self, _: usize) -> Result<Self::SerializeTuple, Self::Error> {
+        no_status()
+    }
+    fn serialize_tuple_struct(
+        self,
+        _: &'static str,
+        _: usize,
+    ) -> Result<Self::SerializeTupleStruct, Self::Error> {
+        no_status()
+    }
+    fn serialize_tuple_variant(
+        self,
+        _: &'static str,
+        _: u32,
+        _: &'static str,
+        _: usize,
+    ) -> Result<Self::SerializeTupleVariant, Self::Error> {
+        no_status()
+    }
+    fn serialize_struct_variant(
+        self,
+        _: &'static str,
+        _: u32,
+        _: &'static str,
+        _: usize,
+    ) -> Result<Self::SerializeStructVariant, Self::Error> {
+        no_status()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -295,5 +494,40 @@ mod tests {
             &live
         ));
         assert!(!same(&json!({"lastRun": "t2", "active": [{"name": "a"}]}), &live));
+    }
+
+    #[test]
+    fn status_of_reads_the_status_alone_of_structs_and_maps() {
+        use k8s_openapi::api::apps::v1::{Deployment, DeploymentStatus};
+        use k8s_openapi::api::core::v1::ConfigMap;
+        let mut d = Deployment::default();
+        d.metadata.name = Some("d".into());
+        assert_eq!(status_of(&d), Value::Null, "no status");
+        d.status = Some(DeploymentStatus {
+            ready_replicas: Some(2),
+            ..Default::default()
+        });
+        assert_eq!(status_of(&d), json!({"readyReplicas": 2}));
+        assert_eq!(status_of(&d), serde_json::to_value(&d).expect("json")["status"]);
+        assert_eq!(
+            status_of(&ConfigMap::default()),
+            Value::Null,
+            "a kind without status"
+        );
+        let dynamic: kube::api::DynamicObject = serde_json::from_value(json!({
+            "apiVersion": "example.com/v1", "kind": "Thing", "metadata": {"name": "t"},
+            "spec": {"size": 1}, "status": {"ready": true}
+        }))
+        .expect("object");
+        assert_eq!(
+            status_of(&dynamic),
+            json!({"ready": true}),
+            "flattened fields are a map"
+        );
+        assert_eq!(
+            status_of(&json!({"spec": {}, "status": {"a": [1]}})),
+            json!({"a": [1]})
+        );
+        assert_eq!(status_of(&json!([1, 2])), Value::Null, "not an object");
     }
 }

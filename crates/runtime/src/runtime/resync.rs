@@ -161,10 +161,6 @@ impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Resync<K> {
 /// says neither, counts as not settled: it is reconciled at once, as before.
 pub(crate) fn settled<K: Resource + Serialize>(obj: &K) -> bool {
     #[derive(Deserialize)]
-    struct Object {
-        status: Option<Status>,
-    }
-    #[derive(Deserialize)]
     #[serde(rename_all = "camelCase")]
     struct Status {
         observed_generation: Option<i64>,
@@ -180,12 +176,7 @@ pub(crate) fn settled<K: Resource + Serialize>(obj: &K) -> bool {
     let Some(generation) = meta.generation.filter(|_| meta.deletion_timestamp.is_none()) else {
         return false;
     };
-    // Serialised to bytes and read back for the status only: cheaper than a JSON tree.
-    let Some(status) = serde_json::to_vec(obj)
-        .ok()
-        .and_then(|b| serde_json::from_slice::<Object>(&b).ok())
-        .and_then(|o| o.status)
-    else {
+    let Ok(status) = serde_json::from_value::<Status>(crate::diff::status_of(obj)) else {
         return false;
     };
     match status.observed_generation {

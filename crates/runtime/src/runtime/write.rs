@@ -177,7 +177,7 @@ impl Writer {
             }
             StatusBase::Cache => {
                 // Read as `S`: fields of the status that `S` does not know are not the plan's.
-                let live: S = serde_json::from_value(live_status(obj)?).unwrap_or_default();
+                let live: S = serde_json::from_value(crate::diff::status_of(obj)).unwrap_or_default();
                 if same(&desired, &serde_json::to_value(live)?) {
                     return Ok(false);
                 }
@@ -231,7 +231,7 @@ impl Writer {
         K: Watchable,
         S: Serialize + DeserializeOwned + Default,
     {
-        let mut status = live_status(obj)?;
+        let mut status = crate::diff::status_of(obj);
         if !status.is_object() {
             status = serde_json::json!({});
         }
@@ -408,13 +408,6 @@ fn shard_labelled(
         labels[crate::OWNER_LABEL] = uid.into();
     }
     body
-}
-
-fn live_status<K: Serialize>(obj: &K) -> Result<serde_json::Value, Error> {
-    let mut v = serde_json::to_value(obj)?;
-    Ok(v.get_mut("status")
-        .map(serde_json::Value::take)
-        .unwrap_or_default())
 }
 
 /// The status writes whose watch events the primary cache has not delivered yet.
