@@ -7,6 +7,7 @@
 //! changed while the operator was down are reconciled ahead of the resync of the others. A
 //! trigger from outside the cluster reconciles the object it names, or all of them. A `Retry`
 //! from `observe` is shown as a condition and an Event, and honoured until the service is back.
+//! Things outside the cluster are made, kept against drift and dropped through plans' acts.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -982,6 +983,253 @@ async fn a_retry_is_shown_as_a_condition_and_honoured_until_the_outside_service_
                 Ok(())
             })
             .await?;
+            Ok(())
+        })
+        .await;
+}
+
+/// An outside system of this test's own: named numbers, shared with the test, which changes
+/// them by hand and takes the system down (every call then fails with a `Retry`).
+#[derive(Clone, Default)]
+struct Ledger {
+    numbers: Arc<Mutex<std::collections::BTreeMap<String, u32>>>,
+    down: Arc<AtomicBool>,
+    /// The acts carried out: (action, key).
+    acts: Arc<Mutex<Vec<(&'static str, String)>>>,
+}
+
+/// What a plan may ask of the ledger.
+enum Entry {
+    Set(u32),
+    Drop,
+}
+
+const LEDGER_RETRY: Duration = Duration::from_secs(1);
+
+impl Ledger {
+    fn numbers(&self) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<String, u32>> {
+        self.numbers.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn up(&self) -> Result<(), opkit::Retry> {
+        if self.down.load(Ordering::SeqCst) {
+            let down = "the ledger refused the connection";
+            return Err(opkit::Retry::new(
+                LEDGER_RETRY,
+                "Ready",
+                false,
+                "LedgerUnavailable",
+                down,
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl opkit::Outside for Ledger {
+    type Key = String;
+    type State = u32;
+    type Action = Entry;
+
+    fn name(&self) -> &'static str {
+        "ledger"
+    }
+
+    async fn list(&self) -> Result<std::collections::BTreeMap<String, u32>, opkit::Retry> {
+        self.up()?;
+        Ok(self.numbers().clone())
+    }
+
+    async fn read(&self, key: &String) -> Result<Option<u32>, opkit::Retry> {
+        self.up()?;
+        Ok(self.numbers().get(key).copied())
+    }
+
+    async fn act(&self, key: &String, action: &Entry) -> Result<(), opkit::Retry> {
+        self.up()?;
+        match action {
+            Entry::Set(n) => self.numbers().insert(key.clone(), *n),
+            Entry::Drop => self.numbers().remove(key),
+        };
+        self.acts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((Self::action_name(action), key.clone()));
+        Ok(())
+    }
+
+    fn action_name(action: &Entry) -> &'static str {
+        match action {
+            Entry::Set(_) => "set",
+            Entry::Drop => "drop",
+        }
+    }
+}
+
+/// Keeps the ledger's number `<namespace>/<name>` at each Tick's `n`, and drops it when the
+/// Tick goes.
+#[derive(Clone, Default)]
+struct Booked {
+    ledger: Ledger,
+}
+
+fn ledger_key(t: &Tick) -> String {
+    format!("{}/{}", t.namespace().unwrap_or_default(), t.name_any())
+}
+
+impl Reconciler for Booked {
+    type Object = Tick;
+    type Caches = opkit::OutsideCache<Ledger>;
+    type World = Option<u32>;
+    type Status = TickStatus;
+
+    fn name(&self) -> &'static str {
+        "booked"
+    }
+
+    fn cleans_up(&self) -> bool {
+        true
+    }
+
+    fn watch(&self, w: &mut Watches<Tick>) -> Self::Caches {
+        w.outside(self.ledger.clone(), Duration::from_millis(200), |key: &String| {
+            let (ns, name) = key.split_once('/')?;
+            Some(kube::runtime::reflector::ObjectRef::new(name).within(ns))
+        })
+    }
+
+    async fn observe(&self, t: &Tick, ledger: &Self::Caches, _: &Client) -> kube::Result<Option<u32>> {
+        Ok(ledger.get(&ledger_key(t))?)
+    }
+
+    fn plan(&self, t: &Tick, booked: &Option<u32>, _: Timestamp) -> Result<Plan<TickStatus>, Invalid> {
+        let status = TickStatus {
+            observed_generation: t.metadata.generation,
+            ..Default::default()
+        };
+        let plan = Plan::status(status, Requeue::OnChange);
+        Ok(match booked {
+            Some(n) if *n == t.spec.n => plan,
+            _ => plan.act(opkit::Act::new::<Ledger>(ledger_key(t), Entry::Set(t.spec.n))),
+        })
+    }
+
+    fn cleanup(&self, t: &Tick, booked: &Option<u32>, _: Timestamp) -> Cleanup<TickStatus> {
+        match booked {
+            Some(_) => Cleanup::done().act(opkit::Act::new::<Ledger>(ledger_key(t), Entry::Drop)),
+            None => Cleanup::done(),
+        }
+    }
+}
+
+#[tokio::test]
+async fn outside_things_are_made_kept_against_drift_and_dropped_through_the_plans_acts() {
+    shared()
+        .in_namespace("framework-outside", |client, ns| async move {
+            common::install_crd(&client, tick_crd()?).await?;
+            let booked = Booked::default();
+            booked.ledger.numbers().insert("elsewhere/x".into(), 9);
+            let op = operator_of("booked", |m, b: &Booked| {
+                m.add(b.clone());
+            });
+            let op = common::start_op(&op, &client, &ns, Run::new(&["booked"]), &booked, |_| {}).await?;
+            let ticks: Api<Tick> = Api::namespaced(client.clone(), &ns);
+            ticks
+                .create(&PostParams::default(), &Tick::new("a", TickSpec { n: 1 }))
+                .await?;
+            let key = format!("{ns}/a");
+            let number = |want: Option<u32>| {
+                let (ledger, key) = (booked.ledger.clone(), key.clone());
+                move || {
+                    let (ledger, key) = (ledger.clone(), key.clone());
+                    async move {
+                        let n = ledger.numbers().get(&key).copied();
+                        ensure!(n == want, "the ledger has {n:?} for {key}");
+                        Ok(())
+                    }
+                }
+            };
+            wait_for("the number made", T, number(Some(1))).await?;
+            wait_for("the status written after the act", T, || async {
+                let status = ticks.get("a").await?.status.unwrap_or_default();
+                ensure!(status.observed_generation == Some(1), "{status:?}");
+                Ok(())
+            })
+            .await?;
+            let sets = |ledger: &Ledger| {
+                ledger
+                    .acts
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .iter()
+                    .filter(|(a, _)| *a == "set")
+                    .count()
+            };
+            // Settled: no act repeats while nothing changes (several polls long).
+            consistently("one set for one Tick", Duration::from_secs(2), || async {
+                ensure!(sets(&booked.ledger) == 1, "{:?}", booked.ledger.acts);
+                Ok(())
+            })
+            .await?;
+
+            // Changed by hand outside the cluster: a poll notices, the plan puts it back.
+            booked.ledger.numbers().insert(key.clone(), 5);
+            wait_for("the drift put right", T, number(Some(1))).await?;
+            ensure!(sets(&booked.ledger) == 2, "{:?}", booked.ledger.acts);
+
+            // The ledger down: a new spec waits, shown as a condition, until it is back.
+            booked.ledger.down.store(true, Ordering::SeqCst);
+            ticks
+                .patch(
+                    "a",
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({"spec": {"n": 3}})),
+                )
+                .await?;
+            wait_for("the condition", T, || async {
+                let status = ticks.get("a").await?.status.unwrap_or_default();
+                ensure!(
+                    status
+                        .conditions
+                        .first()
+                        .is_some_and(|c| c.reason == "LedgerUnavailable"
+                            && c.status == "False"
+                            && c.message.contains("refused")),
+                    "{status:?}"
+                );
+                Ok(())
+            })
+            .await?;
+            ensure!(
+                booked.ledger.numbers().get(&key) == Some(&1),
+                "nothing changed while down"
+            );
+            booked.ledger.down.store(false, Ordering::SeqCst);
+            wait_for("the new number once the ledger is back", T, number(Some(3))).await?;
+            wait_for("the condition gone", T, || async {
+                let status = ticks.get("a").await?.status.unwrap_or_default();
+                ensure!(
+                    status.observed_generation == Some(2) && status.conditions.is_empty(),
+                    "{status:?}"
+                );
+                Ok(())
+            })
+            .await?;
+
+            // Deleted: the number goes, then the Tick; what the controller did not make stays.
+            ticks.delete("a", &DeleteParams::default()).await?;
+            wait_for("the number dropped", T, number(None)).await?;
+            wait_for("the Tick gone", T, || async {
+                ensure!(ticks.get_opt("a").await?.is_none(), "still there");
+                Ok(())
+            })
+            .await?;
+            ensure!(booked.ledger.numbers().get("elsewhere/x") == Some(&9));
+            let ok = op.sample(r#"opkit_calls_total{controller="booked",step="ledger.set",result="ok"}"#);
+            ensure!(ok >= 3.0, "{ok} sets counted");
+            let dropped =
+                op.sample(r#"opkit_calls_total{controller="booked",step="ledger.drop",result="ok"}"#);
+            ensure!(dropped == 1.0, "{dropped} drops counted");
             Ok(())
         })
         .await;

@@ -23,6 +23,7 @@ mod manager;
 pub mod metrics;
 pub mod migrate;
 mod operator;
+mod outside;
 mod plan;
 pub mod rbac;
 mod reconciler;
@@ -48,7 +49,10 @@ pub use operator::{
     Connect, CrdError, Operator, RunConfig, RunError, Running, Started, WebhookServing, install_crd,
     own_namespace,
 };
-pub use plan::{Child, Cleanup, Deletion, Event, Invalid, OWNER_LABEL, Plan, Requeue, Retry, finalizer_name};
+pub use outside::{Outside, OutsideCache};
+pub use plan::{
+    Act, Child, Cleanup, Deletion, Event, Invalid, OWNER_LABEL, Plan, Requeue, Retry, finalizer_name,
+};
 pub use reconciler::Reconciler;
 pub use registry::{Registration, Registry};
 pub use runtime::Watches;

@@ -28,6 +28,9 @@ pub struct Cleanup<S> {
     pub deletes: Vec<Deletion>,
     /// Steps outside the cluster to run, in order, after the deletions ([`crate::Reconciler::call`]).
     pub calls: Vec<&'static str>,
+    /// Changes to things outside the cluster, in order, after the deletions and steps
+    /// (e.g. dropping the database the object created).
+    pub acts: Vec<Act>,
     /// Whether everything is gone: once the deletions and steps of this cleanup succeeded,
     /// opkit removes the finalizer and the object goes. While not done, opkit looks again
     /// when something watched changes, and after a growing delay.
@@ -44,6 +47,7 @@ impl<S> Cleanup<S> {
         Cleanup {
             deletes: Vec::new(),
             calls: Vec::new(),
+            acts: Vec::new(),
             done: true,
             status: None,
             events: Vec::new(),
@@ -67,6 +71,12 @@ impl<S> Cleanup<S> {
     /// Adds a step outside the cluster.
     pub fn call(mut self, step: &'static str) -> Self {
         self.calls.push(step);
+        self
+    }
+
+    /// Adds a change to a thing outside the cluster ([`Act::new`]).
+    pub fn act(mut self, act: Act) -> Self {
+        self.acts.push(act);
         self
     }
 
@@ -135,6 +145,9 @@ pub struct Plan<S> {
     pub delete: bool,
     /// The status describes work still under way (see [`Plan::in_progress`]).
     pub in_progress: bool,
+    /// Changes to things outside the cluster, carried out in order after the cluster writes
+    /// and before the status ([`Plan::act`]).
+    pub acts: Vec<Act>,
 }
 
 impl<S> Plan<S> {
@@ -148,6 +161,7 @@ impl<S> Plan<S> {
             requeue,
             delete: false,
             in_progress: false,
+            acts: Vec::new(),
         }
     }
 
@@ -163,6 +177,7 @@ impl<S> Plan<S> {
             requeue,
             delete: false,
             in_progress: false,
+            acts: Vec::new(),
         }
     }
 
@@ -176,6 +191,7 @@ impl<S> Plan<S> {
             requeue: Requeue::OnChange,
             delete: true,
             in_progress: false,
+            acts: Vec::new(),
         }
     }
 
@@ -188,6 +204,16 @@ impl<S> Plan<S> {
     /// Adds an Event.
     pub fn event(mut self, event: Event) -> Self {
         self.events.push(event);
+        self
+    }
+
+    /// Asks for a change to a thing outside the cluster ([`Act::new`]). opkit carries the
+    /// acts out in order after the children and deletions, on a replica that may write, then
+    /// reads each thing again: the next plan sees the result in the
+    /// [`crate::OutsideCache`]. A failed act ends the reconcile as a [`Retry`] does (a
+    /// condition, a Warning Event, another try after its delay); the status is not written.
+    pub fn act(mut self, act: Act) -> Self {
+        self.acts.push(act);
         self
     }
 
@@ -415,6 +441,31 @@ fn fit_note(mut note: String) -> String {
     note.truncate(end);
     note.push_str(MARK);
     note
+}
+
+/// One change to a thing outside the cluster that a plan asks for: made with [`Act::new`]
+/// from a key and an action of an [`crate::Outside`] source, carried out by opkit.
+pub struct Act {
+    pub(crate) source: std::any::TypeId,
+    pub(crate) name: &'static str,
+    /// The key, as `Debug` shows it.
+    pub(crate) key: String,
+    /// The key and the action.
+    pub(crate) payload: Box<dyn std::any::Any + Send + Sync>,
+}
+
+impl Act {
+    /// The action's name and the key, for messages: `create_database "app"`. Never the
+    /// action itself, which may hold a secret.
+    pub fn describe(&self) -> String {
+        format!("{} {}", self.name, self.key)
+    }
+}
+
+impl Debug for Act {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.describe())
+    }
 }
 
 /// A spec the controller cannot act on. opkit records it as this condition in

@@ -27,7 +27,10 @@ const LAYERS: &[(&str, &[&str])] = &[
             "tuning",
         ],
     ),
-    ("what an author declares and plans", &["cache", "plan", "trigger"]),
+    (
+        "what an author declares and plans",
+        &["cache", "plan", "trigger", "outside"],
+    ),
     (
         "client, leader election, metrics, TLS",
         &[

@@ -151,7 +151,7 @@ impl Default for Metrics {
         let calls = Family::<CallLabels, Counter>::default();
         registry.register(
             "calls",
-            "Steps outside the cluster a cleanup ran, by step and result (ok, error)",
+            "Steps and acts outside the cluster, by step (`source.action` for an act) and result (ok, error, retry)",
             calls.clone(),
         );
         registry.register(
@@ -464,10 +464,15 @@ impl ControllerMetrics {
 
     /// Counts one run of a step outside the cluster.
     pub(crate) fn call(&self, step: &str, ok: bool) {
+        self.call_ended(step, if ok { "ok" } else { "error" });
+    }
+
+    /// Counts one run of a step or an act outside the cluster that ended with `result`.
+    pub(crate) fn call_ended(&self, step: &str, result: &str) {
         let l = CallLabels {
             controller: self.controller.clone(),
             step: step.to_string(),
-            result: if ok { "ok" } else { "error" }.to_string(),
+            result: result.to_string(),
         };
         self.metrics.calls.get_or_create(&l).inc();
     }

@@ -20,7 +20,7 @@ use super::watches::{Adopter, Pruner, Watches};
 use super::write::Writer;
 use crate::conditions::Desired;
 use crate::conditions::{CLEANUP_FAILED, DELETING};
-use crate::plan::{Cleanup, Deletion, Event, Invalid, Plan, Requeue, Retry, finalizer_name};
+use crate::plan::{Act, Cleanup, Deletion, Event, Invalid, Plan, Requeue, Retry, finalizer_name};
 use crate::reconciler::Reconciler;
 use crate::runtime::context::ControllerContext;
 
@@ -61,6 +61,8 @@ struct Runner<R: Reconciler> {
     hold: Arc<Hold>,
     queue: crate::metrics::Queue,
     resync: Arc<super::resync::Resync<R::Object>>,
+    /// The outside sources the plans' acts go to.
+    actors: crate::outside::Actors,
 }
 
 /// Builds and runs a controller over `namespaces` (`None`: all; a cluster-scoped primary kind
@@ -97,6 +99,7 @@ pub(crate) fn run<R: Reconciler>(
             adopters,
             background,
             resync,
+            actors,
             ..
         } = w;
         let Some(controller) = controller else { continue };
@@ -113,6 +116,7 @@ pub(crate) fn run<R: Reconciler>(
             hold: hold.clone(),
             queue: ctx.metrics().queue(),
             resync,
+            actors,
         });
         let shutdown = ctx.shutdown_signal();
         let background = async move {
@@ -287,9 +291,15 @@ impl<R: Reconciler> Runner<R> {
         match tracing::debug_span!("plan").in_scope(|| self.reconciler.plan(obj, &world, now)) {
             Ok(plan) => {
                 tracing::debug!(?plan.requeue, children = plan.children.len(), "planned");
-                // carry out (client)
-                let action = self.execute(obj, plan, prunable).await?;
-                Ok((action, "success"))
+                // carry out (client; the outside world through the plan's acts)
+                match self.execute(obj, plan, prunable).await {
+                    Ok(action) => Ok((action, "success")),
+                    Err(Error::Act { act, mut retry }) => {
+                        retry.message = format!("{act}: {}", retry.message);
+                        self.report_invalid(obj, retry.into(), now).await
+                    }
+                    Err(e) => Err(e),
+                }
             }
             Err(invalid) => {
                 tracing::debug!(?invalid, "invalid spec");
@@ -368,6 +378,9 @@ impl<R: Reconciler> Runner<R> {
                 self.writer.prune(&child).await?;
             }
         }
+        // The status was planned before the acts: when they changed something, the next
+        // plan, which sees it, writes the status instead.
+        let acted = self.act(plan.acts).await?;
         // Owned children that reached the caches after the plan observed, and that it does
         // not produce: looked at again shortly, by a plan that sees them (their watch event
         // may be this controller's own echo, which brings no reconcile).
@@ -389,6 +402,7 @@ impl<R: Reconciler> Runner<R> {
             None
         };
         match (plan.status, held) {
+            (Some(_), _) if acted => {}
             (Some(_), Some(wait)) => tracing::debug!(?wait, "status in progress, held back"),
             (Some(status), None) => {
                 let echo = plan.requeue != Requeue::Again;
@@ -406,6 +420,9 @@ impl<R: Reconciler> Runner<R> {
             return Ok(Action::await_change());
         }
         const LATE_CHILD: Duration = Duration::from_secs(1);
+        if acted {
+            return Ok(Action::requeue(Duration::ZERO));
+        }
         Ok(match (plan.requeue, held) {
             (Requeue::After(d), Some(wait)) => Action::requeue(d.min(wait)),
             (Requeue::OnChange, Some(wait)) => Action::requeue(wait),
@@ -426,15 +443,20 @@ impl<R: Reconciler> Runner<R> {
         &self,
         obj: &R::Object,
         finalizer: &str,
-        cleanup: Cleanup<R::Status>,
+        mut cleanup: Cleanup<R::Status>,
         now: Timestamp,
     ) -> Result<(Action, &'static str), Error> {
-        if let Err(failure) = self.cleanup_steps(obj, &cleanup.deletes, &cleanup.calls).await {
+        let acts = std::mem::take(&mut cleanup.acts);
+        if let Err(failure) = self
+            .cleanup_steps(obj, &cleanup.deletes, &cleanup.calls, acts)
+            .await
+        {
             if matches!(failure, Error::NotLeader) {
                 return Err(failure);
             }
             let message = match &failure {
                 Error::Cleanup { message } => message.clone(),
+                Error::Act { act, retry } => format!("cleanup step {act} failed: {}", retry.message),
                 other => format!("cleanup failed: {other}"),
             };
             let desired = vec![Desired::yes(DELETING, CLEANUP_FAILED, message.clone())];
@@ -448,6 +470,10 @@ impl<R: Reconciler> Runner<R> {
             if news {
                 let e = Event::warning(CLEANUP_FAILED, "Cleanup", message);
                 self.ctx.event(obj, &e).await;
+            }
+            // A failed act says when to try again.
+            if let Error::Act { retry, .. } = &failure {
+                return Ok((Action::requeue(retry.after.max(MIN_RETRY)), "retry"));
             }
             return Err(failure);
         }
@@ -474,6 +500,7 @@ impl<R: Reconciler> Runner<R> {
         obj: &R::Object,
         deletes: &[Deletion],
         calls: &[&'static str],
+        acts: Vec<Act>,
     ) -> Result<(), Error> {
         let mut failed = Vec::new();
         for d in deletes {
@@ -498,7 +525,34 @@ impl<R: Reconciler> Runner<R> {
                 });
             }
         }
-        Ok(())
+        self.act(acts).await.map(|_| ())
+    }
+
+    /// Carries `acts` out in order, each only while this replica may write, up to the first
+    /// that fails; returns whether any of them changed its thing (as read again after it).
+    async fn act(&self, acts: Vec<Act>) -> Result<bool, Error> {
+        let mut changed = false;
+        for act in acts {
+            let what = act.describe();
+            let Some(actor) = self.actors.get(&act.source) else {
+                return Err(Error::Undeclared { act: what });
+            };
+            self.ctx.may_call()?;
+            let step = format!("{}.{}", actor.name(), act.name);
+            let span = tracing::info_span!("act", source = actor.name(), act = %what);
+            match actor.run(act).instrument(span).await {
+                Ok(c) => {
+                    self.ctx.metrics().call_ended(&step, "ok");
+                    tracing::info!(act = %what, changed = c, "acted outside the cluster");
+                    changed |= c;
+                }
+                Err(retry) => {
+                    self.ctx.metrics().call_ended(&step, "retry");
+                    return Err(Error::Act { act: what, retry });
+                }
+            }
+        }
+        Ok(changed)
     }
 
     /// Records an invalid spec or a [`Retry`] as its condition (one Warning Event when that

@@ -53,6 +53,10 @@ pub enum Error {
     Panic { message: String },
     #[error("{missing} {kind} taken over from the object's previous owner not yet in the cache")]
     Adopt { kind: String, missing: usize },
+    #[error("{act}: {retry}")]
+    Act { act: String, retry: crate::plan::Retry },
+    #[error("{act}: the controller declared no outside source of its kind (Watches::outside)")]
+    Undeclared { act: String },
 }
 
 impl Error {
@@ -90,6 +94,8 @@ impl Error {
             Error::Timeout { .. } => "timeout",
             Error::Panic { .. } => "panic",
             Error::Adopt { .. } => "adopt",
+            Error::Act { .. } => "act",
+            Error::Undeclared { .. } => "undeclared",
         }
     }
 }

@@ -48,11 +48,24 @@ impl Synced {
         move |ev| {
             if !seen && matches!(ev, Ok(watcher::Event::InitDone)) {
                 seen = true;
-                if this.pending.fetch_sub(1, Ordering::SeqCst) == 1 {
-                    this.ready.store(true, Ordering::SeqCst);
-                    this.tx.send_replace(true);
-                }
+                this.done();
             }
+        }
+    }
+
+    /// A first read to wait for (of an outside source); call the returned closure once it
+    /// has finished, well or not.
+    pub(super) fn track_once(&self) -> impl FnOnce() + Send + 'static {
+        self.pending.fetch_add(1, Ordering::SeqCst);
+        let this = self.clone();
+        move || this.done()
+    }
+
+    /// One of the things waited for is there.
+    fn done(&self) {
+        if self.pending.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.ready.store(true, Ordering::SeqCst);
+            self.tx.send_replace(true);
         }
     }
 

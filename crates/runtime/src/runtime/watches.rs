@@ -21,6 +21,7 @@ use super::shared::{Echoes, ShareKey, Shared, SharedWatches, Synced, queue_key};
 use crate::OWNER_LABEL;
 use crate::cache::{Cache, Filter, Indexes, KeyFn, OWNER_INDEX, Watch, keep_applied, observe_all};
 use crate::kind::{Watchable, api, namespaced};
+use crate::outside::{Outside, OutsideCache};
 use crate::plan::Deletion;
 use crate::runtime::context::Shard;
 
@@ -99,6 +100,8 @@ where
     enqueue: Enqueue<K>,
     /// The listed objects whose reconcile waits behind new work.
     pub(crate) resync: Arc<Resync<K>>,
+    /// The outside sources declared, which carry out the plans' acts.
+    pub(crate) actors: crate::outside::Actors,
 }
 
 /// Tells the controller's work-queue metrics that a reconcile of an object was asked for
@@ -156,6 +159,7 @@ where
                 store: reflector::store().0,
             },
             resync: Resync::new(concurrency),
+            actors: Default::default(),
         };
         if let Some(shard) = ctx.shard() {
             // A member watches, caches and reconciles only the objects placed on it.
@@ -466,6 +470,52 @@ where
             .controller
             .take()
             .map(|c| c.reconcile_on(one).reconcile_all_on(all));
+    }
+
+    /// Declares things outside the cluster that the plans read and change ([`Outside`]):
+    /// `source` is read in full every `every` (and each thing again right after an act on
+    /// it) into the returned cache; a thing that appeared, changed or went reconciles the
+    /// objects `map` names, so drift made by hand is put right within a poll. Reconciles
+    /// start once the first read has finished, well or not; while the source cannot be read,
+    /// the cache's lookups say so ([`OutsideCache::get`]).
+    pub fn outside<O, I>(
+        &mut self,
+        source: O,
+        every: Duration,
+        map: impl Fn(&O::Key) -> I + Send + Sync + 'static,
+    ) -> OutsideCache<O>
+    where
+        O: Outside,
+        I: IntoIterator<Item = ObjectRef<K>>,
+    {
+        let cache = OutsideCache::new(source);
+        self.actors
+            .insert(std::any::TypeId::of::<O>(), Arc::new(cache.clone()));
+        let (tx, rx) = futures::channel::mpsc::unbounded();
+        let enqueue = self.enqueue.clone();
+        let rx = rx.inspect(move |r| enqueue.add(r));
+        self.controller = self.controller.take().map(|c| c.reconcile_on(rx));
+        let read_once = self.synced.track_once();
+        let poller = cache.clone();
+        let every = every.max(Duration::from_millis(100));
+        self.background.push(
+            async move {
+                poller.poll().await;
+                read_once();
+                loop {
+                    tokio::time::sleep(every).await;
+                    for key in poller.poll().await {
+                        for r in map(&key) {
+                            if tx.unbounded_send(r).is_err() {
+                                return;
+                            }
+                        }
+                    }
+                }
+            }
+            .boxed(),
+        );
+        cache
     }
 
     /// Caches a kind without triggering anything on its changes.
