@@ -7,7 +7,8 @@
 //! changed while the operator was down are reconciled ahead of the resync of the others. A
 //! trigger from outside the cluster reconciles the object it names, or all of them. A `Retry`
 //! from `observe` is shown as a condition and an Event, and honoured until the service is back.
-//! Things outside the cluster are made, kept against drift and dropped through plans' acts.
+//! Things outside the cluster are made, kept against drift and dropped through plans' acts. A
+//! plan reports the part of a spec it left out and still carries out the rest.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -18,7 +19,7 @@ use anyhow::{anyhow, ensure};
 use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
-use kube::{Client, ResourceExt};
+use kube::{Client, Resource, ResourceExt};
 use opkit::{
     Cleanup, Deletion, Invalid, ManagerOptions, Plan, Reconciler, Registration, Registry, Requeue, Tuning,
     Watch, Watches,
@@ -1230,6 +1231,137 @@ async fn outside_things_are_made_kept_against_drift_and_dropped_through_the_plan
             let dropped =
                 op.sample(r#"opkit_calls_total{controller="booked",step="ledger.drop",result="ok"}"#);
             ensure!(dropped == 1.0, "{dropped} drops counted");
+            Ok(())
+        })
+        .await;
+}
+
+/// Copies each Tick's `n` into a ConfigMap `tick-<name>`, but leaves an `n` above 100 out of
+/// its status: that part of the spec is reported, the rest is still carried out.
+#[derive(Clone, Default)]
+struct Partial;
+
+impl Reconciler for Partial {
+    type Object = Tick;
+    type Caches = ();
+    type World = ();
+    type Status = TickStatus;
+
+    fn name(&self) -> &'static str {
+        "partial"
+    }
+
+    fn watch(&self, _: &mut Watches<Tick>) {}
+
+    async fn observe(&self, _: &Tick, _: &(), _: &Client) -> kube::Result<()> {
+        Ok(())
+    }
+
+    fn plan(&self, t: &Tick, _: &(), _: Timestamp) -> Result<Plan<TickStatus>, Invalid> {
+        let mut copy = ConfigMap {
+            data: Some([("n".to_string(), t.spec.n.to_string())].into()),
+            ..Default::default()
+        };
+        copy.metadata.name = Some(format!("tick-{}", t.name_any()));
+        copy.metadata.namespace = t.namespace();
+        copy.metadata.owner_references = t.controller_owner_ref(&()).map(|o| vec![o]);
+        let status = TickStatus {
+            observed_generation: t.metadata.generation,
+            ..Default::default()
+        };
+        let plan = Plan::status(status, Requeue::OnChange).child(opkit::Child::apply(&copy, None));
+        Ok(if t.spec.n > 100 {
+            let too_big = format!("spec.n is {}, at most 100 is counted", t.spec.n);
+            plan.degraded(Invalid::new("Degraded", true, "TooBig", too_big))
+        } else {
+            plan
+        })
+    }
+}
+
+#[tokio::test]
+async fn a_plan_reports_the_part_of_the_spec_it_left_out_and_carries_out_the_rest() {
+    shared()
+        .in_namespace("framework-partial", |client, ns| async move {
+            common::install_crd(&client, tick_crd()?).await?;
+            let op = operator_of("partial", |m, p: &Partial| {
+                m.add(p.clone());
+            });
+            let _op = common::start_op(&op, &client, &ns, Run::new(&["partial"]), &Partial, |_| {}).await?;
+            let ticks: Api<Tick> = Api::namespaced(client.clone(), &ns);
+            let maps: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
+            let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), &ns);
+            let warnings = || async {
+                let listed = events.list(&Default::default()).await?;
+                anyhow::Ok(
+                    listed
+                        .items
+                        .iter()
+                        .filter(|e| e.reason.as_deref() == Some("TooBig"))
+                        .map(|e| {
+                            e.deprecated_count
+                                .unwrap_or(1)
+                                .max(e.series.as_ref().map_or(1, |s| s.count))
+                        })
+                        .sum::<i32>(),
+                )
+            };
+            ticks
+                .create(&PostParams::default(), &Tick::new("p", TickSpec { n: 500 }))
+                .await?;
+            wait_for("the copy, the status and the condition", T, || async {
+                let copy = maps.get_opt("tick-p").await?;
+                ensure!(
+                    copy.and_then(|c| c.data)
+                        .and_then(|d| d.get("n").cloned())
+                        .as_deref()
+                        == Some("500"),
+                    "no copy yet"
+                );
+                let status = ticks.get("p").await?.status.unwrap_or_default();
+                ensure!(status.observed_generation == Some(1), "{status:?}");
+                ensure!(
+                    status.conditions.iter().any(|c| c.type_ == "Degraded"
+                        && c.status == "True"
+                        && c.reason == "TooBig"
+                        && c.observed_generation == Some(1)),
+                    "{status:?}"
+                );
+                ensure!(warnings().await? == 1, "no Warning Event yet");
+                Ok(())
+            })
+            .await?;
+            // Reconciled again (a label) from the same spec: no second Event.
+            ticks
+                .patch(
+                    "p",
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({"metadata": {"labels": {"again": "yes"}}})),
+                )
+                .await?;
+            consistently("one Warning Event", Duration::from_secs(3), || async {
+                ensure!(warnings().await? == 1, "{} TooBig Events", warnings().await?);
+                Ok(())
+            })
+            .await?;
+            ticks
+                .patch(
+                    "p",
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({"spec": {"n": 5}})),
+                )
+                .await?;
+            wait_for("the condition gone once the spec is fixed", T, || async {
+                let status = ticks.get("p").await?.status.unwrap_or_default();
+                ensure!(
+                    status.observed_generation == Some(2) && status.conditions.is_empty(),
+                    "{status:?}"
+                );
+                let copy = maps.get("tick-p").await?;
+                ensure!(copy.data.and_then(|d| d.get("n").cloned()).as_deref() == Some("5"));
+                Ok(())
+            })
+            .await?;
             Ok(())
         })
         .await;

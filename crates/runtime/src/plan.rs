@@ -148,6 +148,9 @@ pub struct Plan<S> {
     /// Changes to things outside the cluster, carried out in order after the cluster writes
     /// and before the status ([`Plan::act`]).
     pub acts: Vec<Act>,
+    /// Parts of the spec the plan had to leave out, reported beside the rest
+    /// ([`Plan::degraded`]).
+    pub degraded: Vec<Invalid>,
 }
 
 impl<S> Plan<S> {
@@ -162,6 +165,7 @@ impl<S> Plan<S> {
             delete: false,
             in_progress: false,
             acts: Vec::new(),
+            degraded: Vec::new(),
         }
     }
 
@@ -178,6 +182,7 @@ impl<S> Plan<S> {
             delete: false,
             in_progress: false,
             acts: Vec::new(),
+            degraded: Vec::new(),
         }
     }
 
@@ -192,6 +197,7 @@ impl<S> Plan<S> {
             delete: true,
             in_progress: false,
             acts: Vec::new(),
+            degraded: Vec::new(),
         }
     }
 
@@ -214,6 +220,18 @@ impl<S> Plan<S> {
     /// condition, a Warning Event, another try after its delay); the status is not written.
     pub fn act(mut self, act: Act) -> Self {
         self.acts.push(act);
+        self
+    }
+
+    /// Reports a part of the spec the plan cannot act on while the rest of the plan is still
+    /// carried out: a scheduler with one bad schedule still trims its history and writes its
+    /// status. `invalid`'s condition (and its `also`) is merged into the planned status (or,
+    /// without one, the live status), with one Warning Event when it changes, as a whole
+    /// [`Invalid`] would be. Its `retry` is not used: the plan's [`Requeue`] decides. Once the
+    /// spec is fixed the plan stops reporting it, and the condition goes with the next status
+    /// unless the plan sets it otherwise.
+    pub fn degraded(mut self, invalid: Invalid) -> Self {
+        self.degraded.push(invalid);
         self
     }
 

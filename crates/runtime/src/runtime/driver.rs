@@ -292,7 +292,7 @@ impl<R: Reconciler> Runner<R> {
             Ok(plan) => {
                 tracing::debug!(?plan.requeue, children = plan.children.len(), "planned");
                 // carry out (client; the outside world through the plan's acts)
-                match self.execute(obj, plan, prunable).await {
+                match self.execute(obj, plan, prunable, now).await {
                     Ok(action) => Ok((action, "success")),
                     Err(Error::Act { act, mut retry }) => {
                         retry.message = format!("{act}: {}", retry.message);
@@ -355,6 +355,7 @@ impl<R: Reconciler> Runner<R> {
         obj: &R::Object,
         plan: Plan<R::Status>,
         prunable: Vec<Deletion>,
+        now: Timestamp,
     ) -> Result<Action, Error> {
         let ns = obj.namespace();
         let mut produced = HashSet::new();
@@ -395,22 +396,41 @@ impl<R: Reconciler> Runner<R> {
         let hold_key = hold_key(obj);
         // A status still in progress waits (see Plan::in_progress); one that must be stored
         // before the next step never does.
-        let held = if plan.in_progress && plan.status.is_some() && plan.requeue != Requeue::Again {
+        let mut status = plan.status.map(serde_json::to_value).transpose()?;
+        let mut warnings = Vec::new();
+        if !plan.degraded.is_empty() {
+            let (degraded, news) = super::write::degraded_status(
+                status,
+                &crate::diff::status_of(obj),
+                &plan.degraded,
+                obj.meta().generation,
+                &k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(now),
+            )?;
+            status = Some(degraded);
+            warnings = news.into_iter().map(|n| &plan.degraded[n]).collect();
+        }
+        // A part of the spec left out is shown at once, never held as progress.
+        let holdable = plan.in_progress && plan.degraded.is_empty();
+        let held = if holdable && status.is_some() && plan.requeue != Requeue::Again {
             self.hold.in_progress(&hold_key, std::time::Instant::now())
         } else {
             self.hold.settled(&hold_key);
             None
         };
-        match (plan.status, held) {
+        match (status, held) {
             (Some(_), _) if acted => {}
             (Some(_), Some(wait)) => tracing::debug!(?wait, "status in progress, held back"),
             (Some(status), None) => {
                 let echo = plan.requeue != Requeue::Again;
-                self.writer
-                    .status::<_, R::Status>(obj, serde_json::to_value(status)?, echo)
-                    .await?;
+                self.writer.status::<_, R::Status>(obj, status, echo).await?;
             }
             (None, _) => {}
+        }
+        // After an act the next plan writes the status, and warns then.
+        for invalid in warnings.into_iter().filter(|_| !acted) {
+            tracing::info!(reason = invalid.reason, message = %invalid.message, "part of the spec left out");
+            let e = Event::warning(invalid.reason, "Validate", invalid.message.clone());
+            self.ctx.event(obj, &e).await;
         }
         for e in plan.events {
             self.ctx.event(obj, &e).await;

@@ -410,6 +410,62 @@ fn shard_labelled(
     body
 }
 
+/// The status to write for a plan that left parts of the spec out: the planned status (or,
+/// without one, `live`) with the conditions of `degraded` merged in, and the indexes of those
+/// whose condition is new or changed against `live` (each gets a Warning Event). A condition
+/// the plan does not set keeps its live `lastTransitionTime` while its status holds, so a
+/// repeated plan writes nothing.
+pub(crate) fn degraded_status(
+    planned: Option<serde_json::Value>,
+    live: &serde_json::Value,
+    degraded: &[crate::plan::Invalid],
+    generation: Option<i64>,
+    now: &Time,
+) -> Result<(serde_json::Value, Vec<usize>), Error> {
+    let conditions_of = |v: &serde_json::Value| -> Vec<Condition> {
+        serde_json::from_value(v["conditions"].clone()).unwrap_or_default()
+    };
+    let live_conditions = conditions_of(live);
+    let mut status = planned.unwrap_or_else(|| live.clone());
+    if !status.is_object() {
+        status = serde_json::json!({});
+    }
+    let desired: Vec<Desired<'static>> = degraded
+        .iter()
+        .flat_map(|i| {
+            let own = Desired {
+                type_: i.condition,
+                status: Some(i.status),
+                reason: i.reason,
+                message: i.message.clone(),
+            };
+            std::iter::once(own).chain(i.also.iter().cloned())
+        })
+        .collect();
+    let mut existing = conditions_of(&status);
+    for d in &desired {
+        if conditions::find(&existing, d.type_).is_none()
+            && let Some(c) = conditions::find(&live_conditions, d.type_)
+        {
+            existing.push(c.clone());
+        }
+    }
+    let news = degraded
+        .iter()
+        .enumerate()
+        .filter(|(_, i)| {
+            conditions::find(&live_conditions, i.condition).is_none_or(|c| {
+                c.status != conditions::status_str(Some(i.status))
+                    || c.reason != i.reason
+                    || c.message != i.message
+            })
+        })
+        .map(|(n, _)| n)
+        .collect();
+    status["conditions"] = serde_json::to_value(conditions::merge(&existing, &desired, generation, now))?;
+    Ok((status, news))
+}
+
 /// The status writes whose watch events the primary cache has not delivered yet.
 ///
 /// Right after a status write, a reconcile triggered by a child still reads the primary as it
@@ -510,5 +566,41 @@ mod tests {
         );
         let bare = shard_labelled(&serde_json::json!({"kind": "Pod"}), &shard, "u-2");
         assert_eq!(bare["metadata"]["labels"]["opkit.dev/owner-uid"], "u-2");
+    }
+
+    #[test]
+    fn a_part_left_out_is_merged_into_the_status_and_warned_about_once() {
+        use crate::plan::Invalid;
+        use serde_json::json;
+        let t = |s: i64| Time(Timestamp::from_second(s).expect("time"));
+        let bad = || {
+            vec![Invalid::new(
+                "Degraded",
+                true,
+                "BadSchedule",
+                "schedule \"x\" is not cron",
+            )]
+        };
+        let planned = json!({"lastRun": "t1", "conditions": [
+            {"type": "Available", "status": "True", "reason": "Ok", "message": "", "lastTransitionTime": "1970-01-01T00:00:05Z"}]});
+        let (status, news) =
+            degraded_status(Some(planned.clone()), &json!({}), &bad(), Some(3), &t(100)).expect("status");
+        assert_eq!(status["lastRun"], "t1", "the planned status is kept");
+        assert_eq!(status["conditions"][0]["type"], "Available");
+        assert_eq!(status["conditions"][1]["reason"], "BadSchedule");
+        assert_eq!(status["conditions"][1]["observedGeneration"], 3);
+        assert_eq!(news, vec![0], "new: warned about");
+
+        // Planned again later from the same spec: the live condition keeps its time, no news.
+        let (again, news) =
+            degraded_status(Some(planned), &status, &bad(), Some(3), &t(200)).expect("status");
+        assert_eq!(again, status, "nothing to write");
+        assert!(news.is_empty());
+
+        // No planned status: the live one is the base.
+        let live = json!({"phase": "Running"});
+        let (status, _) = degraded_status(None, &live, &bad(), Some(3), &t(100)).expect("status");
+        assert_eq!(status["phase"], "Running");
+        assert_eq!(status["conditions"][0]["type"], "Degraded");
     }
 }
