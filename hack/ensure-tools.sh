@@ -23,6 +23,9 @@ cargo clippy --version >/dev/null 2>&1 || rustup component add clippy
 # The real node's container runtime, CNI plugins and iptables (Debian packages; root only, as
 # the real-node tests are).
 if [[ $(id -u) == 0 ]]; then bash "$(dirname "$0")/../crates/testenv/scripts/real-node.sh" install; fi
+# The PostgreSQL server of the tests of operators of things outside the cluster (Debian's
+# package; root installs it, others need it installed).
+if [[ $(id -u) == 0 ]]; then bash "$(dirname "$0")/../crates/testenv/scripts/postgres.sh" install; fi
 # `make docker-buildx` cross-compiles the linux/arm64 image's binary here: Rust's target and
 # Debian's cross gcc (linker, ring's C) and arm64 glibc; qemu-user runs that binary in a test.
 rustup target list --installed 2>/dev/null | grep -qx aarch64-unknown-linux-gnu \

@@ -13,6 +13,7 @@ mod cluster;
 mod harness;
 pub mod node;
 mod pki;
+pub mod postgres;
 mod process;
 pub mod proxy;
 
