@@ -1151,7 +1151,7 @@ async fn outside_things_are_made_kept_against_drift_and_dropped_through_the_plan
                 }
             };
             wait_for("the number made", T, number(Some(1))).await?;
-            wait_for("the status written after the act", T, || async {
+            wait_for("the status written", T, || async {
                 let status = ticks.get("a").await?.status.unwrap_or_default();
                 ensure!(status.observed_generation == Some(1), "{status:?}");
                 Ok(())
@@ -1257,7 +1257,7 @@ impl Reconciler for Partial {
         Ok(())
     }
 
-    fn plan(&self, t: &Tick, _: &(), _: Timestamp) -> Result<Plan<TickStatus>, Invalid> {
+    fn plan(&self, t: &Tick, _: &(), now: Timestamp) -> Result<Plan<TickStatus>, Invalid> {
         let mut copy = ConfigMap {
             data: Some([("n".to_string(), t.spec.n.to_string())].into()),
             ..Default::default()
@@ -1265,9 +1265,17 @@ impl Reconciler for Partial {
         copy.metadata.name = Some(format!("tick-{}", t.name_any()));
         copy.metadata.namespace = t.namespace();
         copy.metadata.owner_references = t.controller_owner_ref(&()).map(|o| vec![o]);
+        // The plan always says `Degraded=False`; a part left out overrides it.
+        let live = t.status.clone().unwrap_or_default().conditions;
+        let fine = opkit::conditions::Desired::no("Degraded", "AsExpected", "spec is counted in full");
         let status = TickStatus {
             observed_generation: t.metadata.generation,
-            ..Default::default()
+            conditions: opkit::conditions::merge(
+                &live,
+                &[fine],
+                t.metadata.generation,
+                &k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(now),
+            ),
         };
         let plan = Plan::status(status, Requeue::OnChange).child(opkit::Child::apply(&copy, None));
         Ok(if t.spec.n > 100 {
@@ -1331,18 +1339,42 @@ async fn a_plan_reports_the_part_of_the_spec_it_left_out_and_carries_out_the_res
                 Ok(())
             })
             .await?;
-            // Reconciled again (a label) from the same spec: no second Event.
-            ticks
+            // Reconciled again (a label) from the same spec: no status write, no second Event.
+            // Once the clock has passed the condition's transition (times are in seconds), a
+            // transition time made anew would show as a write.
+            let written = ticks.get("p").await?.status.unwrap_or_default();
+            let since = written
+                .conditions
+                .iter()
+                .map(|c| c.last_transition_time.0.as_second())
+                .max()
+                .unwrap_or_default();
+            wait_for("the clock past the condition's transition", T, || async {
+                ensure!(Timestamp::now().as_second() > since, "still in the same second");
+                Ok(())
+            })
+            .await?;
+            let labelled = ticks
                 .patch(
                     "p",
                     &PatchParams::default(),
                     &Patch::Merge(json!({"metadata": {"labels": {"again": "yes"}}})),
                 )
                 .await?;
-            consistently("one Warning Event", Duration::from_secs(3), || async {
-                ensure!(warnings().await? == 1, "{} TooBig Events", warnings().await?);
-                Ok(())
-            })
+            consistently(
+                "one Warning Event, the status as it was",
+                Duration::from_secs(3),
+                || async {
+                    ensure!(warnings().await? == 1, "{} TooBig Events", warnings().await?);
+                    let now = ticks.get("p").await?;
+                    ensure!(
+                        now.resource_version() == labelled.resource_version(),
+                        "written again: {:?}",
+                        now.status
+                    );
+                    Ok(())
+                },
+            )
             .await?;
             ticks
                 .patch(
@@ -1351,16 +1383,23 @@ async fn a_plan_reports_the_part_of_the_spec_it_left_out_and_carries_out_the_res
                     &Patch::Merge(json!({"spec": {"n": 5}})),
                 )
                 .await?;
-            wait_for("the condition gone once the spec is fixed", T, || async {
-                let status = ticks.get("p").await?.status.unwrap_or_default();
-                ensure!(
-                    status.observed_generation == Some(2) && status.conditions.is_empty(),
-                    "{status:?}"
-                );
-                let copy = maps.get("tick-p").await?;
-                ensure!(copy.data.and_then(|d| d.get("n").cloned()).as_deref() == Some("5"));
-                Ok(())
-            })
+            wait_for(
+                "the condition back to the plan's once the spec is fixed",
+                T,
+                || async {
+                    let status = ticks.get("p").await?.status.unwrap_or_default();
+                    ensure!(
+                        status.observed_generation == Some(2)
+                            && status.conditions.len() == 1
+                            && status.conditions[0].status == "False"
+                            && status.conditions[0].reason == "AsExpected",
+                        "{status:?}"
+                    );
+                    let copy = maps.get("tick-p").await?;
+                    ensure!(copy.data.and_then(|d| d.get("n").cloned()).as_deref() == Some("5"));
+                    Ok(())
+                },
+            )
             .await?;
             Ok(())
         })

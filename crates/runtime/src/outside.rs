@@ -78,12 +78,21 @@ struct Known<O: Outside> {
     failure: Option<Retry>,
     /// Whether any read has finished, well or not.
     read: bool,
+    /// Counts the reads after acts.
+    epoch: u64,
+    /// The things read again after an act, with the epoch of that read: a full read that
+    /// started before it must not put back what it saw.
+    touched: BTreeMap<O::Key, u64>,
 }
+
+/// Called with the key of a thing an act changed: reconciles the objects it belongs to.
+type Notify<K> = Arc<dyn Fn(&K) + Send + Sync>;
 
 /// The things of one [`Outside`] source as last read, for `observe`. Cheap to clone.
 pub struct OutsideCache<O: Outside> {
     source: Arc<O>,
     known: Arc<RwLock<Known<O>>>,
+    notify: Option<Notify<O::Key>>,
 }
 
 impl<O: Outside> Clone for OutsideCache<O> {
@@ -91,9 +100,13 @@ impl<O: Outside> Clone for OutsideCache<O> {
         OutsideCache {
             source: self.source.clone(),
             known: self.known.clone(),
+            notify: self.notify.clone(),
         }
     }
 }
+
+/// How long a full read may take before it counts as failed.
+const LIST_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How long a lookup says to wait when nothing has been read yet.
 const NOT_READ_YET: Duration = Duration::from_secs(1);
@@ -107,8 +120,17 @@ impl<O: Outside> OutsideCache<O> {
                 things: BTreeMap::new(),
                 failure: None,
                 read: false,
+                epoch: 0,
+                touched: BTreeMap::new(),
             })),
+            notify: None,
         }
+    }
+
+    /// Calls `notify` with the key of each thing an act changed.
+    pub(crate) fn notifying(mut self, notify: impl Fn(&O::Key) + Send + Sync + 'static) -> Self {
+        self.notify = Some(Arc::new(notify));
+        self
     }
 
     fn known(&self) -> std::sync::RwLockReadGuard<'_, Known<O>> {
@@ -155,11 +177,21 @@ impl<O: Outside> OutsideCache<O> {
     /// Reads every thing (`Outside::list`) into the cache; returns the keys that appeared,
     /// changed or went since the last successful read (none on the first).
     pub(crate) async fn poll(&self) -> Vec<O::Key> {
-        let listed = self.source.list().await;
+        let started = self.known().epoch;
+        let listed = match tokio::time::timeout(LIST_TIMEOUT, self.source.list()).await {
+            Ok(listed) => listed,
+            Err(_) => Err(Retry::new(
+                NOT_READ_YET,
+                "Ready",
+                false,
+                "OutsideTimeout",
+                format!("reading {} took longer than {LIST_TIMEOUT:?}", self.source.name()),
+            )),
+        };
         let mut known = self.known_mut();
         let first = !known.read;
         known.read = true;
-        let things = match listed {
+        let mut things = match listed {
             Ok(things) => things,
             Err(failure) => {
                 tracing::debug!(source = self.source.name(), %failure, "outside read failed");
@@ -168,6 +200,20 @@ impl<O: Outside> OutsideCache<O> {
             }
         };
         known.failure = None;
+        // What an act read while this list was under way is newer than what the list saw.
+        let newer: Vec<O::Key> = known
+            .touched
+            .iter()
+            .filter(|(_, e)| **e > started)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for key in newer {
+            match known.things.get(&key) {
+                Some(state) => things.insert(key, state.clone()),
+                None => things.remove(&key),
+            };
+        }
+        known.touched.retain(|_, e| *e > started);
         let mut changed: Vec<O::Key> = things
             .iter()
             .filter(|(k, v)| known.things.get(k) != Some(v))
@@ -203,13 +249,21 @@ impl<O: Outside> Actor for OutsideCache<O> {
             let (key, action) = *payload;
             this.source.act(&key, &action).await?;
             let now = this.source.read(&key).await?;
-            let mut known = this.known_mut();
-            let before = known.things.get(&key);
-            let changed = before != now.as_ref();
-            match now {
-                Some(state) => known.things.insert(key, state),
-                None => known.things.remove(&key),
+            let changed = {
+                let mut known = this.known_mut();
+                let changed = known.things.get(&key) != now.as_ref();
+                known.epoch += 1;
+                let epoch = known.epoch;
+                known.touched.insert(key.clone(), epoch);
+                match now {
+                    Some(state) => known.things.insert(key.clone(), state),
+                    None => known.things.remove(&key),
+                };
+                changed
             };
+            if changed && let Some(notify) = &this.notify {
+                notify(&key);
+            }
             Ok(changed)
         }
         .boxed()
@@ -229,6 +283,8 @@ mod tests {
     struct Numbers {
         things: Mutex<BTreeMap<String, u32>>,
         down: std::sync::atomic::AtomicBool,
+        /// Held by a test: a full read takes its snapshot, then waits for it.
+        gate: Arc<tokio::sync::Mutex<()>>,
     }
 
     enum Set {
@@ -256,7 +312,9 @@ mod tests {
 
         async fn list(&self) -> Result<BTreeMap<String, u32>, Retry> {
             self.check()?;
-            Ok(self.things.lock().unwrap().clone())
+            let snapshot = self.things.lock().unwrap().clone();
+            let _wait = self.gate.lock().await;
+            Ok(snapshot)
         }
 
         async fn read(&self, key: &String) -> Result<Option<u32>, Retry> {
@@ -310,6 +368,21 @@ mod tests {
         }
         assert_eq!(cache.poll().await, vec!["a".to_string(), "b".to_string()]);
         assert!(cache.poll().await.is_empty());
+
+        // A full read taken before an act, finishing after it, does not put back what it saw.
+        let gate = cache.source.gate.clone().lock_owned().await;
+        let polling = tokio::spawn({
+            let cache = cache.clone();
+            async move { cache.poll().await }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(
+            cache.run(Act::new::<Numbers>("c".into(), Set::To(3))).await,
+            Ok(true)
+        );
+        drop(gate);
+        assert!(polling.await.expect("the poll").is_empty());
+        assert_eq!(cache.get(&"c".into()), Ok(Some(3)), "the act's read stays");
 
         cache.source.down.store(true, std::sync::atomic::Ordering::SeqCst);
         assert!(cache.poll().await.is_empty());

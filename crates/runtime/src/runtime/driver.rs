@@ -410,24 +410,29 @@ impl<R: Reconciler> Runner<R> {
             warnings = news.into_iter().map(|n| &plan.degraded[n]).collect();
         }
         // A part of the spec left out is shown at once, never held as progress.
-        let holdable = plan.in_progress && plan.degraded.is_empty();
+        // After an act that changed something the status waits for the next plan: no hold.
+        let holdable = plan.in_progress && plan.degraded.is_empty() && !acted;
         let held = if holdable && status.is_some() && plan.requeue != Requeue::Again {
             self.hold.in_progress(&hold_key, std::time::Instant::now())
         } else {
             self.hold.settled(&hold_key);
             None
         };
-        match (status, held) {
-            (Some(_), _) if acted => {}
-            (Some(_), Some(wait)) => tracing::debug!(?wait, "status in progress, held back"),
+        let wrote = match (status, held) {
+            (Some(_), _) if acted => false,
+            (Some(_), Some(wait)) => {
+                tracing::debug!(?wait, "status in progress, held back");
+                false
+            }
             (Some(status), None) => {
                 let echo = plan.requeue != Requeue::Again;
-                self.writer.status::<_, R::Status>(obj, status, echo).await?;
+                self.writer.status::<_, R::Status>(obj, status, echo).await?
             }
-            (None, _) => {}
-        }
-        // After an act the next plan writes the status, and warns then.
-        for invalid in warnings.into_iter().filter(|_| !acted) {
+            (None, _) => false,
+        };
+        // Warned about with the write that shows the condition (a plan made from a cache
+        // that has not seen that write yet writes nothing, and does not warn again).
+        for invalid in warnings.into_iter().filter(|_| wrote) {
             tracing::info!(reason = invalid.reason, message = %invalid.message, "part of the spec left out");
             let e = Event::warning(invalid.reason, "Validate", invalid.message.clone());
             self.ctx.event(obj, &e).await;
@@ -441,7 +446,7 @@ impl<R: Reconciler> Runner<R> {
         }
         const LATE_CHILD: Duration = Duration::from_secs(1);
         if acted {
-            return Ok(Action::requeue(Duration::ZERO));
+            return Ok(Action::requeue(super::watches::ACTED));
         }
         Ok(match (plan.requeue, held) {
             (Requeue::After(d), Some(wait)) => Action::requeue(d.min(wait)),

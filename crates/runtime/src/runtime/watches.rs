@@ -25,6 +25,9 @@ use crate::outside::{Outside, OutsideCache};
 use crate::plan::Deletion;
 use crate::runtime::context::Shard;
 
+/// How long after an act changed an outside thing its objects are reconciled.
+pub(crate) const ACTED: Duration = Duration::from_millis(250);
+
 /// The index of the primary cache by uid, so that [`OWNER_LABEL`] leads back to its owner.
 const UID_INDEX: &str = "opkit.dev/uid";
 
@@ -488,10 +491,37 @@ where
         O: Outside,
         I: IntoIterator<Item = ObjectRef<K>>,
     {
-        let cache = OutsideCache::new(source);
+        assert!(
+            !self.actors.contains_key(&std::any::TypeId::of::<O>()),
+            "{} declares the outside source {} twice: acts name their source by type, so each type may be declared once",
+            std::any::type_name::<K>(),
+            std::any::type_name::<O>(),
+        );
+        let (tx, rx) = futures::channel::mpsc::unbounded();
+        let map = Arc::new(map);
+        let send = {
+            let (tx, map) = (tx.clone(), map.clone());
+            move |key: &O::Key| {
+                for r in map(key) {
+                    let _ = tx.unbounded_send(r);
+                }
+            }
+        };
+        // A thing an act changed reconciles its objects, after a pause: two objects that
+        // fight over one thing take turns at that pace, not in a hot loop.
+        let notify = {
+            let send = Arc::new(send.clone());
+            move |key: &O::Key| {
+                let (send, key) = (send.clone(), key.clone());
+                tokio::spawn(async move {
+                    tokio::time::sleep(ACTED).await;
+                    send(&key);
+                });
+            }
+        };
+        let cache = OutsideCache::new(source).notifying(notify);
         self.actors
             .insert(std::any::TypeId::of::<O>(), Arc::new(cache.clone()));
-        let (tx, rx) = futures::channel::mpsc::unbounded();
         let enqueue = self.enqueue.clone();
         let rx = rx.inspect(move |r| enqueue.add(r));
         self.controller = self.controller.take().map(|c| c.reconcile_on(rx));
@@ -502,14 +532,10 @@ where
             async move {
                 poller.poll().await;
                 read_once();
-                loop {
+                while !tx.is_closed() {
                     tokio::time::sleep(every).await;
                     for key in poller.poll().await {
-                        for r in map(&key) {
-                            if tx.unbounded_send(r).is_err() {
-                                return;
-                            }
-                        }
+                        send(&key);
                     }
                 }
             }

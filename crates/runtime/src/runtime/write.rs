@@ -442,12 +442,16 @@ pub(crate) fn degraded_status(
             std::iter::once(own).chain(i.also.iter().cloned())
         })
         .collect();
+    // The merge starts from the live condition of each type reported here, even where the
+    // plan set that type otherwise (a `Degraded=False` it always writes): the time of the
+    // last transition is the live one's.
     let mut existing = conditions_of(&status);
     for d in &desired {
-        if conditions::find(&existing, d.type_).is_none()
-            && let Some(c) = conditions::find(&live_conditions, d.type_)
-        {
-            existing.push(c.clone());
+        let live = conditions::find(&live_conditions, d.type_).cloned();
+        match (existing.iter_mut().find(|c| c.type_ == d.type_), live) {
+            (Some(planned), Some(live)) => *planned = live,
+            (None, Some(live)) => existing.push(live),
+            (_, None) => {}
         }
     }
     let news = degraded
@@ -595,6 +599,25 @@ mod tests {
         let (again, news) =
             degraded_status(Some(planned), &status, &bad(), Some(3), &t(200)).expect("status");
         assert_eq!(again, status, "nothing to write");
+        assert!(news.is_empty());
+
+        // A plan that always sets the condition otherwise: the live time still holds.
+        let says_fine = json!({"conditions": [
+            {"type": "Degraded", "status": "False", "reason": "AsExpected", "message": "", "lastTransitionTime": "1970-01-01T00:03:20Z"}]});
+        let (again, news) =
+            degraded_status(Some(says_fine), &status, &bad(), Some(3), &t(300)).expect("status");
+        let degraded = again["conditions"]
+            .as_array()
+            .expect("conditions")
+            .iter()
+            .find(|c| c["type"] == "Degraded")
+            .cloned();
+        assert_eq!(degraded.as_ref().map(|c| &c["status"]), Some(&json!("True")));
+        assert_eq!(
+            degraded.map(|c| c["lastTransitionTime"].clone()),
+            Some(status["conditions"][1]["lastTransitionTime"].clone()),
+            "the transition time of the live condition"
+        );
         assert!(news.is_empty());
 
         // No planned status: the live one is the base.
