@@ -31,18 +31,64 @@ mod common;
 use common::{Operator, Run, T};
 
 /// Hangs in `observe` once for a ConfigMap annotated `hang`; panics in `plan` once for one
-/// annotated `panic`; its cleanup step `release` fails while the ConfigMap is annotated
-/// `refuse-release`. `planned` lists the ConfigMaps planned without a panic.
+/// annotated `panic`; its cleanup releases the ConfigMap's claim on an outside service, which
+/// refuses while `claims.refusing` is set. `planned` lists the ConfigMaps planned without a
+/// panic.
 #[derive(Clone, Default)]
 struct Probe {
     hung: Arc<AtomicBool>,
     panicked: Arc<AtomicBool>,
     planned: Arc<Mutex<BTreeSet<String>>>,
+    claims: Claims,
+}
+
+/// An outside service that holds a claim per ConfigMap, released when the ConfigMap goes.
+#[derive(Clone, Default)]
+struct Claims {
+    refusing: Arc<AtomicBool>,
+}
+
+struct Release;
+
+impl opkit::Outside for Claims {
+    type Key = String;
+    type State = ();
+    type Action = Release;
+
+    fn name(&self) -> &'static str {
+        "claims"
+    }
+
+    async fn list(&self) -> Result<std::collections::BTreeMap<String, ()>, opkit::Retry> {
+        Ok(Default::default())
+    }
+
+    async fn read(&self, _: &String) -> Result<Option<()>, opkit::Retry> {
+        Ok(None)
+    }
+
+    async fn act(&self, _: &String, _: &Release) -> Result<(), opkit::Retry> {
+        if self.refusing.load(Ordering::SeqCst) {
+            let no = "the outside service said no";
+            return Err(opkit::Retry::new(
+                Duration::from_secs(1),
+                "Ready",
+                false,
+                "Refused",
+                no,
+            ));
+        }
+        Ok(())
+    }
+
+    fn action_name(_: &Release) -> &'static str {
+        "release"
+    }
 }
 
 impl Reconciler for Probe {
     type Object = ConfigMap;
-    type Caches = ();
+    type Caches = opkit::OutsideCache<Claims>;
     /// The ConfigMap an annotation `delete` names.
     type World = Option<ConfigMap>;
     type Status = serde_json::Value;
@@ -63,9 +109,16 @@ impl Reconciler for Probe {
         Watch::labels("opkit-probe")
     }
 
-    fn watch(&self, _: &mut Watches<ConfigMap>) {}
+    fn watch(&self, w: &mut Watches<ConfigMap>) -> Self::Caches {
+        w.outside(self.claims.clone(), Duration::from_secs(3600), |_: &String| None)
+    }
 
-    async fn observe(&self, cm: &ConfigMap, _: &(), client: &Client) -> kube::Result<Option<ConfigMap>> {
+    async fn observe(
+        &self,
+        cm: &ConfigMap,
+        _: &Self::Caches,
+        client: &Client,
+    ) -> kube::Result<Option<ConfigMap>> {
         if cm.annotations().contains_key("hang") && !self.hung.swap(true, Ordering::SeqCst) {
             std::future::pending::<()>().await;
         }
@@ -102,15 +155,8 @@ impl Reconciler for Probe {
         true
     }
 
-    fn cleanup(&self, _: &ConfigMap, _: &Option<ConfigMap>, _: Timestamp) -> Cleanup<serde_json::Value> {
-        Cleanup::done().call("release")
-    }
-
-    async fn call(&self, cm: &ConfigMap, step: &'static str) -> Result<(), String> {
-        match cm.annotations().contains_key("refuse-release") {
-            true => Err(format!("{step}: the outside service said no")),
-            false => Ok(()),
-        }
+    fn cleanup(&self, cm: &ConfigMap, _: &Option<ConfigMap>, _: Timestamp) -> Cleanup<serde_json::Value> {
+        Cleanup::done().act(opkit::Act::new::<Claims>(cm.name_any(), Release))
     }
 }
 
@@ -297,11 +343,13 @@ async fn a_reconcile_that_panics_is_counted_and_retried_and_the_manager_carries_
 }
 
 #[tokio::test]
-async fn a_failing_step_outside_the_cluster_keeps_the_finalizer_warns_and_is_retried() {
+async fn a_failing_act_outside_the_cluster_keeps_the_finalizer_warns_and_is_retried() {
     shared()
         .in_namespace("release", |client, ns| async move {
-            let metrics = start(&client, &ns, Probe::default(), ManagerOptions::default()).await?;
-            probe(&client, &ns, "held", json!({"refuse-release": ""})).await?;
+            let p = Probe::default();
+            let refusing = p.claims.refusing.clone();
+            let metrics = start(&client, &ns, p, ManagerOptions::default()).await?;
+            probe(&client, &ns, "held", json!({})).await?;
             let api: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
             wait_for("the finalizer", T, || async {
                 let cm = api.get("held").await?;
@@ -312,11 +360,15 @@ async fn a_failing_step_outside_the_cluster_keeps_the_finalizer_warns_and_is_ret
                 }
             })
             .await?;
+            refusing.store(true, Ordering::SeqCst);
             api.delete("held", &DeleteParams::default()).await?;
             let warning = common::event(&client, Some(&ns), "held", "CleanupFailed").await?;
             let note = warning.note.unwrap_or_default();
-            ensure!(note.contains("release: the outside service said no"), "{note}");
-            let failed = r#"opkit_calls_total{controller="probe",step="release",result="error"}"#;
+            ensure!(
+                note.contains("release \"held\" failed: the outside service said no"),
+                "{note}"
+            );
+            let failed = r#"opkit_calls_total{controller="probe",step="claims.release",result="retry"}"#;
             wait_for("retries", T, || async {
                 let n = metrics.sample(failed);
                 if n >= 2.0 { Ok(()) } else { Err(anyhow!("{n}")) }
@@ -327,16 +379,7 @@ async fn a_failing_step_outside_the_cluster_keeps_the_finalizer_warns_and_is_ret
                 "deleted although its cleanup failed"
             );
             // The outside service agrees: the next retry releases and the object goes.
-            api.patch(
-                "held",
-                &PatchParams::default(),
-                &Patch::Json::<()>(json_patch::Patch(vec![json_patch::PatchOperation::Remove(
-                    json_patch::RemoveOperation {
-                        path: json_patch::jsonptr::PointerBuf::parse("/metadata/annotations/refuse-release")?,
-                    },
-                )])),
-            )
-            .await?;
+            refusing.store(false, Ordering::SeqCst);
             wait_for("the object to go", T, || async {
                 match api.get_opt("held").await? {
                     None => Ok(()),
@@ -344,7 +387,8 @@ async fn a_failing_step_outside_the_cluster_keeps_the_finalizer_warns_and_is_ret
                 }
             })
             .await?;
-            let ok = metrics.sample(r#"opkit_calls_total{controller="probe",step="release",result="ok"}"#);
+            let ok =
+                metrics.sample(r#"opkit_calls_total{controller="probe",step="claims.release",result="ok"}"#);
             ensure!(ok == 1.0, "{ok} successful releases");
             Ok(())
         })

@@ -26,12 +26,10 @@ pub fn finalizer_name(controller: &str) -> String {
 pub struct Cleanup<S> {
     /// Objects to delete, in any namespace or none; one already gone counts as deleted.
     pub deletes: Vec<Deletion>,
-    /// Steps outside the cluster to run, in order, after the deletions ([`crate::Reconciler::call`]).
-    pub calls: Vec<&'static str>,
-    /// Changes to things outside the cluster, in order, after the deletions and steps
+    /// Changes to things outside the cluster, in order, after the deletions
     /// (e.g. dropping the database the object created).
     pub acts: Vec<Act>,
-    /// Whether everything is gone: once the deletions and steps of this cleanup succeeded,
+    /// Whether everything is gone: once the deletions and acts of this cleanup succeeded,
     /// opkit removes the finalizer and the object goes. While not done, opkit looks again
     /// when something watched changes, and after a growing delay.
     pub done: bool,
@@ -46,7 +44,6 @@ impl<S> Cleanup<S> {
     pub fn done() -> Self {
         Cleanup {
             deletes: Vec::new(),
-            calls: Vec::new(),
             acts: Vec::new(),
             done: true,
             status: None,
@@ -65,12 +62,6 @@ impl<S> Cleanup<S> {
     /// Adds an object to delete.
     pub fn delete(mut self, d: Deletion) -> Self {
         self.deletes.push(d);
-        self
-    }
-
-    /// Adds a step outside the cluster.
-    pub fn call(mut self, step: &'static str) -> Self {
-        self.calls.push(step);
         self
     }
 

@@ -173,17 +173,4 @@ pub trait Reconciler: Send + Sync + 'static {
     fn cleanup(&self, _obj: &Self::Object, _world: &Self::World, _now: Timestamp) -> Cleanup<Self::Status> {
         Cleanup::done()
     }
-
-    /// One named step outside the cluster that a [`Cleanup`] asks for ([`Cleanup::call`]),
-    /// e.g. releasing a DNS name or dropping a database: the one place a controller talks to
-    /// the outside world. opkit runs it after the cleanup's deletions, bounded by the
-    /// reconcile timeout and counted per step in the metrics; an `Err` is shown as the
-    /// `Deleting` condition and a Warning Event and retried with backoff. Must be idempotent.
-    fn call(
-        &self,
-        _obj: &Self::Object,
-        step: &'static str,
-    ) -> impl Future<Output = Result<(), String>> + Send {
-        async move { Err(format!("the controller declares no step {step:?}")) }
-    }
 }

@@ -462,12 +462,7 @@ impl ControllerMetrics {
             .push((labels, Box::new(probe)));
     }
 
-    /// Counts one run of a step outside the cluster.
-    pub(crate) fn call(&self, step: &str, ok: bool) {
-        self.call_ended(step, if ok { "ok" } else { "error" });
-    }
-
-    /// Counts one run of a step or an act outside the cluster that ended with `result`.
+    /// Counts one act outside the cluster that ended with `result`.
     pub(crate) fn call_ended(&self, step: &str, result: &str) {
         let l = CallLabels {
             controller: self.controller.clone(),

@@ -460,7 +460,7 @@ impl<R: Reconciler> Runner<R> {
         })
     }
 
-    /// Carries a cleanup out: deletions, then the outside steps in order, then — when the
+    /// Carries a cleanup out: deletions, then the acts outside the cluster in order, then — when the
     /// cleanup is done — the status and Events, and the finalizer comes off. A failed step
     /// is shown as a condition and a Warning Event and retried with backoff; a cleanup not
     /// done yet looks again after a growing delay (and on any watched change).
@@ -472,10 +472,7 @@ impl<R: Reconciler> Runner<R> {
         now: Timestamp,
     ) -> Result<(Action, &'static str), Error> {
         let acts = std::mem::take(&mut cleanup.acts);
-        if let Err(failure) = self
-            .cleanup_steps(obj, &cleanup.deletes, &cleanup.calls, acts)
-            .await
-        {
+        if let Err(failure) = self.cleanup_steps(&cleanup.deletes, acts).await {
             if matches!(failure, Error::NotLeader) {
                 return Err(failure);
             }
@@ -519,14 +516,8 @@ impl<R: Reconciler> Runner<R> {
     }
 
     /// Every deletion (one failing does not keep the others from being tried), then — once
-    /// they all succeeded — the outside steps in order, up to the first that fails.
-    async fn cleanup_steps(
-        &self,
-        obj: &R::Object,
-        deletes: &[Deletion],
-        calls: &[&'static str],
-        acts: Vec<Act>,
-    ) -> Result<(), Error> {
+    /// they all succeeded — the acts outside the cluster in order, up to the first that fails.
+    async fn cleanup_steps(&self, deletes: &[Deletion], acts: Vec<Act>) -> Result<(), Error> {
         let mut failed = Vec::new();
         for d in deletes {
             match self.writer.delete(d).await {
@@ -539,16 +530,6 @@ impl<R: Reconciler> Runner<R> {
             return Err(Error::Cleanup {
                 message: format!("cleanup failed: {}", failed.join("; ")),
             });
-        }
-        for step in calls {
-            self.ctx.may_call()?;
-            let outcome = self.reconciler.call(obj, step).await;
-            self.ctx.metrics().call(step, outcome.is_ok());
-            if let Err(message) = outcome {
-                return Err(Error::Cleanup {
-                    message: format!("cleanup step {step} failed: {message}"),
-                });
-            }
         }
         self.act(acts).await.map(|_| ())
     }
