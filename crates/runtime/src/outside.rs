@@ -93,6 +93,9 @@ pub struct OutsideCache<O: Outside> {
     source: Arc<O>,
     known: Arc<RwLock<Known<O>>>,
     notify: Option<Notify<O::Key>>,
+    soon: Arc<tokio::sync::Notify>,
+    /// Whether a read was asked for since the last one started.
+    wanted: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl<O: Outside> Clone for OutsideCache<O> {
@@ -101,6 +104,8 @@ impl<O: Outside> Clone for OutsideCache<O> {
             source: self.source.clone(),
             known: self.known.clone(),
             notify: self.notify.clone(),
+            soon: self.soon.clone(),
+            wanted: self.wanted.clone(),
         }
     }
 }
@@ -110,6 +115,10 @@ const LIST_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How long a lookup says to wait when nothing has been read yet.
 const NOT_READ_YET: Duration = Duration::from_secs(1);
+
+/// How long a read asked for by [`OutsideCache::read_soon`] waits, so that the requests of
+/// many objects make one read.
+pub(crate) const SOON: Duration = Duration::from_secs(1);
 
 impl<O: Outside> OutsideCache<O> {
     /// An empty cache of `source`, filled by opkit's polls (or by [`OutsideCache::poll`]).
@@ -124,6 +133,8 @@ impl<O: Outside> OutsideCache<O> {
                 touched: BTreeMap::new(),
             })),
             notify: None,
+            soon: Arc::new(tokio::sync::Notify::new()),
+            wanted: Default::default(),
         }
     }
 
@@ -172,6 +183,45 @@ impl<O: Outside> OutsideCache<O> {
             ));
         }
         Ok(())
+    }
+
+    /// Asks for a full read within about a second instead of at the next interval: for
+    /// `observe` when the cache cannot know a thing yet (a server named a moment ago that
+    /// the last read did not include). Calls nothing itself; requests made before the read
+    /// starts share it, and at most one read a second follows them.
+    pub fn read_soon(&self) {
+        self.wanted.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.soon.notify_one();
+    }
+
+    /// Polls every `every`, or [`SOON`] after [`OutsideCache::read_soon`], until `closed`;
+    /// `changed` gets the keys each read found changed.
+    pub(crate) async fn keep_read(
+        &self,
+        every: Duration,
+        closed: impl Fn() -> bool,
+        changed: impl Fn(&O::Key),
+    ) {
+        use std::sync::atomic::Ordering::SeqCst;
+        while !closed() {
+            let next = tokio::time::Instant::now() + every;
+            loop {
+                tokio::select! {
+                    _ = tokio::time::sleep_until(next) => break,
+                    _ = self.soon.notified() => {
+                        // A wake-up left over from requests a read already served waits on.
+                        if self.wanted.load(SeqCst) {
+                            tokio::time::sleep(SOON).await;
+                            break;
+                        }
+                    }
+                }
+            }
+            self.wanted.store(false, SeqCst);
+            for key in self.poll().await {
+                changed(&key);
+            }
+        }
     }
 
     /// Reads every thing (`Outside::list`) into the cache; returns the keys that appeared,
@@ -395,5 +445,44 @@ mod tests {
             .store(false, std::sync::atomic::Ordering::SeqCst);
         cache.poll().await;
         assert_eq!(cache.get(&"a".into()), Ok(Some(7)), "readable again");
+    }
+
+    #[tokio::test]
+    async fn read_soon_reads_before_the_interval_and_requests_share_a_read() {
+        let cache = OutsideCache::new(Numbers::default());
+        cache.poll().await;
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let polling = tokio::spawn({
+            let cache = cache.clone();
+            async move {
+                cache
+                    .keep_read(
+                        Duration::from_secs(3600),
+                        || false,
+                        |k: &String| {
+                            let _ = tx.send(k.clone());
+                        },
+                    )
+                    .await
+            }
+        });
+        cache.source.things.lock().unwrap().insert("new".into(), 1);
+        // The poller waits already: the first request wakes it, the others find it waking.
+        tokio::task::yield_now().await;
+        for _ in 0..10 {
+            cache.read_soon();
+        }
+        let seen = tokio::time::timeout(SOON * 5, rx.recv()).await;
+        assert_eq!(
+            seen.ok().flatten().as_deref(),
+            Some("new"),
+            "read within seconds, not the hour"
+        );
+        assert_eq!(cache.get(&"new".into()), Ok(Some(1)));
+        // Ten requests made one read: nothing more is read while nobody asks.
+        cache.source.things.lock().unwrap().insert("later".into(), 2);
+        let quiet = tokio::time::timeout(SOON * 3, rx.recv()).await;
+        assert!(quiet.is_err(), "read again unasked: {quiet:?}");
+        polling.abort();
     }
 }

@@ -532,12 +532,7 @@ where
             async move {
                 poller.poll().await;
                 read_once();
-                while !tx.is_closed() {
-                    tokio::time::sleep(every).await;
-                    for key in poller.poll().await {
-                        send(&key);
-                    }
-                }
+                poller.keep_read(every, || tx.is_closed(), send).await;
             }
             .boxed(),
         );
