@@ -34,6 +34,22 @@ fi
 "$kubectl" delete --ignore-not-found mutatingwebhookconfiguration/opkit-mutating-webhook-configuration \
   validatingwebhookconfiguration/opkit-validating-webhook-configuration >/dev/null
 
+# PostgresDatabase's sample names the server of Secret postgres-server: a throwaway one when
+# PostgreSQL is installed (crates/testenv/scripts/postgres.sh install), stopped with the operator.
+pg=""
+if compgen -G "/usr/lib/postgresql/*/bin/postgres" >/dev/null; then
+  echo ">> starting a throwaway PostgreSQL server for the PostgresDatabase sample"
+  pg_secret=$(mktemp)
+  cargo run -q -p opkit-testenv -- postgres --secret postgres-server >"$pg_secret" &
+  pg=$!
+  until [[ -s "$pg_secret" ]] && grep -q password "$pg_secret"; do
+    kill -0 "$pg" 2>/dev/null || { echo "PostgreSQL did not start" >&2; exit 1; }
+    sleep 0.5
+  done
+  "$kubectl" apply -f "$pg_secret" >/dev/null
+  rm -f "$pg_secret"
+fi
+
 echo ">> applying samples"
 # The v1 CronTab is stored as v2 through the operator's conversion webhook: applied below, once
 # the operator serves it.
@@ -52,6 +68,8 @@ cat <<EOT
      kubectl scale deployment memcached-sample --replicas=7   # reverted by opkit
      kubectl describe memcached memcached-sample # conditions and events
      kubectl get at,eru,foo                      # the cnat, Eru and sample-controller samples
+     kubectl get pgdb app                        # a database on the throwaway PostgreSQL server
+     kubectl get secret app-postgres -o jsonpath='{.data.uri}' | base64 -d
      kubectl label namespace kube-public mirror.opkit.dev/app-settings=true
      kubectl get configmirror                    # app-settings copied to kube-public
      kubectl logs example-at-pod                 # YAY (from a container with the real node)
@@ -70,7 +88,7 @@ EOT
 "$opkit" run --metrics-bind-address 127.0.0.1:8080 --health-probe-bind-address 127.0.0.1:8081 \
   --webhook-bind-address 127.0.0.1:9443 --webhook-url https://127.0.0.1:9443 &
 op=$!
-trap 'kill -TERM "$op" 2>/dev/null; wait "$op"' INT TERM
+trap 'kill -TERM "$op" ${pg:+"$pg"} 2>/dev/null; wait "$op"' INT TERM
 # Only once the operator has pointed the CRD at its conversion webhook: before that the
 # apiserver would store the v1 object relabelled as v2, without converting it.
 until [[ "$("$kubectl" get crd crontabs.stable.example.com -o jsonpath='{.spec.conversion.strategy}')" == Webhook ]] &&
@@ -78,4 +96,6 @@ until [[ "$("$kubectl" get crd crontabs.stable.example.com -o jsonpath='{.spec.c
   kill -0 "$op" 2>/dev/null || break
   sleep 1
 done
-wait "$op"
+wait "$op" || status=$?
+[[ -n "$pg" ]] && kill -TERM "$pg" 2>/dev/null
+exit "${status:-0}"

@@ -7,6 +7,7 @@ pub mod crontab;
 pub mod eru;
 pub mod foo;
 pub mod memcached;
+pub mod postgres;
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
     CustomResourceDefinition, ValidationRule,

@@ -8,6 +8,7 @@ pub mod crontab;
 pub mod eru;
 pub mod foo;
 pub mod memcached;
+pub mod postgres;
 
 /// A small deterministic generator (xorshift) for the property tests, so a failing case
 /// reproduces without a seed file or an extra crate.
@@ -36,12 +37,15 @@ use opkit::{Operator, Registration, Registry};
 pub struct Settings {
     /// Image of the memcached containers.
     pub memcached_image: String,
+    /// How often the PostgreSQL servers are read (drift is put right within it).
+    pub postgres_poll: std::time::Duration,
 }
 
 impl Default for Settings {
     fn default() -> Self {
         Settings {
             memcached_image: memcached::DEFAULT_IMAGE.into(),
+            postgres_poll: postgres::DEFAULT_POLL,
         }
     }
 }
@@ -51,7 +55,7 @@ pub fn operator() -> Operator<Settings> {
     Operator {
         name: "opkit",
         version: env!("CARGO_PKG_VERSION"),
-        about: "Kubernetes operators in Rust: Memcached, At, Eru, ConfigMirror and friends",
+        about: "Kubernetes operators in Rust: Memcached, At, Eru, ConfigMirror, PostgresDatabase and friends",
         registry: registry(),
     }
 }
@@ -106,6 +110,18 @@ pub fn registry() -> Registry<Settings> {
             webhooks: crontab::webhooks,
             // Nothing to reconcile: the kind is served for its conversion.
             add: |_, _| {},
+        },
+        Registration {
+            name: postgres::NAME,
+            crds: || vec![opkit_api::postgres::crd()],
+            rbac: postgres::rbac_rules,
+            // Names are checked by the CRD's rules; nothing left for a webhook to do.
+            webhooks: |w| w,
+            add: |m, s| {
+                m.add(postgres::PostgresController {
+                    poll: s.postgres_poll,
+                });
+            },
         },
         Registration {
             name: foo::NAME,

@@ -1,5 +1,5 @@
-//! `opkit`: the operator binary of this repository (Memcached, At, Eru, Foo), with opkit's
-//! command line ([`opkit::cli`]) plus `--memcached-image`, and the scaffolding commands that
+//! `opkit`: the operator binary of this repository (Memcached, At, Eru, Foo, PostgresDatabase), with opkit's
+//! command line ([`opkit::cli`]) plus `--memcached-image` and `--postgres-poll-interval`, and the scaffolding commands that
 //! start a new operator (`opkit init`, `opkit create api`, `opkit create webhook`).
 use opkit_controllers::{Settings, memcached, operator};
 
@@ -9,6 +9,24 @@ struct Flags {
     /// Image of the memcached containers.
     #[arg(long, default_value = memcached::DEFAULT_IMAGE)]
     memcached_image: String,
+    /// How often the PostgreSQL servers of `PostgresDatabase`s are read, e.g. `30s`, `500ms`:
+    /// drift made by hand is put right within it.
+    #[arg(long, default_value = "30s", value_parser = duration)]
+    postgres_poll_interval: std::time::Duration,
+}
+
+/// `30s`, `500ms`, `2m` or plain seconds.
+fn duration(s: &str) -> Result<std::time::Duration, String> {
+    let (number, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
+    let n: u64 = number
+        .parse()
+        .map_err(|_| format!("{s:?} is not a duration such as 30s or 500ms"))?;
+    match unit {
+        "" | "s" => Ok(std::time::Duration::from_secs(n)),
+        "ms" => Ok(std::time::Duration::from_millis(n)),
+        "m" => Ok(std::time::Duration::from_secs(n * 60)),
+        _ => Err(format!("{s:?}: the unit must be ms, s or m")),
+    }
 }
 
 fn main() -> anyhow::Result<()> {
@@ -16,6 +34,7 @@ fn main() -> anyhow::Result<()> {
         operator(),
         |f: &Flags| Settings {
             memcached_image: f.memcached_image.clone(),
+            postgres_poll: f.postgres_poll_interval,
         },
         opkit_scaffold::run,
     )

@@ -56,7 +56,7 @@ async fn the_generated_deployment_and_rbac_run_every_sample_and_nothing_more() {
 
             // Outside the rules: refused.
             for args in [
-                vec!["get", "secrets", "-n", ns.as_str()],
+                vec!["get", "persistentvolumeclaims", "-n", ns.as_str()],
                 vec!["delete", "pod", "anything", "-n", ns.as_str()],
                 // ConfigMaps are ConfigMirror's children; Services belong to no controller.
                 vec!["create", "service", "clusterip", "x", "--tcp", "80", "-n", ns.as_str()],
@@ -112,6 +112,21 @@ async fn the_generated_deployment_and_rbac_run_every_sample_and_nothing_more() {
                 jsonpath_is(&["configmirror", "app-settings"], &ns, "{.metadata.finalizers[0]}", "opkit.dev/configmirror")
                     .await?;
                 kubectl(&["delete", "configmirror", "app-settings", "--wait=true", "--timeout=60s"])?;
+                // PostgresDatabase reads its server's Secret (here one that points at a closed
+                // port) through the generated rules and says why it cannot go on.
+                kubectl(&[
+                    "create", "secret", "generic", "postgres-server", "-n", &ns,
+                    "--from-literal=host=127.0.0.1", "--from-literal=port=1",
+                    "--from-literal=username=postgres", "--from-literal=password=unused",
+                ])?;
+                kubectl(&["label", "secret", "postgres-server", "-n", &ns, "db.opkit.dev/server=true"])?;
+                jsonpath_is(
+                    &["postgresdatabase", "app"],
+                    &ns,
+                    "{.status.conditions[?(@.type==\"Ready\")].reason}",
+                    "ServerUnavailable",
+                )
+                .await?;
                 // A restart needs `patch` on Deployments: make one happen.
                 kubectl(&[
                     "annotate", "deployment", "web", "-n", &ns, "--overwrite",

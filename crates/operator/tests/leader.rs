@@ -1,5 +1,7 @@
 //! Leader election with real `opkit` processes: one leads, a standby takes over after a crash
-//! within the lease duration, and at once after a graceful stop.
+//! within the lease duration, and at once after a graceful stop; a leader frozen past its
+//! Lease with work queued starts no act on a PostgreSQL server once it runs again (counted in
+//! the server's log, by connection).
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -32,13 +34,18 @@ impl Drop for Replica {
 }
 
 fn replica(name: &'static str, ns: &str) -> anyhow::Result<Replica> {
+    replica_of(name, ns, "memcached", &[])
+}
+
+/// A replica running `controllers`, with `extra` flags.
+fn replica_of(name: &'static str, ns: &str, controllers: &str, extra: &[&str]) -> anyhow::Result<Replica> {
     let (metrics, health) = (free_port()?, free_port()?);
     let log = std::env::temp_dir().join(format!("opkit-leader-{ns}-{name}.log"));
     let child = Command::new(env!("CARGO_BIN_EXE_opkit"))
         .args([
             "run",
             "--controllers",
-            "memcached",
+            controllers,
             "--namespace",
             ns,
             "--leader-elect",
@@ -53,6 +60,7 @@ fn replica(name: &'static str, ns: &str) -> anyhow::Result<Replica> {
         ])
         .args(["--metrics-bind-address", &format!("127.0.0.1:{metrics}")])
         .args(["--health-probe-bind-address", &format!("127.0.0.1:{health}")])
+        .args(extra)
         .env("KUBECONFIG", shared().kubeconfig())
         .env("POD_NAME", name)
         .stdout(Stdio::null())
@@ -189,6 +197,138 @@ async fn one_replica_leads_and_a_standby_takes_over() {
             let status = b.child.wait()?;
             ensure!(status.success(), "opkit-b exited with {status}");
             drop(c);
+            Ok(())
+        })
+        .await;
+}
+
+/// Sends `signal` (`STOP`, `CONT`) to a replica.
+fn signal(r: &Replica, signal: &str) -> anyhow::Result<()> {
+    let ok = Command::new("kill")
+        .args([&format!("-{signal}"), &r.child.id().to_string()])
+        .status()?
+        .success();
+    ensure!(ok, "kill -{signal} {}", r.name);
+    Ok(())
+}
+
+/// The statements (DDL) of the server's log from byte `from` on, with the backend process
+/// (one per connection) that ran each: `(pid, statement)`.
+fn statements(log: &str, from: usize) -> Vec<(String, String)> {
+    log.get(from..)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            let (head, statement) = l.split_once("statement: ")?;
+            let pid = head.split_once('[')?.1.split_once(']')?.0;
+            Some((pid.to_string(), statement.to_string()))
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_leader_frozen_past_its_lease_starts_no_act_on_the_server_when_it_runs_again() {
+    if !opkit_testenv::postgres::available() {
+        eprintln!("skipped: PostgreSQL is not installed (crates/testenv/scripts/postgres.sh install)");
+        return;
+    }
+    let pg = std::sync::Arc::new(opkit_testenv::postgres::Postgres::start().expect("a PostgreSQL server"));
+    shared()
+        .in_namespace("leader-pg", |client, ns| async move {
+            let crds = Command::new(env!("CARGO_BIN_EXE_opkit")).arg("crd").output()?;
+            let mut apply = shared()
+                .kubectl()
+                .args(["apply", "--server-side", "-f", "-"])
+                .stdin(Stdio::piped())
+                .spawn()?;
+            std::io::Write::write_all(apply.stdin.as_mut().context("stdin")?, &crds.stdout)?;
+            ensure!(apply.wait()?.success(), "installing the CRDs failed");
+            let server: k8s_openapi::api::core::v1::Secret = serde_json::from_value(serde_json::json!({
+                "apiVersion": "v1", "kind": "Secret",
+                "metadata": {"name": "pg", "labels": {"db.opkit.dev/server": "true"}},
+                "stringData": {"host": pg.host, "port": pg.port.to_string(),
+                               "username": pg.user, "password": pg.password}}))?;
+            Api::namespaced(client.clone(), &ns)
+                .create(&PostParams::default(), &server)
+                .await?;
+            let leases: Api<Lease> = Api::namespaced(client.clone(), &ns);
+            let t = Duration::from_secs(60);
+            // One reconcile at a time: the leader still has work queued when it freezes.
+            let flags = [
+                "--postgres-poll-interval",
+                "300ms",
+                "--tune",
+                "postgres.concurrency=1",
+            ];
+            let a = replica_of("opkit-a", &ns, "postgres", &flags)?;
+            wait_leader(&leases, &a, t).await?;
+            let b = replica_of("opkit-b", &ns, "postgres", &flags)?;
+            wait_ready(&b).await?;
+
+            let dbs: Api<opkit_api::postgres::PostgresDatabase> = Api::namespaced(client.clone(), &ns);
+            let names: Vec<String> = (1..=12).map(|i| format!("pg-{i}")).collect();
+            for name in &names {
+                dbs.create(
+                    &PostParams::default(),
+                    &serde_json::from_value(serde_json::json!({
+                        "apiVersion": "db.opkit.dev/v1alpha1", "kind": "PostgresDatabase",
+                        "metadata": {"name": name}, "spec": {"serverSecret": "pg"}}))?,
+                )
+                .await?;
+            }
+            // Frozen as soon as it acted once, with the rest of its work still queued.
+            let a_pid = wait_for("opkit-a to act", t, || async {
+                statements(&pg.log(), 0)
+                    .into_iter()
+                    .next()
+                    .map(|(pid, _)| pid)
+                    .ok_or_else(|| anyhow!("no statement yet"))
+            })
+            .await?;
+            signal(&a, "STOP")?;
+            wait_leader(&leases, &b, t).await?;
+            wait_for("every database made by the new leader", t, || async {
+                for name in &names {
+                    let st = dbs.get(name).await?.status.unwrap_or_default();
+                    ensure!(
+                        st.conditions
+                            .iter()
+                            .any(|c| c.type_ == "Ready" && c.status == "True"),
+                        "{name}: {st:?}"
+                    );
+                }
+                Ok(())
+            })
+            .await
+            .with_context(|| std::fs::read_to_string(&b.log).unwrap_or_default())?;
+
+            // Running again with stale caches and a queue of work, the old leader finds its
+            // Lease gone before it starts any act: at most the one it was in when it froze
+            // reaches the server.
+            let resumed = pg.log().len();
+            signal(&a, "CONT")?;
+            // Once it logged the loss its gate is shut: whatever it did is in the server's log.
+            wait_for("opkit-a to notice it lost the Lease", t, || async {
+                let log = std::fs::read_to_string(&a.log).unwrap_or_default();
+                // "leadership lost: Lease … not renewed" as it exits, or "election lost" if
+                // it stands by.
+                ensure!(log.contains("lost"), "not yet");
+                Ok::<_, anyhow::Error>(())
+            })
+            .await?;
+            let log = pg.log();
+            let late: Vec<String> = statements(&log, resumed)
+                .into_iter()
+                .filter(|(pid, _)| *pid == a_pid)
+                .map(|(_, s)| s)
+                .collect();
+            ensure!(
+                late.len() <= 1,
+                "the old leader acted after it ran again: {late:#?}"
+            );
+            let roles = pg.psql("SELECT count(*) FROM pg_roles WHERE rolname LIKE 'pg-%'")?;
+            ensure!(roles == names.len().to_string(), "{roles} roles\n{log}");
+            drop((a, b));
             Ok(())
         })
         .await;

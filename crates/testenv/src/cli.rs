@@ -43,6 +43,14 @@ enum Cmd {
         /// The archive.
         archive: PathBuf,
     },
+    /// Start a throwaway PostgreSQL server (Debian's package; installed first as root) and
+    /// print a Secret with its address and superuser, labelled for `PostgresDatabase`
+    /// (`kubectl apply -f -`); runs until stopped, and the server goes with it.
+    Postgres {
+        /// The Secret's name.
+        #[arg(long, default_value = "postgres-server")]
+        secret: String,
+    },
     /// Print a Namespace whose Pods the scheduler puts on the real node (kwok's fake nodes run no
     /// container), for `kubectl apply --server-side --field-manager=opkit-testenv -f -`: a
     /// manager of its own, so a later apply of the namespace from `config/` keeps the annotations.
@@ -158,6 +166,28 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 );
             }
             print_env(&state, &Binaries::ensure()?);
+        }
+        Cmd::Postgres { secret } => {
+            let pg = crate::postgres::Postgres::start()?;
+            let s = serde_json::json!({
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": {"name": secret, "labels": {"db.opkit.dev/server": "true"}},
+                "stringData": {"host": pg.host, "port": pg.port.to_string(),
+                               "username": pg.user, "password": pg.password},
+            });
+            print!("{}", serde_saphyr::to_string(&s)?);
+            std::io::Write::flush(&mut std::io::stdout())?;
+            eprintln!(
+                "PostgreSQL listens on {}:{}; stop with Ctrl-C or SIGTERM",
+                pg.host, pg.port
+            );
+            let mut signals = nix::sys::signal::SigSet::empty();
+            signals.add(Signal::SIGINT);
+            signals.add(Signal::SIGTERM);
+            signals.thread_block()?;
+            signals.wait()?;
+            drop(pg);
         }
         Cmd::RealNodeNamespace { name } => {
             let ns = serde_json::json!({

@@ -24,6 +24,9 @@ pub struct Postgres {
     pub user: String,
     /// The superuser's password.
     pub password: String,
+    /// The CA (PEM) that signed the server's certificate: the server speaks TLS too, for
+    /// `sslmode=verify-full` with host `127.0.0.1`.
+    pub ca: String,
     server: Mutex<Component>,
     bin: PathBuf,
     dir: PathBuf,
@@ -80,6 +83,27 @@ fn as_user(user: Option<&nix::unistd::User>, program: &Path, args: &[String]) ->
     }
 }
 
+/// A CA, and a serving certificate and key signed by it for `127.0.0.1` and `localhost`:
+/// `(ca, cert, key)` in PEM.
+fn serving_certificate() -> Result<(String, String, String)> {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};
+    let err = |e: rcgen::Error| Error::Setup(format!("generating the server's certificate: {e}"));
+    let ca_key = KeyPair::generate().map_err(err)?;
+    let mut ca = CertificateParams::new(Vec::<String>::new()).map_err(err)?;
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.distinguished_name
+        .push(DnType::CommonName, "opkit-testenv-postgres-ca");
+    ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    let ca_cert = ca.self_signed(&ca_key).map_err(err)?;
+    let issuer = Issuer::new(ca, &ca_key);
+    let key = KeyPair::generate().map_err(err)?;
+    let mut serving =
+        CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()]).map_err(err)?;
+    serving.distinguished_name.push(DnType::CommonName, "postgres");
+    let cert = serving.signed_by(&key, &issuer).map_err(err)?;
+    Ok((ca_cert.pem(), cert.pem(), key.serialize_pem()))
+}
+
 /// A password of 32 hex digits from the kernel's random source.
 fn made_up_password() -> Result<String> {
     let mut bytes = [0u8; 16];
@@ -126,8 +150,17 @@ impl Postgres {
         let password = made_up_password()?;
         let pwfile = dir.join("password");
         std::fs::write(&pwfile, &password)?;
+        let (ca, cert, key) = serving_certificate()?;
+        let (cert_file, key_file) = (dir.join("server.crt"), dir.join("server.key"));
+        std::fs::write(&cert_file, cert)?;
+        std::fs::write(&key_file, key)?;
+        // PostgreSQL refuses a key others may read.
+        std::fs::set_permissions(
+            &key_file,
+            <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o600),
+        )?;
         if let Some(u) = &user {
-            for p in [&dir, &pwfile] {
+            for p in [&dir, &pwfile, &cert_file, &key_file] {
                 nix::unistd::chown(p, Some(u.uid), Some(u.gid))
                     .map_err(|e| Error::Setup(format!("chown {}: {e}", p.display())))?;
             }
@@ -164,6 +197,15 @@ impl Postgres {
             dir.display().to_string(),
             "-c".into(),
             "fsync=off".into(),
+            // Every CREATE, ALTER and DROP in the log: what a test counts server-side.
+            "-c".into(),
+            "log_statement=ddl".into(),
+            "-c".into(),
+            "ssl=on".into(),
+            "-c".into(),
+            format!("ssl_cert_file={}", cert_file.display()),
+            "-c".into(),
+            format!("ssl_key_file={}", key_file.display()),
         ];
         let (program, args) = as_user(user.as_ref(), &bin.join("postgres"), &serve);
         let server = Component::start(&format!("postgres-{port}"), &program, &args, &dir)?;
@@ -172,6 +214,7 @@ impl Postgres {
             port,
             user: ADMIN.into(),
             password,
+            ca,
             server: Mutex::new(server),
             bin,
             dir,
@@ -216,6 +259,13 @@ impl Postgres {
             .unwrap_or_else(|p| p.into_inner())
             .restart(Duration::from_secs(5))?;
         self.wait_ready()
+    }
+
+    /// The server's log so far: with every DDL statement it ran (`statement: CREATE ROLE …`),
+    /// to count what clients did on the server's side.
+    pub fn log(&self) -> String {
+        let path = self.server.lock().unwrap_or_else(|p| p.into_inner()).log.clone();
+        std::fs::read_to_string(path).unwrap_or_default()
     }
 
     /// Runs `sql` with `psql` as the superuser in database `postgres`; returns what it printed
@@ -272,6 +322,8 @@ mod tests {
         }
         let pg = Postgres::start().expect("a PostgreSQL server");
         assert_eq!(pg.psql("select 1").expect("a query"), "1");
+        assert_eq!(pg.psql("show ssl").expect("a query"), "on", "TLS served too");
+        assert!(pg.ca.starts_with("-----BEGIN CERTIFICATE-----"));
         let wrong = pg.psql_as(ADMIN, "not-the-password", "postgres", "select 1");
         assert!(wrong.is_err(), "a wrong password is refused: {wrong:?}");
         pg.psql("create database app").expect("create database");
