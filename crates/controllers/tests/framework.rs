@@ -8,7 +8,9 @@
 //! trigger from outside the cluster reconciles the object it names, or all of them. A `Retry`
 //! from `observe` is shown as a condition and an Event, and honoured until the service is back.
 //! Things outside the cluster are made, kept against drift and dropped through plans' acts. A
-//! plan reports the part of a spec it left out and still carries out the rest.
+//! plan reports the part of a spec it left out and still carries out the rest. A watch of a
+//! kind that may not be installed waits for it without holding readiness, follows it once it
+//! is installed, and lets its objects go when it is deleted.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -1445,6 +1447,207 @@ async fn a_plan_reports_the_part_of_the_spec_it_left_out_and_carries_out_the_res
                 },
             )
             .await?;
+            Ok(())
+        })
+        .await;
+}
+
+/// A kind installed and removed while the operator runs: only [`Lit`]'s test uses it.
+#[derive(kube::CustomResource, Clone, Debug, serde::Serialize, serde::Deserialize, PartialEq)]
+#[kube(
+    group = "lamps.opkit.dev",
+    version = "v1",
+    kind = "Lamp",
+    namespaced,
+    schema = "disabled"
+)]
+struct LampSpec {
+    #[serde(default)]
+    on: bool,
+}
+
+const LAMP_CRD: &str = "lamps.lamps.opkit.dev";
+
+fn lamp_crd() -> anyhow::Result<
+    k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
+> {
+    Ok(serde_json::from_value(json!({
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "metadata": {"name": LAMP_CRD},
+        "spec": {
+            "group": "lamps.opkit.dev",
+            "names": {"kind": "Lamp", "plural": "lamps", "singular": "lamp", "listKind": "LampList"},
+            "scope": "Namespaced",
+            "versions": [{
+                "name": "v1", "served": true, "storage": true,
+                "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": true}}
+            }]
+        }
+    }))?)
+}
+
+/// Counts the Lamps of the namespace into every Flag's `status.note`, through an optional
+/// watch: Lamps are another operator's kind, which may not be installed.
+struct Lit;
+
+impl Reconciler for Lit {
+    type Object = Flag;
+    type Caches = opkit::Cache<Lamp>;
+    type World = usize;
+    type Status = FlagStatus;
+
+    fn name(&self) -> &'static str {
+        "lit"
+    }
+
+    fn watch(&self, w: &mut Watches<Flag>) -> opkit::Cache<Lamp> {
+        let flags = w.primary();
+        w.watches(Watch::all().optional(), move |_: Lamp| {
+            flags
+                .all()
+                .iter()
+                .map(|f| kube::runtime::reflector::ObjectRef::from_obj(f.as_ref()))
+                .collect::<Vec<_>>()
+        })
+    }
+
+    async fn observe(&self, _: &Flag, lamps: &opkit::Cache<Lamp>, _: &Client) -> kube::Result<usize> {
+        Ok(lamps.all().len())
+    }
+
+    fn plan(&self, _: &Flag, lamps: &usize, _: Timestamp) -> Result<Plan<FlagStatus>, Invalid> {
+        let status = FlagStatus {
+            note: Some(format!("{lamps} lamps")),
+            items: Vec::new(),
+        };
+        Ok(Plan::status(status, Requeue::OnChange))
+    }
+}
+
+/// Deletes the Lamp CRD and waits until the apiserver no longer has it.
+async fn remove_lamps(client: &Client) -> anyhow::Result<()> {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    if crds.get_opt(LAMP_CRD).await?.is_some() {
+        crds.delete(LAMP_CRD, &DeleteParams::default()).await?;
+    }
+    wait_for("the Lamp CRD gone", T, || async {
+        ensure!(crds.get_opt(LAMP_CRD).await?.is_none(), "still there");
+        Ok(())
+    })
+    .await
+}
+
+/// The GET requests the operator got 404 for: how often a watch asks for a missing kind.
+fn not_found(op: &Operator) -> f64 {
+    op.encoded()
+        .lines()
+        .filter(|l| l.starts_with("rest_client_requests_total{") && l.contains(r#"code="404""#))
+        .filter(|l| l.contains(r#"method="GET""#))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test]
+async fn an_optional_watch_waits_for_its_kind_without_holding_readiness_and_follows_it() {
+    shared()
+        .in_namespace("framework-optional", |client, ns| async move {
+            remove_lamps(&client).await?;
+            common::install_crd(&client, flag_crd()?).await?;
+            let health = std::net::SocketAddr::from(([127, 0, 0, 1], free_port()?));
+            let run = Run {
+                opts: ManagerOptions {
+                    health_addr: Some(health),
+                    ..Default::default()
+                },
+                ..Run::new(&["lit"])
+            };
+            let op = operator_of("lit", |m, _: &()| {
+                m.add(Lit);
+            });
+            let op = common::start_op(&op, &client, &ns, run, &(), |_| {}).await?;
+            let active = r#"opkit_optional_watch_active{controller="lit",kind="Lamp"}"#;
+            let readyz = || async {
+                let (code, body) = opkit_testenv::http_get(health, "/readyz").await?;
+                ensure!(code == 200, "{code} {body}");
+                anyhow::Ok(body)
+            };
+            wait_for("ready, naming the watch that waits", T, || async {
+                let body = readyz().await?;
+                ensure!(body.contains("waiting for their kind: lit/Lamp"), "{body}");
+                ensure!(op.encoded().contains(&format!("{active} 0")), "no inactive gauge");
+                Ok(())
+            })
+            .await?;
+            let flags: Api<Flag> = Api::namespaced(client.clone(), &ns);
+            flags
+                .create(&PostParams::default(), &Flag::new("f", FlagSpec { on: true }))
+                .await?;
+            let note = |want: &'static str| {
+                let flags = flags.clone();
+                move || {
+                    let flags = flags.clone();
+                    async move {
+                        let s = flags.get("f").await?.status.unwrap_or_default();
+                        ensure!(s.note.as_deref() == Some(want), "{s:?}");
+                        Ok(())
+                    }
+                }
+            };
+            wait_for("the Flag reconciled without the Lamps", T, note("0 lamps")).await?;
+            // While the kind is missing the watch asks every few seconds, not in a loop.
+            let before = not_found(&op);
+            consistently(
+                "few requests for the missing kind",
+                Duration::from_secs(10),
+                || async {
+                    let asked = not_found(&op) - before;
+                    ensure!(asked <= 4.0, "{asked} requests for the missing kind in 10 s");
+                    anyhow::Ok(())
+                },
+            )
+            .await?;
+            ensure!(not_found(&op) > before, "the watch stopped asking for its kind");
+
+            common::install_crd(&client, lamp_crd()?).await?;
+            let lamps: Api<Lamp> = Api::namespaced(client.clone(), &ns);
+            for name in ["a", "b"] {
+                lamps
+                    .create(&PostParams::default(), &Lamp::new(name, LampSpec { on: true }))
+                    .await?;
+            }
+            let installed = std::time::Instant::now();
+            wait_for("the Lamps seen once their kind is installed", T, note("2 lamps")).await?;
+            let took = installed.elapsed();
+            ensure!(took < Duration::from_secs(15), "the Lamps took {took:?}");
+            wait_for("the watch active", T, || async {
+                ensure!(op.sample(active) == 1.0, "gauge {}", op.sample(active));
+                let body = readyz().await?;
+                ensure!(body == "ok", "{body}");
+                Ok(())
+            })
+            .await?;
+
+            remove_lamps(&client).await?;
+            wait_for("the Lamps gone with their kind", T, note("0 lamps")).await?;
+            wait_for("the watch waiting again", T, || async {
+                ensure!(op.sample(active) == 0.0, "gauge {}", op.sample(active));
+                ensure!(readyz().await?.contains("lit/Lamp"), "not named");
+                Ok(())
+            })
+            .await?;
+
+            // Installed again: followed again.
+            common::install_crd(&client, lamp_crd()?).await?;
+            lamps
+                .create(&PostParams::default(), &Lamp::new("c", LampSpec { on: false }))
+                .await?;
+            let installed = std::time::Instant::now();
+            wait_for("the Lamp seen once its kind is back", T, note("1 lamps")).await?;
+            let took = installed.elapsed();
+            ensure!(took < Duration::from_secs(15), "the Lamp took {took:?}");
+            ensure!(op.running(), "the manager stopped");
+            remove_lamps(&client).await?;
             Ok(())
         })
         .await;

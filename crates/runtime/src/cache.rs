@@ -297,6 +297,7 @@ pub struct Watch<C> {
     pub(crate) applied: Option<String>,
     pub(crate) indexes: Vec<(&'static str, KeyFn<C>)>,
     pub(crate) filter: Option<Filter<C>>,
+    pub(crate) optional: bool,
 }
 
 impl<C> Watch<C> {
@@ -310,6 +311,7 @@ impl<C> Watch<C> {
             applied: None,
             indexes: Vec::new(),
             filter: None,
+            optional: false,
         }
     }
 
@@ -382,6 +384,18 @@ impl<C> Watch<C> {
     /// later is the next reconcile's to judge.
     pub fn prune(mut self) -> Self {
         self.prune = true;
+        self
+    }
+
+    /// For a kind that may not be installed (another operator's CRD): while the apiserver
+    /// does not serve it, the cache is empty and the controller is ready without it; once
+    /// the kind is served (within about 5 s) it is listed and watched — reconciles wait for
+    /// that list, as for any watch — and when the kind goes, its objects leave the cache as
+    /// deletions. `/readyz` and `opkit_optional_watch_active` name the watches waiting. The
+    /// primary kind is never optional: a controller of a kind that is not there has nothing
+    /// to do.
+    pub fn optional(mut self) -> Self {
+        self.optional = true;
         self
     }
 }

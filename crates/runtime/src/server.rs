@@ -37,14 +37,26 @@ async fn metrics(State(m): State<Metrics>) -> impl IntoResponse {
     )
 }
 
-async fn readyz(State(r): State<Readiness>) -> impl IntoResponse {
+async fn readyz(State((r, m)): State<(Readiness, Metrics)>) -> impl IntoResponse {
     let waiting: Vec<&str> = r
         .iter()
         .filter(|(_, ready)| !ready.load(Ordering::SeqCst))
         .map(|(n, _)| *n)
         .collect();
     if waiting.is_empty() {
-        (StatusCode::OK, "ok".to_string())
+        let inactive = m.inactive_watches();
+        if inactive.is_empty() {
+            (StatusCode::OK, "ok".to_string())
+        } else {
+            // Ready: an optional watch waits for its kind without holding the rest back.
+            (
+                StatusCode::OK,
+                format!(
+                    "ok; optional watches waiting for their kind: {}",
+                    inactive.join(", ")
+                ),
+            )
+        }
     } else {
         (
             StatusCode::SERVICE_UNAVAILABLE,
@@ -419,7 +431,7 @@ pub(crate) async fn serve(
         let l = bind("metrics", addr).await?;
         let app = Router::new()
             .route("/metrics", get(metrics))
-            .with_state(metrics_state);
+            .with_state(metrics_state.clone());
         match auth {
             Some(auth) => {
                 let app = app.layer(axum::middleware::from_fn_with_state(auth, authorize));
@@ -439,7 +451,7 @@ pub(crate) async fn serve(
         let app = Router::new()
             .route("/healthz", get(|| async { "ok" }))
             .route("/readyz", get(readyz))
-            .with_state(Arc::new(readiness));
+            .with_state((Arc::new(readiness), metrics_state));
         tracing::info!(%addr, "serving /healthz and /readyz");
         handles.push(spawn("health", l, app, shutdown));
     }

@@ -11,7 +11,7 @@ pub use prometheus_client;
 
 pub(crate) use standard::{Exists, Queue};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -44,11 +44,14 @@ struct ErrorLabels {
     category: String,
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+#[derive(Clone, Debug, Hash, PartialEq, Eq, PartialOrd, Ord, EncodeLabelSet)]
 struct CacheLabels {
     controller: String,
     kind: String,
 }
+
+/// Whether an optional watch's kind is served now.
+type Active = Arc<AtomicBool>;
 
 /// Measures one cache when metrics are scraped: (objects, estimated bytes).
 type CacheProbe = Box<dyn Fn() -> (usize, usize) + Send + Sync>;
@@ -95,6 +98,9 @@ pub struct Metrics {
     shard_handover: Family<ControllerLabel, Histogram, fn() -> Histogram>,
     shard_members: Family<ControllerLabel, Gauge>,
     caches: Arc<Mutex<Vec<(CacheLabels, CacheProbe)>>>,
+    optional_active: Family<CacheLabels, Gauge>,
+    /// The optional watches (one per namespace watched) and whether each has its kind.
+    optional: Arc<Mutex<Vec<(CacheLabels, Active)>>>,
     totals: Arc<Mutex<HashMap<String, Arc<Totals>>>>,
     standard: standard::Standard,
     process: process::Process,
@@ -151,7 +157,7 @@ impl Default for Metrics {
         let calls = Family::<CallLabels, Counter>::default();
         registry.register(
             "calls",
-            "Steps and acts outside the cluster, by step (`source.action` for an act) and result (ok, error, retry)",
+            "Acts outside the cluster, in plans and cleanups, by step (`source.action`) and result (ok, retry)",
             calls.clone(),
         );
         registry.register(
@@ -195,6 +201,12 @@ impl Default for Metrics {
             "Estimated size of the cached objects, by kind: their JSON size, from a sample",
             cache_bytes.clone(),
         );
+        let optional_active = Family::<CacheLabels, Gauge>::default();
+        registry.register(
+            "optional_watch_active",
+            "Optional watches, by kind: 1 while their kind is served and watched, 0 while they wait for it to be installed",
+            optional_active.clone(),
+        );
         let shard_moves = Family::<MoveLabels, Counter>::default();
         let shard_handover = Family::<ControllerLabel, Histogram, fn() -> Histogram>::new_with_constructor(
             standard::seconds_histogram as fn() -> Histogram,
@@ -234,6 +246,8 @@ impl Default for Metrics {
             shard_handover,
             shard_members,
             caches: Arc::default(),
+            optional_active,
+            optional: Arc::default(),
             totals: Arc::default(),
             standard,
             process,
@@ -301,6 +315,9 @@ impl Metrics {
     /// The Prometheus text exposition of every metric.
     pub fn encode(&self) -> String {
         self.measure_caches();
+        for (labels, active) in self.optional_watches() {
+            self.optional_active.get_or_create(&labels).set(i64::from(active));
+        }
         self.standard.refresh();
         self.process.refresh();
         let mut out = String::new();
@@ -342,6 +359,27 @@ impl Metrics {
                 .get_or_create(&labels)
                 .set(i64::try_from(bytes).unwrap_or(i64::MAX));
         }
+    }
+
+    /// Each optional watch by (controller, kind): active only when it is in every namespace
+    /// watched.
+    fn optional_watches(&self) -> std::collections::BTreeMap<CacheLabels, bool> {
+        let mut all = std::collections::BTreeMap::new();
+        for (labels, active) in self.optional.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            let a = all.entry(labels.clone()).or_insert(true);
+            *a &= active.load(Ordering::SeqCst);
+        }
+        all
+    }
+
+    /// The optional watches waiting for their kind to be installed, as `controller/Kind`: what
+    /// `/readyz` mentions, without counting them as unready.
+    pub(crate) fn inactive_watches(&self) -> Vec<String> {
+        self.optional_watches()
+            .into_iter()
+            .filter(|(_, active)| !active)
+            .map(|(l, _)| format!("{}/{}", l.controller, l.kind))
+            .collect()
     }
 
     /// The value of one series of the exposition, e.g.
@@ -460,6 +498,20 @@ impl ControllerMetrics {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .push((labels, Box::new(probe)));
+    }
+
+    /// Reports an optional watch of `kind` in `opkit_optional_watch_active` and `/readyz`;
+    /// `active` says whether its kind is served now.
+    pub(crate) fn optional_watch(&self, kind: &str, active: Arc<AtomicBool>) {
+        let labels = CacheLabels {
+            controller: self.controller.clone(),
+            kind: kind.to_string(),
+        };
+        self.metrics
+            .optional
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((labels, active));
     }
 
     /// Counts one act outside the cluster that ended with `result`.
@@ -688,6 +740,25 @@ mod tests {
             "{text}"
         );
         assert_eq!((c.writes_total(), c.reconciles_total()), (2, 1));
+    }
+
+    #[test]
+    fn an_optional_watch_is_active_only_in_every_namespace_and_named_while_it_waits() {
+        let m = Metrics::default();
+        let (a, b) = (Arc::new(AtomicBool::new(true)), Arc::new(AtomicBool::new(false)));
+        // One watch per namespace watched, and a second controller sharing the first's.
+        m.for_controller("lit").optional_watch("Lamp", a.clone());
+        m.for_controller("lit").optional_watch("Lamp", b.clone());
+        m.for_controller("dim").optional_watch("Lamp", a.clone());
+        let gauge = |c: &str| format!("opkit_optional_watch_active{{controller=\"{c}\",kind=\"Lamp\"}}");
+        assert_eq!(m.inactive_watches(), ["lit/Lamp"]);
+        assert!(m.encode().contains(&format!("{} 0", gauge("lit"))));
+        assert_eq!(m.sample(&gauge("dim")), 1.0);
+        b.store(true, Ordering::SeqCst);
+        assert!(m.inactive_watches().is_empty());
+        assert_eq!(m.sample(&gauge("lit")), 1.0);
+        a.store(false, Ordering::SeqCst);
+        assert_eq!(m.inactive_watches(), ["dim/Lamp", "lit/Lamp"]);
     }
 
     #[test]

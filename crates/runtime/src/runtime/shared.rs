@@ -170,10 +170,13 @@ pub(super) struct ShareKey {
     pub(super) fields: Option<String>,
     pub(super) trim: Option<TrimKey>,
     pub(super) applied: Option<String>,
+    pub(super) optional: bool,
 }
 
 pub(super) struct Shared<C: Resource<DynamicType = ()> + Clone + 'static> {
     pub(super) cache: Cache<C>,
+    /// For an optional watch: whether its kind is served now.
+    pub(super) active: Option<Arc<AtomicBool>>,
     pub(super) subscribers: Arc<Mutex<Vec<futures::channel::mpsc::UnboundedSender<watcher::Event<C>>>>>,
 }
 

@@ -5,10 +5,12 @@ use std::collections::HashMap;
 use std::fmt::Debug;
 
 use crate::changed::hash;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
+use futures::stream::BoxStream;
 use futures::{FutureExt, Stream, StreamExt};
 use kube::runtime::controller::{Config as ControllerConfig, Controller};
 use kube::runtime::reflector::{self, ObjectRef};
@@ -164,6 +166,8 @@ where
             resync: Resync::new(concurrency),
             actors: Default::default(),
         };
+        // A controller of a kind that is not there has nothing to do: it waits for it.
+        watch.optional = false;
         if let Some(shard) = ctx.shard() {
             // A member watches, caches and reconciles only the objects placed on it.
             watch.labels = Some(mine(watch.labels.take(), shard));
@@ -247,10 +251,11 @@ where
             fields: w.fields.clone(),
             trim: w.trim.as_ref().map(|t| t.key),
             applied: applied.clone(),
+            optional: w.optional,
         };
         let (tx, rx) = futures::channel::mpsc::unbounded();
         let mut shared = self.shared.inner.lock().unwrap_or_else(|p| p.into_inner());
-        let cache = match shared
+        let (cache, active) = match shared
             .entries
             .get(&key)
             .and_then(|e| e.downcast_ref::<Shared<C>>())
@@ -261,7 +266,7 @@ where
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
                     .push(tx);
-                existing.cache.clone()
+                (existing.cache.clone(), existing.active.clone())
             }
             None => {
                 let mut cfg = watcher::Config::default();
@@ -273,23 +278,27 @@ where
                 }
                 let trim = w.trim.clone();
                 let (store, writer) = reflector::store();
-                let cache = Cache::new(store, Indexes::default());
+                let cache = Cache::new(store.clone(), Indexes::default());
                 let subscribers = Arc::new(Mutex::new(vec![tx]));
                 let (indexes, subs) = (cache.indexes().clone(), subscribers.clone());
                 let kind = C::kind(&()).to_string();
+                let api = api::<C>(&self.client, self.namespace.as_deref());
+                let active = w.optional.then(|| Arc::new(AtomicBool::new(false)));
+                let events = match &active {
+                    Some(active) => optional(api, cfg, store, active.clone(), kind.clone()).boxed(),
+                    None => watcher(api, cfg).default_backoff().boxed(),
+                };
                 let driver = reflector::reflector(
                     writer,
-                    watcher(api::<C>(&self.client, self.namespace.as_deref()), cfg)
-                        .default_backoff()
-                        .modify(move |o| {
-                            if let Some(manager) = &applied {
-                                keep_applied(o, manager);
-                            }
-                            o.managed_fields_mut().clear();
-                            if let Some(t) = &trim {
-                                (t.apply)(o);
-                            }
-                        }),
+                    events.modify(move |o| {
+                        if let Some(manager) = &applied {
+                            keep_applied(o, manager);
+                        }
+                        o.managed_fields_mut().clear();
+                        if let Some(t) = &trim {
+                            (t.apply)(o);
+                        }
+                    }),
                 )
                 .for_each(move |ev| {
                     match ev {
@@ -320,13 +329,17 @@ where
                     key,
                     Box::new(Shared {
                         cache: cache.clone(),
+                        active: active.clone(),
                         subscribers,
                     }),
                 );
-                cache
+                (cache, active)
             }
         };
         drop(shared);
+        if let Some(active) = active {
+            self.metrics.optional_watch(&C::kind(&()), active);
+        }
         for (name, key) in &w.indexes {
             cache.add_index(name, key.clone());
         }
@@ -549,6 +562,121 @@ where
             .push(stream.for_each(|_| futures::future::ready(())).boxed());
         cache
     }
+}
+
+/// How long an optional watch waits before it asks again whether its kind is served: soon
+/// after the kind went, then every few seconds.
+const MISSING_FIRST: Duration = Duration::from_millis(500);
+const MISSING_MAX: Duration = Duration::from_secs(5);
+/// The backoff of an optional watch's other errors, as kube's default one.
+const FAILED_FIRST: Duration = Duration::from_millis(800);
+const FAILED_MAX: Duration = Duration::from_secs(30);
+
+/// Whether a watch error says that the kind is not served (its CRD is not installed).
+fn missing(e: &watcher::Error) -> bool {
+    match e {
+        watcher::Error::InitialListFailed(kube::Error::Api(s))
+        | watcher::Error::WatchStartFailed(kube::Error::Api(s))
+        | watcher::Error::WatchFailed(kube::Error::Api(s)) => s.code == 404,
+        watcher::Error::WatchError(s) => s.code == 404,
+        _ => false,
+    }
+}
+
+/// The state of an optional watch between two of its events.
+struct Optional<C: Watchable> {
+    api: kube::Api<C>,
+    cfg: watcher::Config,
+    events: Option<BoxStream<'static, watcher::Result<watcher::Event<C>>>>,
+    /// What the watch has delivered: its objects leave as deletions when the kind goes.
+    store: reflector::Store<C>,
+    active: Arc<AtomicBool>,
+    /// Whether the kind was neither found nor missed yet.
+    first: bool,
+    /// The watcher's `Init`, held back until what follows it shows the kind is served.
+    held: bool,
+    wait: Option<Duration>,
+    missing_wait: Duration,
+    failed_wait: Duration,
+    kind: String,
+}
+
+/// The events of a watch of a kind that may not be served: while it is not, the watch is
+/// synced and empty (its objects delivered as deletions when the kind goes) and it asks again
+/// every few seconds, quietly; once it is, the events are the watcher's. kube's own backoff
+/// would not grow here: the watcher starts each list with an `Init`, which resets it.
+fn optional<C: Watchable>(
+    api: kube::Api<C>,
+    cfg: watcher::Config,
+    store: reflector::Store<C>,
+    active: Arc<AtomicBool>,
+    kind: String,
+) -> impl Stream<Item = watcher::Result<watcher::Event<C>>> + Send + 'static {
+    let state = Optional {
+        api,
+        cfg,
+        events: None,
+        store,
+        active,
+        first: true,
+        held: false,
+        wait: None,
+        missing_wait: MISSING_FIRST,
+        failed_wait: FAILED_FIRST,
+        kind,
+    };
+    futures::stream::unfold(state, |mut s| async move {
+        if let Some(wait) = s.wait.take() {
+            tokio::time::sleep(wait).await;
+        }
+        let (api, cfg) = (s.api.clone(), s.cfg.clone());
+        let events = s.events.get_or_insert_with(|| watcher(api, cfg).boxed());
+        let out = match events.next().await {
+            None => {
+                s.events = None;
+                Vec::new()
+            }
+            Some(Ok(watcher::Event::Init)) => {
+                s.held = true;
+                Vec::new()
+            }
+            Some(Ok(ev)) => {
+                if !s.active.swap(true, Ordering::SeqCst) {
+                    tracing::info!(kind = %s.kind, "the kind of an optional watch is served: watching it");
+                }
+                s.first = false;
+                s.missing_wait = MISSING_FIRST;
+                s.failed_wait = FAILED_FIRST;
+                let init = std::mem::take(&mut s.held).then_some(Ok(watcher::Event::Init));
+                init.into_iter().chain([Ok(ev)]).collect()
+            }
+            Some(Err(e)) if missing(&e) => {
+                // A new watcher lists afresh: this one would retry its watch from a version
+                // of a kind that is gone.
+                s.events = None;
+                s.held = false;
+                let mut out = Vec::new();
+                if s.active.swap(false, Ordering::SeqCst) || s.first {
+                    tracing::info!(kind = %s.kind, "the kind of an optional watch is not served: waiting for it to be installed");
+                    out.extend(s.store.state().iter().map(|o| Ok(watcher::Event::Delete((**o).clone()))));
+                    // Synced, and empty.
+                    out.extend([Ok(watcher::Event::Init), Ok(watcher::Event::InitDone)]);
+                }
+                s.first = false;
+                s.wait = Some(s.missing_wait);
+                s.missing_wait = (s.missing_wait * 2).min(MISSING_MAX);
+                out
+            }
+            Some(Err(e)) => {
+                s.held = false;
+                s.wait = Some(s.failed_wait);
+                s.failed_wait = (s.failed_wait * 2).min(FAILED_MAX);
+                vec![Err(e)]
+            }
+        };
+        Some((futures::stream::iter(out), s))
+    })
+    .flatten()
 }
 
 /// `labels` (a selector) narrowed to the objects placed on this member.
