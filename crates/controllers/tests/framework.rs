@@ -19,6 +19,7 @@ use std::time::Duration;
 
 use anyhow::{anyhow, ensure};
 use k8s_openapi::api::core::v1::ConfigMap;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, Resource, ResourceExt};
@@ -500,19 +501,27 @@ impl Reconciler for Flags {
 }
 
 /// The Flag CRD: no schema of its own (any fields kept), a status subresource.
-fn flag_crd() -> anyhow::Result<
-    k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
-> {
+fn flag_crd() -> anyhow::Result<CustomResourceDefinition> {
+    test_crd("probe.opkit.dev", "Flag", "flags", true)
+}
+
+/// A namespaced CRD of this test's own in `group`, version v1, with no schema (any fields
+/// kept).
+fn test_crd(group: &str, kind: &str, plural: &str, status: bool) -> anyhow::Result<CustomResourceDefinition> {
+    let subresources = if status { json!({"status": {}}) } else { json!({}) };
     Ok(serde_json::from_value(json!({
         "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-        "metadata": {"name": "flags.probe.opkit.dev"},
+        "metadata": {"name": format!("{plural}.{group}")},
         "spec": {
-            "group": "probe.opkit.dev",
-            "names": {"kind": "Flag", "plural": "flags", "singular": "flag", "listKind": "FlagList"},
+            "group": group,
+            "names": {
+                "kind": kind, "plural": plural, "singular": kind.to_lowercase(),
+                "listKind": format!("{kind}List"),
+            },
             "scope": "Namespaced",
             "versions": [{
                 "name": "v1", "served": true, "storage": true,
-                "subresources": {"status": {}},
+                "subresources": subresources,
                 "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": true}}
             }]
         }
@@ -722,15 +731,8 @@ impl Reconciler for Ticks {
     }
 }
 
-fn tick_crd() -> anyhow::Result<
-    k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
-> {
-    let mut crd = flag_crd()?;
-    crd.metadata.name = Some("ticks.probe.opkit.dev".into());
-    crd.spec.names = serde_json::from_value(
-        json!({"kind": "Tick", "plural": "ticks", "singular": "tick", "listKind": "TickList"}),
-    )?;
-    Ok(crd)
+fn tick_crd() -> anyhow::Result<CustomResourceDefinition> {
+    test_crd("probe.opkit.dev", "Tick", "ticks", true)
 }
 
 #[tokio::test]
@@ -1468,22 +1470,8 @@ struct LampSpec {
 
 const LAMP_CRD: &str = "lamps.lamps.opkit.dev";
 
-fn lamp_crd() -> anyhow::Result<
-    k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
-> {
-    Ok(serde_json::from_value(json!({
-        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-        "metadata": {"name": LAMP_CRD},
-        "spec": {
-            "group": "lamps.opkit.dev",
-            "names": {"kind": "Lamp", "plural": "lamps", "singular": "lamp", "listKind": "LampList"},
-            "scope": "Namespaced",
-            "versions": [{
-                "name": "v1", "served": true, "storage": true,
-                "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": true}}
-            }]
-        }
-    }))?)
+fn lamp_crd() -> anyhow::Result<CustomResourceDefinition> {
+    test_crd("lamps.opkit.dev", "Lamp", "lamps", false)
 }
 
 /// Counts the Lamps of the namespace into every Flag's `status.note`, through an optional
@@ -1526,7 +1514,6 @@ impl Reconciler for Lit {
 
 /// Deletes the Lamp CRD and waits until the apiserver no longer has it.
 async fn remove_lamps(client: &Client) -> anyhow::Result<()> {
-    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
     if crds.get_opt(LAMP_CRD).await?.is_some() {
         crds.delete(LAMP_CRD, &DeleteParams::default()).await?;

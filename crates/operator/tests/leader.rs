@@ -126,18 +126,24 @@ async fn wait_ready(r: &Replica) -> anyhow::Result<()> {
     .await
 }
 
+/// Installs every CRD `opkit crd` prints, as `make install` does.
+fn install_crds() -> anyhow::Result<()> {
+    let crds = Command::new(env!("CARGO_BIN_EXE_opkit")).arg("crd").output()?;
+    let mut apply = shared()
+        .kubectl()
+        .args(["apply", "--server-side", "-f", "-"])
+        .stdin(Stdio::piped())
+        .spawn()?;
+    std::io::Write::write_all(apply.stdin.as_mut().context("stdin")?, &crds.stdout)?;
+    ensure!(apply.wait()?.success(), "installing the CRDs failed");
+    Ok(())
+}
+
 #[tokio::test]
 async fn one_replica_leads_and_a_standby_takes_over() {
     shared()
         .in_namespace("leader", |client, ns| async move {
-            let crds = Command::new(env!("CARGO_BIN_EXE_opkit")).arg("crd").output()?;
-            let mut apply = shared()
-                .kubectl()
-                .args(["apply", "--server-side", "-f", "-"])
-                .stdin(Stdio::piped())
-                .spawn()?;
-            std::io::Write::write_all(apply.stdin.as_mut().context("stdin")?, &crds.stdout)?;
-            ensure!(apply.wait()?.success(), "installing the CRDs failed");
+            install_crds()?;
             let mcs: Api<Memcached> = Api::namespaced(client.clone(), &ns);
             mcs.create(
                 &PostParams::default(),
@@ -235,14 +241,7 @@ async fn a_leader_frozen_past_its_lease_starts_no_act_on_the_server_when_it_runs
     let pg = std::sync::Arc::new(opkit_testenv::postgres::Postgres::start().expect("a PostgreSQL server"));
     shared()
         .in_namespace("leader-pg", |client, ns| async move {
-            let crds = Command::new(env!("CARGO_BIN_EXE_opkit")).arg("crd").output()?;
-            let mut apply = shared()
-                .kubectl()
-                .args(["apply", "--server-side", "-f", "-"])
-                .stdin(Stdio::piped())
-                .spawn()?;
-            std::io::Write::write_all(apply.stdin.as_mut().context("stdin")?, &crds.stdout)?;
-            ensure!(apply.wait()?.success(), "installing the CRDs failed");
+            install_crds()?;
             let server: k8s_openapi::api::core::v1::Secret = serde_json::from_value(serde_json::json!({
                 "apiVersion": "v1", "kind": "Secret",
                 "metadata": {"name": "pg", "labels": {"db.opkit.dev/server": "true"}},
