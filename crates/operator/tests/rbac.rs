@@ -1,9 +1,10 @@
 //! The generated RBAC grants nothing the operator does not use. `opkit run` (every controller,
 //! leader election, webhooks, `--metrics-secure`) runs as the ServiceAccount of `config/rbac`,
 //! bound to the generated ClusterRole and leader-election Role and nothing else, while a
-//! scenario makes it do everything it does; afterwards the apiserver's audit log must show an
-//! allowed request of that account for each (group, resource, verb, and name where the rule
-//! names objects) the two roles grant, and no refused one.
+//! scenario makes it do everything it does (PostgresDatabase on a throwaway PostgreSQL
+//! server); afterwards the apiserver's audit log must show an allowed request of that account
+//! for each (group, resource, verb, and name where the rule names objects) the two roles
+//! grant, and no refused one.
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -23,6 +24,7 @@ use opkit_api::config_mirror::ConfigMirror;
 use opkit_api::eru::Eru;
 use opkit_api::foo::Foo;
 use opkit_api::memcached::Memcached;
+use opkit_api::postgres::{PostgresDatabase, SERVER_LABEL};
 use opkit_testenv::{ControlPlane, Options, https_get, wait_for};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -562,6 +564,8 @@ async fn scenario(client: &kube::Client, metrics: u16) -> anyhow::Result<()> {
     .await?;
     gone(&erus, "the annotation's Eru", "web").await?;
 
+    postgres(client).await?;
+
     gone(&ats, "the finished At", "once").await?;
     wait_for("the operator to replace the webhook certificate", T, || async {
         let hosts = secrets
@@ -575,6 +579,62 @@ async fn scenario(client: &kube::Client, metrics: u16) -> anyhow::Result<()> {
         Ok(())
     })
     .await?;
+    Ok(())
+}
+
+/// PostgresDatabase on a throwaway server: its finalizer added and removed and its status
+/// written (patch); its Secret created, applied again for a new password (patch), and pruned
+/// when the spec names another one (delete).
+async fn postgres(client: &kube::Client) -> anyhow::Result<()> {
+    let pg = opkit_testenv::postgres::Postgres::start()?;
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), WORK);
+    create(
+        &secrets,
+        json!({
+            "metadata": {"name": "pg", "labels": {SERVER_LABEL: "true"}},
+            "stringData": {"host": pg.host, "port": pg.port.to_string(), "username": pg.user, "password": pg.password},
+        }),
+    )
+    .await?;
+    let dbs: Api<PostgresDatabase> = Api::namespaced(client.clone(), WORK);
+    create(
+        &dbs,
+        json!({"apiVersion": "db.opkit.dev/v1alpha1", "kind": "PostgresDatabase", "metadata": {"name": "app"},
+               "spec": {"serverSecret": "pg", "reclaimPolicy": "Delete"}}),
+    )
+    .await?;
+    let ready = |generation: i64| {
+        let dbs = dbs.clone();
+        move || {
+            let dbs = dbs.clone();
+            async move {
+                let status = dbs.get("app").await?.status.unwrap_or_default();
+                let ready = status.conditions.iter().find(|c| c.type_ == "Ready");
+                ensure!(
+                    ready.is_some_and(|c| c.status == "True" && c.observed_generation == Some(generation)),
+                    "Ready {ready:?}"
+                );
+                Ok(())
+            }
+        }
+    };
+    wait_for("the PostgresDatabase ready", T, ready(1)).await?;
+    let password = || async {
+        let s = secrets.get("app-postgres").await?;
+        anyhow::Ok(s.data.unwrap_or_default().remove("password").map(|p| p.0))
+    };
+    let first = password().await?;
+    merge(&dbs, "app", json!({"spec": {"passwordRevision": 1}})).await?;
+    wait_for("the password rotated", T, || async {
+        ensure!(password().await? != first, "the same password");
+        Ok(())
+    })
+    .await?;
+    merge(&dbs, "app", json!({"spec": {"secretName": "app-db"}})).await?;
+    wait_for("the PostgresDatabase ready with its new Secret", T, ready(3)).await?;
+    gone(&secrets, "the old Secret", "app-postgres").await?;
+    dbs.delete("app", &DeleteParams::default()).await?;
+    gone(&dbs, "the PostgresDatabase", "app").await?;
     Ok(())
 }
 
