@@ -389,11 +389,12 @@ impl<C> Watch<C> {
 
     /// For a kind that may not be installed (another operator's CRD): while the apiserver
     /// does not serve it, the cache is empty and the controller is ready without it; once
-    /// the kind is served (within about 5 s) it is listed and watched — reconciles wait for
-    /// that list, as for any watch — and when the kind goes, its objects leave the cache as
-    /// deletions. `/readyz` and `opkit_optional_watch_active` name the watches waiting. The
-    /// primary kind is never optional: a controller of a kind that is not there has nothing
-    /// to do.
+    /// the kind is served (within about 5 s) it is listed and watched, and when the kind
+    /// goes, its objects leave the cache as deletions. Installed when the controller starts,
+    /// it is waited for as any watch is; installed later, its listed objects reconcile the
+    /// primaries they map to once the list is in the cache. `/readyz` and
+    /// `opkit_optional_watch_active` name the watches waiting. The primary kind is never
+    /// optional: a controller of a kind that is not there has nothing to do.
     pub fn optional(mut self) -> Self {
         self.optional = true;
         self

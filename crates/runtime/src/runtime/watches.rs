@@ -434,7 +434,9 @@ where
 
     /// Wires a related kind's events to the primaries `refs` names (counted as queued). What a
     /// list brings (the operator starting, a watch listing again) only puts those primaries
-    /// into the resync: listed unchanged, a child says nothing new of its owner.
+    /// into the resync: listed unchanged, a child says nothing new of its owner. They go in
+    /// once the list is complete, when the cache holds it: a primary reconciled earlier would
+    /// see the cache as it was before the list (empty, for a kind installed a moment ago).
     fn trigger<C: Watchable>(
         &mut self,
         events: impl Stream<Item = Result<watcher::Event<C>, watcher::Error>> + Send + 'static,
@@ -442,11 +444,20 @@ where
     ) {
         let refs = Arc::new(refs);
         let (listed, resync) = (refs.clone(), self.resync.clone());
+        let mut pending = Vec::new();
         let stream = events
             .filter_map(move |ev| {
                 let ev = match ev {
+                    Ok(watcher::Event::Init) => {
+                        pending.clear();
+                        None
+                    }
                     Ok(watcher::Event::InitApply(c)) => {
-                        listed(c).into_iter().for_each(|r| resync.defer(r));
+                        pending.extend(listed(c));
+                        None
+                    }
+                    Ok(watcher::Event::InitDone) => {
+                        pending.drain(..).for_each(|r| resync.defer(r));
                         None
                     }
                     ev => Some(ev),
@@ -572,13 +583,12 @@ const MISSING_MAX: Duration = Duration::from_secs(5);
 const FAILED_FIRST: Duration = Duration::from_millis(800);
 const FAILED_MAX: Duration = Duration::from_secs(30);
 
-/// Whether a watch error says that the kind is not served (its CRD is not installed).
+/// Whether a watch error says that the kind is not served (its CRD is not installed): a list
+/// or a watch refused with 404. Errors in a running watch say nothing of the kind.
 fn missing(e: &watcher::Error) -> bool {
     match e {
         watcher::Error::InitialListFailed(kube::Error::Api(s))
-        | watcher::Error::WatchStartFailed(kube::Error::Api(s))
-        | watcher::Error::WatchFailed(kube::Error::Api(s)) => s.code == 404,
-        watcher::Error::WatchError(s) => s.code == 404,
+        | watcher::Error::WatchStartFailed(kube::Error::Api(s)) => s.code == 404,
         _ => false,
     }
 }
