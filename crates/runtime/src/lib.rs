@@ -34,6 +34,7 @@ mod scope;
 pub mod security;
 pub mod server;
 pub mod sharding;
+pub mod testing;
 mod tls;
 mod trace;
 mod trigger;

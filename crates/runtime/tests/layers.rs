@@ -74,6 +74,10 @@ const LAYERS: &[(&str, &[&str])] = &[
         "manager and Operator",
         &["server", "manager", "registry", "operator"],
     ),
+    (
+        "tests in memory: an API server, and the operator run on it",
+        &["testing/select", "testing/apply", "testing/server", "testing"],
+    ),
 ];
 
 /// Module name (`runtime/watches`) → source with comments and test modules removed.

@@ -1,0 +1,153 @@
+//! Whole reconciles of the seeds' controllers in memory (`opkit::testing`): the registry's
+//! controllers on an API server inside the test, no control plane. What the cluster's own
+//! controllers would do (the Deployment controller's status, its Pods) the test does itself.
+use std::collections::BTreeMap;
+
+use anyhow::{Context, ensure};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Pod;
+use kube::Client;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use opkit::testing::Harness;
+use opkit_api::foo::Foo;
+use opkit_api::memcached::Memcached;
+use opkit_controllers::{Settings, memcached, operator};
+use serde_json::json;
+
+/// What the Deployment controller and the kubelet would report for a Deployment whose
+/// `replicas` Pods all run: the Pods (`pod_labels`), then the Deployment's status.
+async fn roll_out(
+    client: &Client,
+    name: &str,
+    replicas: i32,
+    pod_labels: BTreeMap<String, String>,
+) -> anyhow::Result<()> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    for i in 0..replicas {
+        let mut pod: Pod = serde_json::from_value(json!({"metadata": {"name": format!("{name}-{i}")}}))?;
+        pod.metadata.labels = Some(pod_labels.clone());
+        if pods
+            .get_opt(&pod.metadata.name.clone().unwrap_or_default())
+            .await?
+            .is_none()
+        {
+            let created = pods.create(&PostParams::default(), &pod).await?;
+            let running = json!({"status": {"phase": "Running"}});
+            pods.patch_status(
+                &created.metadata.name.unwrap_or_default(),
+                &PatchParams::default(),
+                &Patch::Merge(&running),
+            )
+            .await?;
+        }
+    }
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), "default");
+    let d = deployments.get(name).await?;
+    let status = json!({"status": {"observedGeneration": d.metadata.generation, "replicas": replicas,
+        "updatedReplicas": replicas, "readyReplicas": replicas, "availableReplicas": replicas}});
+    deployments
+        .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+        .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn memcached_converges_then_writes_nothing_and_restores_its_deployment() -> anyhow::Result<()> {
+    let mut h = Harness::start(operator(), &[memcached::NAME], Settings::default()).await?;
+    let client = h.client();
+    let mcs: Api<Memcached> = Api::namespaced(client.clone(), "default");
+    let sample: Memcached =
+        serde_yaml::from_str(include_str!("../../../config/samples/cache_v1_memcached.yaml"))?;
+    mcs.create(&PostParams::default(), &sample).await?;
+
+    // The Deployment is applied; the status of a rollout under way is held back.
+    let writes = h.settle().await?;
+    ensure!(writes.applied("Deployment").len() == 1, "{writes}");
+    ensure!(writes.statuses().is_empty() && writes.len() == 1, "{writes}");
+    let deployment: Api<Deployment> = Api::namespaced(client.clone(), "default");
+    let d = deployment.get("example-memcached").await?;
+    ensure!(d.spec.as_ref().and_then(|s| s.replicas) == Some(3));
+
+    // Rolled out: one status write, with the Pods as nodes.
+    roll_out(
+        &client,
+        "example-memcached",
+        3,
+        memcached::labels("example-memcached"),
+    )
+    .await?;
+    let writes = h.settle().await?;
+    ensure!(writes.statuses().len() == 1 && writes.len() == 1, "{writes}");
+    let mc = mcs.get("example-memcached").await?;
+    let status = mc.status.context("a status")?;
+    ensure!(status.nodes.len() == 3, "{:?}", status.nodes);
+    ensure!(opkit::conditions::is_true(
+        &status.conditions,
+        memcached::condition::AVAILABLE
+    ));
+
+    // Converged: nothing to write, neither now nor in the resync after a restart.
+    ensure!(h.settle().await?.is_empty());
+    let resync = h.resync().await?;
+    ensure!(resync.reconciles() >= 1, "no resync after the restart");
+    ensure!(
+        resync.is_empty(),
+        "the resync of a converged Memcached wrote: {resync}"
+    );
+
+    // Someone scales the Deployment by hand: it is put back, and the Event says so.
+    let by_hand = json!({"spec": {"replicas": 5}});
+    deployment
+        .patch(
+            "example-memcached",
+            &PatchParams::default(),
+            &Patch::Merge(&by_hand),
+        )
+        .await?;
+    let writes = h.settle().await?;
+    ensure!(writes.applied("Deployment").len() == 1, "{writes}");
+    ensure!(
+        writes.events() == [memcached::reason::DEPLOYMENT_RESTORED],
+        "{writes}"
+    );
+    let d = deployment.get("example-memcached").await?;
+    ensure!(d.spec.as_ref().and_then(|s| s.replicas) == Some(3));
+
+    // Deleted: its Deployment goes with it (owner reference), with no write of the operator.
+    mcs.delete("example-memcached", &DeleteParams::default()).await?;
+    let writes = h.settle().await?;
+    ensure!(writes.is_empty(), "{writes}");
+    ensure!(deployment.get_opt("example-memcached").await?.is_none());
+    Ok(())
+}
+
+#[tokio::test]
+async fn foo_converges_then_writes_nothing() -> anyhow::Result<()> {
+    let mut h = Harness::start(operator(), &["foo"], Settings::default()).await?;
+    let client = h.client();
+    let foos: Api<Foo> = Api::namespaced(client.clone(), "default");
+    let sample: Foo = serde_yaml::from_str(include_str!(
+        "../../../config/samples/samplecontroller_v1alpha1_foo.yaml"
+    ))?;
+    let foo = foos.create(&PostParams::default(), &sample).await?;
+    let name = foo.spec.deployment_name.clone();
+
+    let writes = h.settle().await?;
+    ensure!(writes.created("Deployment").len() == 1, "{writes}");
+    let replicas = foo.spec.replicas.unwrap_or(1);
+    roll_out(&client, &name, replicas, BTreeMap::new()).await?;
+    let writes = h.settle().await?;
+    ensure!(writes.statuses().len() == 1, "{writes}");
+    let foo = foos.get(&foo.metadata.name.unwrap_or_default()).await?;
+    ensure!(
+        foo.status.as_ref().map(|s| s.available_replicas) == Some(replicas),
+        "{:?}",
+        foo.status
+    );
+
+    ensure!(h.settle().await?.is_empty());
+    let resync = h.resync().await?;
+    ensure!(resync.reconciles() >= 1, "no resync after the restart");
+    ensure!(resync.is_empty(), "the resync of a converged Foo wrote: {resync}");
+    Ok(())
+}

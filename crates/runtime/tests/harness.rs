@@ -1,0 +1,130 @@
+//! The in-memory harness catches what a unit test of a plan does not: a plan that writes on
+//! every reconcile. Two controllers keep a copy of every ConfigMap labelled `mirror`; one
+//! stamps the time of the copy into it, so that its output is never the same twice.
+use std::collections::BTreeMap;
+
+use anyhow::ensure;
+use k8s_openapi::api::core::v1::ConfigMap;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, PostParams};
+use kube::{Client, Resource, ResourceExt};
+use opkit_runtime::testing::Harness;
+use opkit_runtime::{
+    Cache, Child, Invalid, Operator, Plan, Reconciler, Registration, Registry, Requeue, Watch, Watches,
+};
+
+struct Mirror {
+    name: &'static str,
+    /// The defect: the copy records when it was made.
+    stamp: bool,
+}
+
+impl Reconciler for Mirror {
+    type Object = ConfigMap;
+    type Caches = Cache<ConfigMap>;
+    type World = Option<std::sync::Arc<ConfigMap>>;
+    type Status = ();
+
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn primary(&self) -> Watch<ConfigMap> {
+        Watch::labels("mirror")
+    }
+
+    fn watch(&self, w: &mut Watches<ConfigMap>) -> Cache<ConfigMap> {
+        w.owns(Watch::labels("mirror-of"))
+    }
+
+    async fn observe(&self, cm: &ConfigMap, copies: &Self::Caches, _: &Client) -> kube::Result<Self::World> {
+        Ok(copies.get(
+            &cm.namespace().unwrap_or_default(),
+            &format!("{}-copy", cm.name_any()),
+        ))
+    }
+
+    fn plan(&self, cm: &ConfigMap, live: &Self::World, now: Timestamp) -> Result<Plan<()>, Invalid> {
+        let mut data = cm.data.clone().unwrap_or_default();
+        if self.stamp {
+            data.insert("copied-at".into(), now.to_string());
+        }
+        let mut copy = ConfigMap {
+            data: Some(data),
+            ..Default::default()
+        };
+        copy.metadata.name = Some(format!("{}-copy", cm.name_any()));
+        copy.metadata.namespace = cm.namespace();
+        copy.metadata.labels = Some(BTreeMap::from([("mirror-of".into(), cm.name_any())]));
+        copy.metadata.owner_references = cm.controller_owner_ref(&()).map(|o| vec![o]);
+        Ok(Plan::nothing(Requeue::OnChange).child(Child::apply(&copy, live.as_deref())))
+    }
+}
+
+fn operator() -> Operator<()> {
+    let entry = |name: &'static str, add: fn(&mut opkit_runtime::Manager, &())| Registration {
+        name,
+        crds: Vec::new,
+        rbac: Vec::new,
+        webhooks: |w| w,
+        add,
+    };
+    Operator {
+        name: "mirror",
+        version: "0.1.0",
+        about: "Copies ConfigMaps",
+        registry: Registry::new(vec![
+            entry("mirror", |m, _| {
+                m.add(Mirror {
+                    name: "mirror",
+                    stamp: false,
+                });
+            }),
+            entry("stamped", |m, _| {
+                m.add(Mirror {
+                    name: "stamped",
+                    stamp: true,
+                });
+            }),
+        ]),
+    }
+}
+
+/// Runs `controller`, makes one ConfigMap to copy and returns the writes of the resync
+/// after its copy was made.
+async fn resync_of(controller: &str) -> anyhow::Result<opkit_runtime::testing::Writes> {
+    let mut h = Harness::start(operator(), &[controller], ()).await?;
+    let cms: Api<ConfigMap> = Api::namespaced(h.client(), "default");
+    let mut cm = ConfigMap {
+        data: Some(BTreeMap::from([("colour".into(), "blue".into())])),
+        ..Default::default()
+    };
+    cm.metadata.name = Some("settings".into());
+    cm.metadata.labels = Some(BTreeMap::from([("mirror".into(), "yes".into())]));
+    cms.create(&PostParams::default(), &cm).await?;
+    let writes = h.settle().await?;
+    ensure!(writes.applied("ConfigMap").len() == 1, "{writes}");
+    ensure!(cms.get("settings-copy").await?.data.unwrap_or_default()["colour"] == "blue");
+    ensure!(h.settle().await?.is_empty(), "a step with nothing to do wrote");
+    let resync = h.resync().await?;
+    ensure!(resync.reconciles() >= 1, "the restart reconciled nothing");
+    Ok(resync)
+}
+
+#[tokio::test]
+async fn the_resync_of_a_converged_object_writes_nothing() -> anyhow::Result<()> {
+    let resync = resync_of("mirror").await?;
+    ensure!(resync.is_empty(), "{resync}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_plan_that_writes_on_every_reconcile_is_caught() -> anyhow::Result<()> {
+    let resync = resync_of("stamped").await?;
+    let applied = resync.applied("ConfigMap");
+    ensure!(
+        applied.len() == 1 && applied[0].name.as_deref() == Some("settings-copy"),
+        "the stamped copy should be written again on the resync: {resync}"
+    );
+    Ok(())
+}
