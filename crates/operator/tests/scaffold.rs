@@ -280,11 +280,16 @@ async fn a_scaffolded_guestbook_builds_lints_and_passes_its_own_tests() -> anyho
     let tests = project(&dir, "make", &["test"])?;
     ensure!(
         tests.matches("test the_sample_becomes_available ... ok").count() == 2
+            && tests
+                .matches("test the_sample_converges_in_memory ... ok")
+                .count()
+                == 2
             && tests.contains("test the_sample_is_reconciled_and_left_as_it_is ... ok")
+            && tests.contains("test the_sample_is_reconciled_in_memory ... ok")
             && tests.contains(
                 "test guestbook_conversion::tests::every_version_round_trips_through_the_others ... ok"
             ),
-        "the generated controller tests (Guestbook, Tenant, Deployment) did not all run:\n{tests}"
+        "the generated controller tests (Guestbook, Tenant, Deployment; in memory and on the control plane) did not all run:\n{tests}"
     );
     eprintln!(
         "opkit init → green `make test` in the generated project: {:.0} s; {} lines of Rust",
