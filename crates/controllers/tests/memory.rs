@@ -1,4 +1,4 @@
-//! Whole reconciles of the seeds' controllers in memory (`opkit::testing`): the registry's
+//! Whole reconciles of the repository's controllers in memory (`opkit::testing`): the registry's
 //! controllers on an API server inside the test, no control plane. What the cluster's own
 //! controllers would do (the Deployment controller's status, its Pods) the test does itself.
 use std::collections::BTreeMap;
@@ -77,7 +77,10 @@ async fn memcached_converges_then_writes_nothing_and_restores_its_deployment() -
     )
     .await?;
     let writes = h.settle().await?;
-    ensure!(writes.statuses().len() == 1 && writes.len() == 1, "{writes}");
+    ensure!(
+        writes.statuses().len() == 1 && writes.len() == 1 && writes.failures() == 0,
+        "{writes}"
+    );
     let mc = mcs.get("example-memcached").await?;
     let status = mc.status.context("a status")?;
     ensure!(status.nodes.len() == 3, "{:?}", status.nodes);
@@ -149,5 +152,75 @@ async fn foo_converges_then_writes_nothing() -> anyhow::Result<()> {
     let resync = h.resync().await?;
     ensure!(resync.reconciles() >= 1, "no resync after the restart");
     ensure!(resync.is_empty(), "the resync of a converged Foo wrote: {resync}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_config_mirror_copies_into_matching_namespaces_and_cleans_up_before_it_goes() -> anyhow::Result<()>
+{
+    use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
+    use opkit_api::config_mirror::ConfigMirror;
+    use opkit_controllers::config_mirror;
+
+    let mut h = Harness::start(operator(), &[config_mirror::NAME], Settings::default()).await?;
+    let client = h.client();
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    for (name, labelled) in [
+        ("default", false),
+        ("team-a", true),
+        ("team-b", true),
+        ("other", false),
+    ] {
+        let mut ns: Namespace = serde_json::from_value(json!({"metadata": {"name": name}}))?;
+        if labelled {
+            ns.metadata.labels = Some(BTreeMap::from([(
+                "mirror.opkit.dev/app-settings".into(),
+                "true".into(),
+            )]));
+        }
+        namespaces.create(&PostParams::default(), &ns).await?;
+    }
+    let sample = include_str!("../../../config/samples/mirror_v1alpha1_configmirror.yaml");
+    let mut docs = sample.split("\n---\n");
+    let source: ConfigMap = serde_yaml::from_str(docs.next().context("the ConfigMap")?)?;
+    let mirror: ConfigMirror = serde_yaml::from_str(docs.next().context("the ConfigMirror")?)?;
+    Api::<ConfigMap>::namespaced(client.clone(), "default")
+        .create(&PostParams::default(), &source)
+        .await?;
+    let mirrors: Api<ConfigMirror> = Api::all(client.clone());
+    mirrors.create(&PostParams::default(), &mirror).await?;
+
+    // The finalizer first, then a copy in each labelled namespace and the status.
+    let writes = h.settle().await?;
+    ensure!(
+        writes.applied("ConfigMap").len() == 2 && writes.failures() == 0,
+        "{writes}"
+    );
+    let copy = |ns: &str| Api::<ConfigMap>::namespaced(client.clone(), ns);
+    for ns in ["team-a", "team-b"] {
+        let c = copy(ns).get("app-settings").await?;
+        ensure!(c.data == source.data, "{ns}: {:?}", c.data);
+    }
+    ensure!(copy("other").get_opt("app-settings").await?.is_none());
+    let resync = h.resync().await?;
+    ensure!(resync.reconciles() >= 1 && resync.is_empty(), "{resync}");
+
+    // Deleted: the copies go before the finalizer does, and then the mirror is gone.
+    mirrors.delete("app-settings", &DeleteParams::default()).await?;
+    let writes = h.settle().await?;
+    ensure!(
+        writes.deleted("ConfigMap").len() == 2 && writes.failures() == 0,
+        "{writes}"
+    );
+    ensure!(
+        mirrors.get_opt("app-settings").await?.is_none(),
+        "the finalizer stayed"
+    );
+    for ns in ["team-a", "team-b"] {
+        ensure!(
+            copy(ns).get_opt("app-settings").await?.is_none(),
+            "the copy in {ns} stayed"
+        );
+    }
     Ok(())
 }

@@ -103,7 +103,10 @@ async fn resync_of(controller: &str) -> anyhow::Result<opkit_runtime::testing::W
     cm.metadata.labels = Some(BTreeMap::from([("mirror".into(), "yes".into())]));
     cms.create(&PostParams::default(), &cm).await?;
     let writes = h.settle().await?;
-    ensure!(writes.applied("ConfigMap").len() == 1, "{writes}");
+    ensure!(
+        writes.applied("ConfigMap").len() == 1 && writes.failures() == 0,
+        "{writes}"
+    );
     ensure!(cms.get("settings-copy").await?.data.unwrap_or_default()["colour"] == "blue");
     ensure!(h.settle().await?.is_empty(), "a step with nothing to do wrote");
     let resync = h.resync().await?;

@@ -17,9 +17,14 @@ enum List {
 }
 
 fn list_kind(path: &[&str], items: &[Value]) -> List {
+    let names: std::collections::BTreeSet<&str> = items
+        .iter()
+        .filter_map(|i| i.get("name").and_then(Value::as_str))
+        .collect();
     if path == ["metadata", "finalizers"] {
         List::Set
-    } else if !items.is_empty() && items.iter().all(|i| i.get("name").is_some_and(Value::is_string)) {
+    } else if !items.is_empty() && names.len() == items.len() {
+        // Each item named, and no name twice (two mounts of one volume are not one item).
         List::Keyed
     } else {
         List::Atomic
@@ -77,14 +82,30 @@ fn merge_at<'a>(live: &mut Value, applied: &'a Value, path: &mut Vec<&'a str>) {
                 path.pop();
             }
         }
+        // Nothing applied into a list of items others may own leaves it as it is.
+        Value::Array(items) if items.is_empty() && live.as_array().is_some_and(|l| !l.is_empty()) => {
+            if let (List::Atomic, Some(existing)) = (
+                list_kind(path, live.as_array().expect("a list")),
+                live.as_array_mut(),
+            ) {
+                existing.clear();
+            }
+        }
         Value::Array(items) => match (list_kind(path, items), live.as_array_mut()) {
             (List::Keyed, Some(existing)) => {
+                // The applied items in the order applied, each merged into its live one;
+                // the items only others applied after them.
+                let mut merged = Vec::with_capacity(existing.len().max(items.len()));
                 for it in items {
-                    match existing.iter_mut().find(|e| e.get("name") == it.get("name")) {
-                        Some(e) => merge_at(e, it, path),
-                        None => existing.push(it.clone()),
-                    }
+                    let mut slot = match existing.iter().position(|e| e.get("name") == it.get("name")) {
+                        Some(i) => existing.remove(i),
+                        None => Value::Null,
+                    };
+                    merge_at(&mut slot, it, path);
+                    merged.push(slot);
                 }
+                merged.append(existing);
+                *existing = merged;
             }
             (List::Set, Some(existing)) => {
                 for it in items {
@@ -186,6 +207,49 @@ pub(crate) fn conflicts(applied: &Value, theirs: &Value) -> bool {
     }
 }
 
+/// Takes out of `theirs` (another manager's configuration) the values `applied` sets
+/// differently: what a forced apply takes over.
+pub(crate) fn take_over(theirs: &mut Value, applied: &Value) {
+    match (theirs, applied) {
+        (Value::Object(t), Value::Object(a)) => {
+            let mut gone = Vec::new();
+            for (k, v) in a {
+                if let Some(tv) = t.get_mut(k) {
+                    if tv.is_object() && v.is_object() {
+                        take_over(tv, v);
+                        if tv.as_object().is_some_and(Map::is_empty) {
+                            gone.push(k.clone());
+                        }
+                    } else if tv != v && !(tv.is_array() && v.is_array() && both_keyed(tv, v)) {
+                        gone.push(k.clone());
+                    } else if let (Some(tl), Some(al)) = (tv.as_array_mut(), v.as_array()) {
+                        for ti in tl.iter_mut() {
+                            if let Some(ai) = item(al, &ti["name"]) {
+                                take_over(ti, ai);
+                            }
+                        }
+                    }
+                }
+            }
+            for k in gone {
+                t.remove(&k);
+            }
+        }
+        (t, a) if t != a => *t = Value::Null,
+        _ => {}
+    }
+}
+
+fn both_keyed(a: &Value, b: &Value) -> bool {
+    let keyed = |v: &Value| {
+        matches!(
+            list_kind(&[], v.as_array().map(Vec::as_slice).unwrap_or_default()),
+            List::Keyed
+        )
+    };
+    keyed(a) && keyed(b)
+}
+
 /// The `fieldsV1` set of an applied configuration, as `managedFields` shows it.
 pub(crate) fn fields_v1(applied: &Value) -> Value {
     fields_at(applied, &mut Vec::new())
@@ -264,6 +328,33 @@ mod tests {
         assert_eq!(
             fields_v1(&new),
             json!({"f:metadata": {"f:finalizers": {"v:\"ours\"": {}}}, "f:spec": {"f:containers": {"k:{\"name\":\"a\"}": {".": {}, "f:image": {}, "f:name": {}}}}})
+        );
+    }
+
+    #[test]
+    fn an_item_added_mid_list_takes_its_applied_place_and_duplicate_names_are_atomic() {
+        let old = json!({"env": [{"name": "A", "value": "1"}, {"name": "C", "value": "3"}]});
+        let mut live = old.clone();
+        let new = json!({"env": [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}, {"name": "C", "value": "3"}]});
+        apply(&mut live, &old, &new, &[]);
+        assert_eq!(live, new);
+        let mounts = json!({"m": [{"name": "v", "mountPath": "/a"}, {"name": "v", "mountPath": "/b"}]});
+        let mut live = json!({});
+        apply(&mut live, &Value::Null, &mounts, &[]);
+        apply(&mut live, &mounts, &mounts, &[]);
+        assert_eq!(live, mounts);
+    }
+
+    #[test]
+    fn a_forced_apply_takes_the_fields_it_sets_differently() {
+        let mut theirs = json!({"spec": {"replicas": 5, "paused": true, "containers": [{"name": "a", "image": "x", "args": ["1"]}]}});
+        take_over(
+            &mut theirs,
+            &json!({"spec": {"replicas": 3, "paused": true, "containers": [{"name": "a", "image": "y"}]}}),
+        );
+        assert_eq!(
+            theirs,
+            json!({"spec": {"paused": true, "containers": [{"name": "a", "args": ["1"]}]}})
         );
     }
 

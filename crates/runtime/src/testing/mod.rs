@@ -43,6 +43,10 @@ use crate::{Connect, Operator, RunConfig, RunError};
 /// Who the operator's requests are recorded as.
 pub const OPERATOR: &str = "operator";
 
+/// How long a step that had a failed reconcile waits for its retries: past the first two of
+/// the default backoff (0.5 s, then 1 s, each with jitter).
+const RETRIES: Duration = Duration::from_secs(3);
+
 /// Who the test's own requests ([`Harness::client`]) are recorded as.
 pub const TEST: &str = "test";
 
@@ -60,13 +64,19 @@ pub enum HarnessError {
 
 /// The writes the operator made in one step, in order.
 #[derive(Debug, Clone, Default)]
-pub struct Writes(Vec<Recorded>, u64);
+pub struct Writes(Vec<Recorded>, u64, u64);
 
 impl Writes {
     /// How many reconciles finished during the step: that a step which wrote nothing did
     /// reconcile (a resync that looked at every object and found nothing to do).
     pub fn reconciles(&self) -> u64 {
         self.1
+    }
+
+    /// How many reconciles failed during the step (each is retried with backoff; a step
+    /// that ends with failures has not converged).
+    pub fn failures(&self) -> u64 {
+        self.2
     }
 
     /// Every write, in order.
@@ -129,10 +139,15 @@ impl Writes {
 impl std::fmt::Display for Writes {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         if self.0.is_empty() {
-            return write!(f, "no writes");
+            write!(f, "no writes")?;
+        } else {
+            let lines: Vec<String> = self.0.iter().map(|r| r.to_string()).collect();
+            write!(f, "{} writes: {}", lines.len(), lines.join("; "))?;
         }
-        let lines: Vec<String> = self.0.iter().map(|r| r.to_string()).collect();
-        write!(f, "{} writes: {}", lines.len(), lines.join("; "))
+        if self.2 > 0 {
+            write!(f, "; {} reconciles failed", self.2)?;
+        }
+        Ok(())
     }
 }
 
@@ -236,31 +251,60 @@ impl Harness {
     }
 
     fn idle(&self) -> bool {
-        self.server.watches_caught_up()
+        self.server.watches_caught_up(OPERATOR)
             && self.controllers.iter().all(|c| {
                 let depth = format!("workqueue_depth{{controller=\"{c}\",name=\"{c}\"}}");
                 self.metrics.for_controller(c).reconciles_active() == 0 && self.metrics.sample(&depth) == 0.0
             })
     }
 
-    fn running(&self) -> Result<(), HarnessError> {
+    /// The reconciles of the controllers under test that failed so far in this run.
+    fn failures(&self) -> u64 {
+        let text = self.metrics.encode();
+        self.controllers
+            .iter()
+            .map(|c| {
+                let series = format!("opkit_reconcile_errors_total{{controller=\"{c}\",");
+                text.lines()
+                    .filter(|l| l.starts_with(&series))
+                    .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                    .sum::<f64>() as u64
+            })
+            .sum()
+    }
+
+    async fn running(&mut self) -> Result<(), HarnessError> {
         match &self.handle {
             Some(h) if !h.is_finished() => Ok(()),
-            _ => Err(HarnessError::Stopped("it is not running".into())),
+            _ => match self.handle.take() {
+                Some(h) => match h.await {
+                    Ok(Ok(())) => Err(HarnessError::Stopped("it returned".into())),
+                    Ok(Err(e)) => Err(HarnessError::Run(e)),
+                    Err(e) => Err(HarnessError::Stopped(e.to_string())),
+                },
+                None => Err(HarnessError::Stopped("it is not running".into())),
+            },
         }
     }
 
     /// Waits until the work that is due has finished — every watch event delivered, no
     /// reconcile running or queued, and then no request for the window — and returns the
-    /// writes the operator made since the last step.
+    /// writes the operator made since the last step. After a failed reconcile the window is
+    /// longer than its first retries' backoff, so that they belong to this step.
     pub async fn settle(&mut self) -> Result<Writes, HarnessError> {
         let deadline = tokio::time::Instant::now() + self.within;
+        let failed_before = self.failures();
         loop {
-            self.running()?;
+            self.running().await?;
             if self.idle() {
-                let before = self.server.request_count();
-                tokio::time::sleep(self.window).await;
-                if self.idle() && self.server.request_count() == before {
+                let before = (self.server.request_count(), self.failures());
+                let window = if before.1 > failed_before {
+                    self.window.max(RETRIES)
+                } else {
+                    self.window
+                };
+                tokio::time::sleep(window).await;
+                if self.idle() && (self.server.request_count(), self.failures()) == before {
                     break;
                 }
             } else {
@@ -279,7 +323,7 @@ impl Harness {
                     within: self.within,
                     state: format!(
                         "watches caught up: {}, last requests: {}",
-                        self.server.watches_caught_up(),
+                        self.server.watches_caught_up(OPERATOR),
                         last.join("; ")
                     ),
                 });
@@ -299,7 +343,8 @@ impl Harness {
             .sum();
         let reconciles = reconciled - self.reconciled;
         self.reconciled = reconciled;
-        Ok(Writes(writes, reconciles))
+        let failures = self.failures().saturating_sub(failed_before);
+        Ok(Writes(writes, reconciles, failures))
     }
 
     /// Stops the operator and starts it again on the same server, with new caches and no

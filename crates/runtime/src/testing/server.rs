@@ -203,8 +203,8 @@ struct State {
     uids: u64,
     changes: Vec<Change>,
     requests: Vec<Recorded>,
-    /// How far each open watch has sent the changes.
-    watches: Vec<Weak<AtomicUsize>>,
+    /// How far each open watch has sent the changes, and whose it is.
+    watches: Vec<(Weak<AtomicUsize>, Arc<str>)>,
 }
 
 /// An API server in memory, shared by every client made from it.
@@ -304,6 +304,8 @@ impl State {
             _ => return Err(not_found(&format!("the path {path}"))),
         };
         let (namespace, rest) = match rest {
+            // A Namespace's own subresource, not a collection in it.
+            ["namespaces", _, "status" | "finalize"] if group.is_empty() => (None, rest),
             ["namespaces", ns, rest @ ..] if !rest.is_empty() => (Some(ns.to_string()), rest),
             _ => (None, rest),
         };
@@ -448,6 +450,10 @@ impl State {
             let mut next = stored;
             next.value["metadata"]["deletionTimestamp"] = now().into();
             next.value["metadata"]["deletionGracePeriodSeconds"] = 0.into();
+            // As the API server marks an object for deletion: a new generation.
+            if let Some(g) = next.value["metadata"]["generation"].as_i64().filter(|g| *g > 0) {
+                next.value["metadata"]["generation"] = (g + 1).into();
+            }
             return Ok(self.write(key, next));
         }
         let gone = self.commit(key, None).unwrap_or(stored.value);
@@ -673,15 +679,16 @@ impl ApiServer {
         self.lock().requests.len()
     }
 
-    /// Whether every open watch has sent every change so far.
-    pub fn watches_caught_up(&self) -> bool {
+    /// Whether every open watch of `who` has sent every change so far.
+    pub fn watches_caught_up(&self, who: &str) -> bool {
         let mut state = self.lock();
         let total = state.changes.len();
-        state.watches.retain(|w| w.strong_count() > 0);
+        state.watches.retain(|(w, _)| w.strong_count() > 0);
         state
             .watches
             .iter()
-            .filter_map(Weak::upgrade)
+            .filter(|(_, whose)| &**whose == who)
+            .filter_map(|(w, _)| w.upgrade())
             .all(|p| p.load(Ordering::SeqCst) >= total)
     }
 
@@ -783,6 +790,7 @@ impl ApiServer {
             ) {
                 Ok(sel) => self.watch(
                     &mut state,
+                    who,
                     t,
                     sel,
                     q.get("resourceVersion").cloned(),
@@ -836,6 +844,13 @@ impl ApiServer {
         let kind = state.kinds[t.kind].clone();
         let ns = t.namespace.clone().unwrap_or_default();
         let manager = q.get("fieldManager").cloned();
+        if q.contains_key("dryRun") {
+            return Err(status(
+                StatusCode::BAD_REQUEST,
+                "BadRequest",
+                "dryRun is not supported by the API server in memory",
+            ));
+        }
         match verb {
             "list" => {
                 let sel = Selector::parse(
@@ -964,6 +979,13 @@ impl ApiServer {
                         format!("Apply failed with 1 conflict: conflict with \"{}\"", other.0),
                     ));
                 }
+                if force {
+                    for (k, theirs) in next.applied.iter_mut() {
+                        if *k != slot && k.1 == on_status {
+                            apply::take_over(theirs, &applied);
+                        }
+                    }
+                }
                 let previous = next.applied.get(&slot).cloned().unwrap_or(Value::Null);
                 let others: Vec<Value> = next
                     .applied
@@ -1028,6 +1050,26 @@ impl ApiServer {
         }
         next.value["apiVersion"] = kind.api_version().into();
         next.value["kind"] = kind.kind.clone().into();
+        if !old["metadata"]["deletionTimestamp"].is_null() {
+            let had = old["metadata"]["finalizers"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            let has = next.value["metadata"]["finalizers"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            if has.iter().any(|f| !had.contains(f)) {
+                return Err(status(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "Invalid",
+                    format!(
+                        "{} \"{name}\" is invalid: metadata.finalizers: Forbidden: no new finalizers can be added if the object is being deleted",
+                        kind.kind
+                    ),
+                ));
+            }
+        }
         // Only a delete marks an object for deletion, and the mark stays.
         match old["metadata"].get("deletionTimestamp") {
             Some(v) if !v.is_null() => next.value["metadata"]["deletionTimestamp"] = v.clone(),
@@ -1071,13 +1113,14 @@ impl ApiServer {
     fn watch(
         &self,
         state: &mut State,
+        who: &str,
         t: Target,
         sel: Selector,
         rv: Option<String>,
         metadata_only: bool,
     ) -> Response<Body> {
         let position = Arc::new(AtomicUsize::new(0));
-        state.watches.push(Arc::downgrade(&position));
+        state.watches.push((Arc::downgrade(&position), who.into()));
         let since: u64 = rv.as_deref().and_then(|r| r.parse().ok()).unwrap_or(0);
         let mut initial = Vec::new();
         let start = if since == 0 {
