@@ -781,7 +781,7 @@ async fn after_a_restart_new_and_changed_objects_are_reconciled_before_the_resyn
                 )
                 .await?;
             let second = Ticks::default();
-            let _running = common::start_op(&op, &client, &ns, Run::new(&["ticks"]), &second, |_| {}).await?;
+            let running = common::start_op(&op, &client, &ns, Run::new(&["ticks"]), &second, |_| {}).await?;
             // The resync still reaches every object.
             wait_for("every Tick planned after the restart", T, || async {
                 let planned: BTreeSet<String> = second.planned.lock().unwrap().iter().cloned().collect();
@@ -803,6 +803,14 @@ async fn after_a_restart_new_and_changed_objects_are_reconciled_before_the_resyn
             }
             let t = ticks.get("z-new").await?;
             ensure!(seen(&t), "the new Tick's status: {:?}", t.status);
+            // Every object of the resync started: none is reported pending.
+            let metrics = running.metrics();
+            wait_for("opkit_resync_pending to fall to 0", T, || async {
+                let pending = metrics.resync_pending();
+                ensure!(pending == 0, "{pending} pending");
+                Ok(())
+            })
+            .await?;
             Ok(())
         })
         .await;

@@ -84,6 +84,7 @@ pub struct Metrics {
     custom: Arc<Mutex<Registry>>,
     reconciles: Family<ResultLabels, Counter>,
     active: Family<ControllerLabel, Gauge>,
+    resync_pending: Family<ControllerLabel, Gauge>,
     failures: Family<ErrorLabels, Counter>,
     duration: Family<ControllerLabel, Histogram, fn() -> Histogram>,
     writes: Family<WriteLabels, Counter>,
@@ -171,6 +172,12 @@ impl Default for Metrics {
             panics.clone(),
         );
         registry.register("reconcile_active", "Reconciles running now", active.clone());
+        let resync_pending = Family::<ControllerLabel, Gauge>::default();
+        registry.register(
+            "resync_pending",
+            "Listed objects whose resync has not started yet: they wait behind new work after a (re)list",
+            resync_pending.clone(),
+        );
         registry.register(
             "reconcile_errors",
             "Reconciles that failed, by error category",
@@ -232,6 +239,7 @@ impl Default for Metrics {
             custom: Arc::default(),
             reconciles,
             active,
+            resync_pending,
             failures,
             duration,
             writes,
@@ -583,6 +591,18 @@ impl ControllerMetrics {
         self.metrics.active.get_or_create(&self.label()).get()
     }
 
+    /// Listed objects of this controller waiting for their resync, or handed to the work
+    /// queue for it and not started yet.
+    pub fn resync_pending(&self) -> i64 {
+        self.metrics.resync_pending.get_or_create(&self.label()).get()
+    }
+
+    /// The gauge behind [`ControllerMetrics::resync_pending`], which the resync of each
+    /// watched namespace moves by its own count.
+    pub(crate) fn resync_gauge(&self) -> Gauge {
+        self.metrics.resync_pending.get_or_create(&self.label()).clone()
+    }
+
     fn label(&self) -> ControllerLabel {
         ControllerLabel {
             controller: self.controller.clone(),
@@ -596,6 +616,7 @@ impl ControllerMetrics {
         let _ = m.refused.get_or_create(&self.label());
         let _ = m.panics.get_or_create(&self.label());
         let _ = m.active.get_or_create(&self.label());
+        let _ = m.resync_pending.get_or_create(&self.label());
         let _ = m.duration.get_or_create(&self.label());
         self.metrics.standard.zero(&self.controller);
     }

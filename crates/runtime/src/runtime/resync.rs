@@ -40,6 +40,9 @@ pub(crate) struct Resync<K: Resource<DynamicType = ()>> {
     inner: Mutex<Inner<K>>,
     wake: Notify,
     batch: usize,
+    /// `opkit_resync_pending`, shared by the controller's namespaces, and what this one added.
+    pending: prometheus_client::metrics::gauge::Gauge,
+    reported: std::sync::atomic::AtomicI64,
 }
 
 struct Inner<K: Resource<DynamicType = ()>> {
@@ -51,7 +54,7 @@ struct Inner<K: Resource<DynamicType = ()>> {
 
 impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Resync<K> {
     /// `concurrency` is the controller's limit of reconciles at once (0: none).
-    pub(crate) fn new(concurrency: u16) -> Arc<Self> {
+    pub(crate) fn new(concurrency: u16, pending: prometheus_client::metrics::gauge::Gauge) -> Arc<Self> {
         let batch = if concurrency == 0 { 64 } else { concurrency.into() };
         Arc::new(Resync {
             inner: Mutex::new(Inner {
@@ -61,6 +64,8 @@ impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Resync<K> {
             }),
             wake: Notify::new(),
             batch,
+            pending,
+            reported: Default::default(),
         })
     }
 
@@ -68,11 +73,19 @@ impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Resync<K> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Moves the shared gauge by the change in what waits here.
+    fn report(&self, inner: &Inner<K>) {
+        let now = (inner.waiting.len() + inner.released.len()) as i64;
+        let before = self.reported.swap(now, std::sync::atomic::Ordering::SeqCst);
+        self.pending.inc_by(now - before);
+    }
+
     /// Puts an object at the end of the resync (once, however often it is listed).
     pub(crate) fn defer(&self, r: ObjectRef<K>) {
         let mut inner = self.lock();
         if inner.queued.insert(r.clone()) {
             inner.waiting.push_back(r);
+            self.report(&inner);
             drop(inner);
             self.wake.notify_one();
         }
@@ -81,9 +94,12 @@ impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Resync<K> {
     /// A reconcile of `key` takes a worker: if it was handed out from here, it no longer waits.
     pub(crate) fn started(&self, key: &str) {
         let mut inner = self.lock();
-        if inner.released.remove(key).is_some() && inner.released.len() * 2 < self.batch {
-            drop(inner);
-            self.wake.notify_one();
+        if inner.released.remove(key).is_some() {
+            self.report(&inner);
+            if inner.released.len() * 2 < self.batch {
+                drop(inner);
+                self.wake.notify_one();
+            }
         }
     }
 
@@ -107,6 +123,7 @@ impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Resync<K> {
             let waited = now.duration_since(*at);
             waited < STALE || (waited < LOST && cached(r))
         });
+        self.report(&inner);
         if inner.waiting.is_empty() {
             return Err(None);
         }
@@ -123,6 +140,7 @@ impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Resync<K> {
                 refs.push(r);
             }
         }
+        self.report(&inner);
         match refs.is_empty() {
             true => Err(None),
             false => Ok(refs),
@@ -152,6 +170,14 @@ impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Resync<K> {
             }
         })
         .flatten()
+    }
+}
+
+impl<K: Resource<DynamicType = ()>> Drop for Resync<K> {
+    /// A scope that stops (shutdown, a lost slot) no longer counts in the gauge.
+    fn drop(&mut self) {
+        self.pending
+            .dec_by(self.reported.load(std::sync::atomic::Ordering::SeqCst));
     }
 }
 
@@ -290,7 +316,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_batch_is_handed_out_only_while_the_queue_has_room() {
-        let r: Arc<Resync<ConfigMap>> = Resync::new(4);
+        let r: Arc<Resync<ConfigMap>> = Resync::new(4, Default::default());
         for i in 0..10 {
             r.defer(ObjectRef::new(&format!("c{i}")).within("ns"));
         }
@@ -322,20 +348,29 @@ mod tests {
 
     #[test]
     fn one_worker_still_gets_the_resync_one_at_a_time() {
-        let r: Arc<Resync<ConfigMap>> = Resync::new(1);
+        let pending = prometheus_client::metrics::gauge::Gauge::default();
+        let r: Arc<Resync<ConfigMap>> = Resync::new(1, pending.clone());
         r.defer(ObjectRef::new("a").within("ns"));
         r.defer(ObjectRef::new("b").within("ns"));
+        assert_eq!(pending.get(), 2);
         let now = Instant::now();
         let all = |_: &ObjectRef<ConfigMap>| true;
         assert_eq!(r.take(now, all).map(|v| v.len()), Ok(1));
         assert!(r.take(now, all).is_err(), "a not started yet");
+        assert_eq!(pending.get(), 2, "a handed out, not started: still pending");
         r.started("ns/a");
+        assert_eq!(pending.get(), 1);
         assert_eq!(r.take(now, all).map(|v| v[0].name.clone()), Ok("b".to_string()));
+        r.started("ns/b");
+        assert_eq!(pending.get(), 0);
+        r.defer(ObjectRef::new("c").within("ns"));
+        drop(r);
+        assert_eq!(pending.get(), 0, "a scope that stops no longer counts");
     }
 
     #[test]
     fn objects_the_cache_does_not_have_are_not_handed_out() {
-        let r: Arc<Resync<ConfigMap>> = Resync::new(4);
+        let r: Arc<Resync<ConfigMap>> = Resync::new(4, Default::default());
         for name in ["gone", "here", "other"] {
             r.defer(ObjectRef::new(name).within("ns"));
         }

@@ -163,7 +163,7 @@ where
                 ctx: ctx.clone(),
                 store: reflector::store().0,
             },
-            resync: Resync::new(concurrency),
+            resync: Resync::new(concurrency, ctx.metrics().resync_gauge()),
             actors: Default::default(),
         };
         // A controller of a kind that is not there has nothing to do: it waits for it.

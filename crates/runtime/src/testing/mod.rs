@@ -254,7 +254,8 @@ impl Harness {
         self.server.watches_caught_up(OPERATOR)
             && self.controllers.iter().all(|c| {
                 let depth = format!("workqueue_depth{{controller=\"{c}\",name=\"{c}\"}}");
-                self.metrics.for_controller(c).reconciles_active() == 0 && self.metrics.sample(&depth) == 0.0
+                let m = self.metrics.for_controller(c);
+                m.reconciles_active() == 0 && m.resync_pending() == 0 && self.metrics.sample(&depth) == 0.0
             })
     }
 
@@ -288,7 +289,7 @@ impl Harness {
     }
 
     /// Waits until the work that is due has finished — every watch event delivered, no
-    /// reconcile running or queued, and then no request for the window — and returns the
+    /// reconcile running, queued or waiting in the resync, and then no request for the window — and returns the
     /// writes the operator made since the last step. After a failed reconcile the window is
     /// longer than its first retries' backoff, so that they belong to this step.
     pub async fn settle(&mut self) -> Result<Writes, HarnessError> {
