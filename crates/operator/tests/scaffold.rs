@@ -60,13 +60,13 @@ fn project_with(dir: &Path, program: &str, args: &[&str], env: &[(&str, &str)]) 
     let started = Instant::now();
     let out = Command::new(program)
         .args(args)
-        .envs(env.iter().copied())
         .current_dir(dir)
         .env("CARGO_TARGET_DIR", target_dir())
         // The generated project's dependencies need no debug info here; it saves disk and links.
         .env("CARGO_PROFILE_DEV_DEBUG", "line-tables-only")
         .env("OPKIT_TESTENV_KUBECONFIG", shared().kubeconfig())
         .env("KUBECONFIG", shared().kubeconfig())
+        .envs(env.iter().copied())
         .env_remove("CARGO_MANIFEST_DIR")
         .env_remove("RUSTFLAGS")
         .stdin(Stdio::null())
@@ -290,6 +290,23 @@ async fn a_scaffolded_guestbook_builds_lints_and_passes_its_own_tests() -> anyho
                 "test guestbook_conversion::tests::every_version_round_trips_through_the_others ... ok"
             ),
         "the generated controller tests (Guestbook, Tenant, Deployment; in memory and on the control plane) did not all run:\n{tests}"
+    );
+    // The in-memory tests need no control plane: with none to be found, they still pass.
+    let nowhere = base.join("no-control-plane");
+    let nowhere = nowhere.to_str().context("a UTF-8 path")?;
+    let in_memory = project_with(
+        &dir,
+        "cargo",
+        &["test", "--workspace", "in_memory"],
+        &[
+            ("OPKIT_TESTENV_KUBECONFIG", nowhere),
+            ("KUBECONFIG", nowhere),
+            ("OPKIT_TESTENV_BIN_DIR", nowhere),
+        ],
+    )?;
+    ensure!(
+        in_memory.matches("_in_memory ... ok").count() == 3,
+        "the three in-memory tests (Guestbook, Tenant, Deployment) did not all pass without a control plane:\n{in_memory}"
     );
     eprintln!(
         "opkit init → green `make test` in the generated project: {:.0} s; {} lines of Rust",
