@@ -131,3 +131,67 @@ async fn a_plan_that_writes_on_every_reconcile_is_caught() -> anyhow::Result<()>
     );
     Ok(())
 }
+
+/// The server in memory keeps field ownership as server-side apply does: what a create or an
+/// update set is its writer's, an unforced apply that changes it conflicts, a forced one
+/// takes it over.
+#[tokio::test]
+async fn fields_set_by_a_create_conflict_with_an_unforced_apply_until_forced() -> anyhow::Result<()> {
+    use kube::api::{Patch, PatchParams};
+    use opkit_runtime::testing::ApiServer;
+
+    let server = ApiServer::new();
+    let theirs: Api<ConfigMap> = Api::namespaced(server.client_as("someone"), "default");
+    let ours: Api<ConfigMap> = Api::namespaced(server.client_as("operator"), "default");
+    let mut cm = ConfigMap {
+        data: Some(BTreeMap::from([("a".into(), "1".into())])),
+        ..Default::default()
+    };
+    cm.metadata.name = Some("hand-made".into());
+    theirs
+        .create(
+            &PostParams {
+                field_manager: Some("someone".into()),
+                ..Default::default()
+            },
+            &cm,
+        )
+        .await?;
+    let body = |k: &str, v: &str| serde_json::json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "hand-made"}, "data": {k: v}});
+    let unforced = PatchParams::apply("op");
+    match ours
+        .patch("hand-made", &unforced, &Patch::Apply(body("a", "2")))
+        .await
+    {
+        Err(kube::Error::Api(s)) if s.code == 409 => {}
+        other => anyhow::bail!("an unforced apply over someone's field: {other:?}"),
+    }
+    ours.patch("hand-made", &unforced, &Patch::Apply(body("b", "2")))
+        .await?;
+    let forced = ours
+        .patch(
+            "hand-made",
+            &unforced.clone().force(),
+            &Patch::Apply(body("a", "2")),
+        )
+        .await?;
+    ensure!(forced.data.unwrap_or_default()["a"] == "2");
+    let managed = forced.metadata.managed_fields.unwrap_or_default();
+    let fields = |m: &str| {
+        managed
+            .iter()
+            .find(|e| e.manager.as_deref() == Some(m))
+            .and_then(|e| e.fields_v1.as_ref())
+            .map(|f| f.0.to_string())
+            .unwrap_or_default()
+    };
+    ensure!(
+        !fields("someone").contains("f:a"),
+        "someone still owns data.a: {managed:?}"
+    );
+    ensure!(
+        fields("op").contains("f:a"),
+        "the forced apply does not own data.a: {managed:?}"
+    );
+    Ok(())
+}

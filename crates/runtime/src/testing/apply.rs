@@ -250,6 +250,45 @@ fn both_keyed(a: &Value, b: &Value) -> bool {
     keyed(a) && keyed(b)
 }
 
+/// The fields that differ from `old` in `new`: their new values, `null` for those removed.
+/// Lists are compared whole.
+pub(crate) fn changed(old: &Value, new: &Value) -> Value {
+    match (old, new) {
+        (Value::Object(o), Value::Object(n)) => {
+            let mut out = Map::new();
+            for (k, nv) in n {
+                match o.get(k) {
+                    Some(ov) if ov == nv => {}
+                    Some(ov) if ov.is_object() && nv.is_object() => {
+                        out.insert(k.clone(), changed(ov, nv));
+                    }
+                    _ => {
+                        out.insert(k.clone(), nv.clone());
+                    }
+                }
+            }
+            for k in o.keys().filter(|k| !n.contains_key(*k)) {
+                out.insert(k.clone(), Value::Null);
+            }
+            Value::Object(out)
+        }
+        _ => new.clone(),
+    }
+}
+
+/// `v` without the fields that are `null` (removed, so owned by no one).
+pub(crate) fn without_nulls(v: &Value) -> Value {
+    match v {
+        Value::Object(m) => Value::Object(
+            m.iter()
+                .filter(|(_, v)| !v.is_null())
+                .map(|(k, v)| (k.clone(), without_nulls(v)))
+                .collect(),
+        ),
+        other => other.clone(),
+    }
+}
+
 /// The `fieldsV1` set of an applied configuration, as `managedFields` shows it.
 pub(crate) fn fields_v1(applied: &Value) -> Value {
     fields_at(applied, &mut Vec::new())
@@ -356,6 +395,18 @@ mod tests {
             theirs,
             json!({"spec": {"paused": true, "containers": [{"name": "a", "args": ["1"]}]}})
         );
+    }
+
+    #[test]
+    fn a_write_other_than_apply_owns_what_it_changed() {
+        let old = json!({"spec": {"replicas": 3, "paused": true, "template": {"x": 1}}});
+        let new = json!({"spec": {"replicas": 5, "template": {"x": 1}}});
+        let c = changed(&old, &new);
+        assert_eq!(c, json!({"spec": {"replicas": 5, "paused": null}}));
+        assert_eq!(without_nulls(&c), json!({"spec": {"replicas": 5}}));
+        let mut theirs = json!({"spec": {"replicas": 3, "paused": true, "template": {"x": 1}}});
+        take_over(&mut theirs, &c);
+        assert_eq!(theirs, json!({"spec": {"template": {"x": 1}}}));
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! and field selectors, the status subresource, server-side apply (see [`super::apply`]),
 //! merge and JSON patches, finalizers, deletion preconditions and garbage collection of
 //! owned objects. Every request is recorded with the identity of the client that sent it.
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -14,7 +14,7 @@ use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, StreamBody, combinators::BoxBody};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use serde_json::{Value, json};
+use serde_json::{Map, Value, json};
 
 use super::apply;
 use super::select::Selector;
@@ -135,8 +135,9 @@ struct Stored {
     /// The last configuration each field manager applied, to the object (`false`) or its
     /// status (`true`).
     applied: BTreeMap<(String, bool), Value>,
-    /// Field managers of writes other than apply, as `managedFields` lists them.
-    updaters: BTreeSet<(String, bool)>,
+    /// What each field manager of writes other than apply (create, update, patch) set last,
+    /// to the object or its status: the fields it owns.
+    updated: BTreeMap<(String, bool), Value>,
 }
 
 /// A change, as watches send it.
@@ -524,10 +525,11 @@ impl State {
         {
             o.remove("status");
         }
+        let owned = apply::ownable(&obj);
         let stored = Stored {
             value: obj,
             applied: BTreeMap::new(),
-            updaters: manager.map(|m| (m, false)).into_iter().collect(),
+            updated: manager.map(|m| ((m, false), owned)).into_iter().collect(),
         };
         Ok((key, stored))
     }
@@ -564,9 +566,9 @@ fn managed_fields(s: &Stored, kind: &Kind) -> Value {
             e
         })
         .collect();
-    for (manager, status) in &s.updaters {
+    for ((manager, status), fields) in &s.updated {
         let mut e = json!({"manager": manager, "operation": "Update", "apiVersion": kind.api_version(),
-                           "fieldsType": "FieldsV1", "fieldsV1": {}});
+                           "fieldsType": "FieldsV1", "fieldsV1": apply::fields_v1(fields)});
         if *status {
             e["subresource"] = "status".into();
         }
@@ -643,7 +645,7 @@ impl ApiServer {
         let mut stored = state.objects.get(&key).cloned().unwrap_or(Stored {
             value: Value::Null,
             applied: BTreeMap::new(),
-            updaters: BTreeSet::new(),
+            updated: BTreeMap::new(),
         });
         let uid = stored.value["metadata"]["uid"].clone();
         stored.value = value;
@@ -969,7 +971,7 @@ impl ApiServer {
                 }
                 let slot = (manager.clone(), on_status);
                 if !force
-                    && let Some((other, _)) = next.applied.iter().find(|(k, theirs)| {
+                    && let Some((other, _)) = next.applied.iter().chain(&next.updated).find(|(k, theirs)| {
                         **k != slot && k.1 == on_status && apply::conflicts(&applied, theirs)
                     })
                 {
@@ -980,7 +982,7 @@ impl ApiServer {
                     ));
                 }
                 if force {
-                    for (k, theirs) in next.applied.iter_mut() {
+                    for (k, theirs) in next.applied.iter_mut().chain(next.updated.iter_mut()) {
                         if *k != slot && k.1 == on_status {
                             apply::take_over(theirs, &applied);
                         }
@@ -990,6 +992,7 @@ impl ApiServer {
                 let others: Vec<Value> = next
                     .applied
                     .iter()
+                    .chain(&next.updated)
                     .filter(|(k, _)| **k != slot && k.1 == on_status)
                     .map(|(_, v)| v.clone())
                     .collect();
@@ -1013,7 +1016,7 @@ impl ApiServer {
                 }
                 Self::keep_parts(&kind, on_status, &old, &mut value);
                 next.value = value;
-                next.updaters.insert((updater, on_status));
+                Self::updated_by(&mut next, &old, (updater.clone(), on_status));
             }
             Edit::Merge(body) => {
                 precondition(&body)?;
@@ -1021,7 +1024,7 @@ impl ApiServer {
                 json_patch::merge(&mut value, &body);
                 Self::keep_parts(&kind, on_status, &old, &mut value);
                 next.value = value;
-                next.updaters.insert((updater, on_status));
+                Self::updated_by(&mut next, &old, (updater.clone(), on_status));
             }
             Edit::Json(patch) => {
                 let mut value = old.clone();
@@ -1034,7 +1037,7 @@ impl ApiServer {
                 })?;
                 Self::keep_parts(&kind, on_status, &old, &mut value);
                 next.value = value;
-                next.updaters.insert((updater, on_status));
+                Self::updated_by(&mut next, &old, (updater.clone(), on_status));
             }
         }
         // Identity is the server's.
@@ -1080,6 +1083,21 @@ impl ApiServer {
             }
         }
         Ok(state.write(key, next))
+    }
+
+    /// Gives `updater` the fields its write changed, taken from whoever owned them.
+    fn updated_by(next: &mut Stored, old: &Value, updater: (String, bool)) {
+        let changed = apply::changed(&apply::ownable(old), &apply::ownable(&next.value));
+        if changed.as_object().is_none_or(Map::is_empty) {
+            return;
+        }
+        for (k, theirs) in next.applied.iter_mut().chain(next.updated.iter_mut()) {
+            if *k != updater && k.1 == updater.1 {
+                apply::take_over(theirs, &changed);
+            }
+        }
+        let mine = next.updated.entry(updater).or_insert_with(|| json!({}));
+        apply::merge(mine, &apply::without_nulls(&changed));
     }
 
     /// A write to the object keeps its status; a write to the status keeps everything else.
