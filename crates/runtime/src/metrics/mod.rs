@@ -111,6 +111,7 @@ pub struct Metrics {
 #[derive(Debug, Default)]
 struct Totals {
     finished: AtomicU64,
+    failed: AtomicU64,
     writes: AtomicU64,
 }
 
@@ -476,6 +477,7 @@ impl ControllerMetrics {
             category: category.to_string(),
         };
         self.metrics.failures.get_or_create(&l).inc();
+        self.totals.failed.fetch_add(1, Ordering::SeqCst);
         self.metrics.standard.errors.get_or_create(&self.cr_label()).inc();
         self.queue().retry();
     }
@@ -584,6 +586,11 @@ impl ControllerMetrics {
     /// Reconciles finished so far by this controller, whatever the result.
     pub fn reconciles_total(&self) -> u64 {
         self.totals.finished.load(Ordering::SeqCst)
+    }
+
+    /// Reconciles of this controller that failed so far, whatever the category.
+    pub fn reconciles_failed(&self) -> u64 {
+        self.totals.failed.load(Ordering::SeqCst)
     }
 
     /// Reconciles running right now.

@@ -400,8 +400,7 @@ impl Queue {
         self.standard.retries.get_or_create(&self.labels()).inc();
     }
 
-    /// Objects waiting now (for tests).
-    #[cfg(test)]
+    /// Objects waiting now (for tests, and the in-memory harness's idle check).
     pub(crate) fn depth(&self) -> usize {
         self.inner.lock().unwrap_or_else(|p| p.into_inner()).pending.len()
     }

@@ -64,39 +64,43 @@ pub enum HarnessError {
 
 /// The writes the operator made in one step, in order.
 #[derive(Debug, Clone, Default)]
-pub struct Writes(Vec<Recorded>, u64, u64);
+pub struct Writes {
+    writes: Vec<Recorded>,
+    reconciles: u64,
+    failures: u64,
+}
 
 impl Writes {
     /// How many reconciles finished during the step: that a step which wrote nothing did
     /// reconcile (a resync that looked at every object and found nothing to do).
     pub fn reconciles(&self) -> u64 {
-        self.1
+        self.reconciles
     }
 
     /// How many reconciles failed during the step (each is retried with backoff; a step
     /// that ends with failures has not converged).
     pub fn failures(&self) -> u64 {
-        self.2
+        self.failures
     }
 
     /// Every write, in order.
     pub fn all(&self) -> &[Recorded] {
-        &self.0
+        &self.writes
     }
 
     /// Whether the step wrote nothing: what a converged object must give.
     pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
+        self.writes.is_empty()
     }
 
     /// How many writes the step made.
     pub fn len(&self) -> usize {
-        self.0.len()
+        self.writes.len()
     }
 
     /// The server-side applies to objects of `kind` (not to their status).
     pub fn applied(&self, kind: &str) -> Vec<&Recorded> {
-        self.0
+        self.writes
             .iter()
             .filter(|r| r.verb == "apply" && r.kind == kind && r.subresource.is_none())
             .collect()
@@ -104,7 +108,7 @@ impl Writes {
 
     /// The creates of objects of `kind` (a child made with [`crate::Child::create`]).
     pub fn created(&self, kind: &str) -> Vec<&Recorded> {
-        self.0
+        self.writes
             .iter()
             .filter(|r| r.verb == "create" && r.kind == kind)
             .collect()
@@ -112,7 +116,7 @@ impl Writes {
 
     /// The writes to the status subresource, of any kind.
     pub fn statuses(&self) -> Vec<&Recorded> {
-        self.0
+        self.writes
             .iter()
             .filter(|r| r.subresource.as_deref() == Some("status"))
             .collect()
@@ -120,7 +124,7 @@ impl Writes {
 
     /// The deletions of objects of `kind`.
     pub fn deleted(&self, kind: &str) -> Vec<&Recorded> {
-        self.0
+        self.writes
             .iter()
             .filter(|r| r.verb == "delete" && r.kind == kind)
             .collect()
@@ -128,7 +132,7 @@ impl Writes {
 
     /// The reasons of the Events published, in order.
     pub fn events(&self) -> Vec<String> {
-        self.0
+        self.writes
             .iter()
             .filter(|r| r.kind == "Event" && r.verb == "create")
             .filter_map(|r| r.body["reason"].as_str().map(String::from))
@@ -138,14 +142,14 @@ impl Writes {
 
 impl std::fmt::Display for Writes {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        if self.0.is_empty() {
+        if self.writes.is_empty() {
             write!(f, "no writes")?;
         } else {
-            let lines: Vec<String> = self.0.iter().map(|r| r.to_string()).collect();
+            let lines: Vec<String> = self.writes.iter().map(|r| r.to_string()).collect();
             write!(f, "{} writes: {}", lines.len(), lines.join("; "))?;
         }
-        if self.2 > 0 {
-            write!(f, "; {} reconciles failed", self.2)?;
+        if self.failures > 0 {
+            write!(f, "; {} reconciles failed", self.failures)?;
         }
         Ok(())
     }
@@ -253,24 +257,16 @@ impl Harness {
     fn idle(&self) -> bool {
         self.server.watches_caught_up(OPERATOR)
             && self.controllers.iter().all(|c| {
-                let depth = format!("workqueue_depth{{controller=\"{c}\",name=\"{c}\"}}");
                 let m = self.metrics.for_controller(c);
-                m.reconciles_active() == 0 && m.resync_pending() == 0 && self.metrics.sample(&depth) == 0.0
+                m.reconciles_active() == 0 && m.resync_pending() == 0 && m.queue().depth() == 0
             })
     }
 
     /// The reconciles of the controllers under test that failed so far in this run.
     fn failures(&self) -> u64 {
-        let text = self.metrics.encode();
         self.controllers
             .iter()
-            .map(|c| {
-                let series = format!("opkit_reconcile_errors_total{{controller=\"{c}\",");
-                text.lines()
-                    .filter(|l| l.starts_with(&series))
-                    .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                    .sum::<f64>() as u64
-            })
+            .map(|c| self.metrics.for_controller(c).reconciles_failed())
             .sum()
     }
 
@@ -345,7 +341,11 @@ impl Harness {
         let reconciles = reconciled - self.reconciled;
         self.reconciled = reconciled;
         let failures = self.failures().saturating_sub(failed_before);
-        Ok(Writes(writes, reconciles, failures))
+        Ok(Writes {
+            writes,
+            reconciles,
+            failures,
+        })
     }
 
     /// Stops the operator and starts it again on the same server, with new caches and no
