@@ -298,6 +298,7 @@ pub struct Watch<C> {
     pub(crate) indexes: Vec<(&'static str, KeyFn<C>)>,
     pub(crate) filter: Option<Filter<C>>,
     pub(crate) optional: bool,
+    pub(crate) fair_by: Option<GroupFn<C>>,
 }
 
 impl<C> Watch<C> {
@@ -312,6 +313,7 @@ impl<C> Watch<C> {
             indexes: Vec::new(),
             filter: None,
             optional: false,
+            fair_by: None,
         }
     }
 
@@ -399,7 +401,20 @@ impl<C> Watch<C> {
         self.optional = true;
         self
     }
+
+    /// For the primary watch: the key whose objects share one line in the work queue, the
+    /// lines taking turns (the `fair-queue` tuning), in place of the namespace — a tenant
+    /// label, say, when one tenant's objects span namespaces. Objects with the same key keep
+    /// their order; a burst under one key delays the others by one request per round. A
+    /// watch of another kind does not queue its objects and ignores it.
+    pub fn fair_by(mut self, key: impl Fn(&C) -> String + Send + Sync + 'static) -> Self {
+        self.fair_by = Some(Arc::new(key));
+        self
+    }
 }
+
+/// The line of the work queue an object's requests wait in ([`Watch::fair_by`]).
+pub(crate) type GroupFn<C> = Arc<dyn Fn(&C) -> String + Send + Sync>;
 
 /// What part of an object a watch reacts to ([`Watch::on_change`]), as a hash.
 pub(crate) type Filter<C> = Arc<dyn Fn(&C) -> u64 + Send + Sync>;

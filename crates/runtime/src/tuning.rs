@@ -34,6 +34,10 @@ pub struct Tuning {
     /// objects (0: no limit): a slow rollout of 10000 objects shows some of them progressing
     /// rather than writing each one's progress; key `progress-budget`.
     pub progress_budget: u32,
+    /// Requests wait in one line per namespace (or [`crate::Watch::fair_by`]'s key) and take
+    /// turns, so a burst in one namespace does not hold the others up; `false`: one line in
+    /// arrival order, as kube-runtime keeps it; key `fair-queue`.
+    pub fair_queue: bool,
 }
 
 impl Default for Tuning {
@@ -45,14 +49,15 @@ impl Default for Tuning {
             timeout: Duration::from_secs(60),
             progress_delay: Duration::from_secs(30),
             progress_budget: DEFAULT_PROGRESS_BUDGET,
+            fair_queue: true,
         }
     }
 }
 
 impl Tuning {
     /// Sets `key` (`concurrency`, `backoff-base`, `backoff-max`, `timeout`,
-    /// `progress-delay`, `progress-budget`) from `value`
-    /// (a count, or a duration such as `500ms`, `30s`, `5m`).
+    /// `progress-delay`, `progress-budget`, `fair-queue`) from `value`
+    /// (a count, a duration such as `500ms`, `30s`, `5m`, or `true`/`false`).
     pub fn set(&mut self, key: &str, value: &str) -> Result<(), String> {
         let duration = || {
             parse_duration(value).ok_or_else(|| format!("{key}: not a duration (500ms, 30s, 5m): {value:?}"))
@@ -72,9 +77,14 @@ impl Tuning {
                     .parse()
                     .map_err(|_| format!("progress-budget: not a count: {value:?}"))?
             }
+            "fair-queue" => {
+                self.fair_queue = value
+                    .parse()
+                    .map_err(|_| format!("fair-queue: not true or false: {value:?}"))?
+            }
             _ => {
                 return Err(format!(
-                    "unknown setting {key:?}; known: concurrency, backoff-base, backoff-max, timeout, progress-delay, progress-budget"
+                    "unknown setting {key:?}; known: concurrency, backoff-base, backoff-max, timeout, progress-delay, progress-budget, fair-queue"
                 ));
             }
         }
@@ -116,6 +126,7 @@ mod tests {
         t.set("backoff-max", "2m").unwrap();
         t.set("progress-delay", "10s").unwrap();
         t.set("progress-budget", "5").unwrap();
+        t.set("fair-queue", "false").unwrap();
         assert_eq!(
             t,
             Tuning {
@@ -125,7 +136,13 @@ mod tests {
                 timeout: Duration::from_secs(90),
                 progress_delay: Duration::from_secs(10),
                 progress_budget: 5,
+                fair_queue: false,
             }
+        );
+        assert!(
+            t.set("fair-queue", "yes")
+                .unwrap_err()
+                .contains("not true or false")
         );
         assert!(t.set("timeout", "soon").unwrap_err().contains("not a duration"));
         assert!(t.set("timeout", "0s").unwrap_err().contains("longer than 0"));

@@ -63,6 +63,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "runtime/hold",
             "runtime/shared",
             "runtime/context",
+            "runtime/admission",
             "runtime/resync",
             "runtime/watches",
             "reconciler",

@@ -61,6 +61,7 @@ struct Runner<R: Reconciler> {
     hold: Arc<Hold>,
     queue: crate::metrics::Queue,
     resync: Arc<super::resync::Resync<R::Object>>,
+    admission: Arc<super::admission::Admission<R::Object>>,
     /// The outside sources the plans' acts go to.
     actors: crate::outside::Actors,
 }
@@ -99,6 +100,7 @@ pub(crate) fn run<R: Reconciler>(
             adopters,
             background,
             resync,
+            admission,
             actors,
             ..
         } = w;
@@ -116,6 +118,7 @@ pub(crate) fn run<R: Reconciler>(
             hold: hold.clone(),
             queue: ctx.metrics().queue(),
             resync,
+            admission,
             actors,
         });
         let shutdown = ctx.shutdown_signal();
@@ -180,6 +183,7 @@ impl<R: Reconciler> Runner<R> {
         };
         let _work = self.queue.start(&key);
         self.resync.started(&key);
+        self.admission.started(&key);
         let timer = self.ctx.metrics().reconcile_started();
         let timeout = self.ctx.tuning().timeout;
         // A panic (in a plan, an observe, a mapper) fails this object's reconcile only: it is

@@ -6,11 +6,14 @@
 //! - `driver`: one reconcile, from the sync gate through observe and plan to the outcome;
 //! - `write`: every write a plan asks for (apply, create, prune, status, delete), each through
 //!   the write gate;
+//! - `admission`: the fair line requests wait in before kube-runtime's queue;
+//! - `resync`: the listed objects that wait behind new work;
 //! - `hold`: statuses of work still under way, held back until it settles or takes long.
 //!
 //! kube-runtime's `Controller` waits only for the primary store, and `Store::wait_until_ready`
 //! wakes just one of several concurrent waiters. So opkit never waits on a store: it watches
 //! every stream it builds for the watcher's `InitDone` and keeps its own count.
+mod admission;
 pub(crate) mod context;
 mod driver;
 mod hold;

@@ -11,7 +11,7 @@
 //!   while the queue holds fewer than half a batch of them, so a new object waits behind at
 //!   most one batch of resync work, and the resync, which has the workers whenever nothing
 //!   else needs them, is never starved.
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -21,19 +21,8 @@ use kube::runtime::reflector::{ObjectRef, Store};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{Notify, watch};
 
-use super::shared::queue_key;
+use super::admission::{Handed, POLL};
 use crate::runtime::context::ControllerContext;
-
-/// A handed-out object that has not started after this long and is gone from the cache no
-/// longer counts as waiting in the queue; one still there counts until [`LOST`].
-const STALE: Duration = Duration::from_secs(5);
-
-/// A handed-out object that has not started after this long no longer counts, gone or not: a
-/// safety net, so that no request lost on the way can stop the resync.
-const LOST: Duration = Duration::from_secs(60);
-
-/// How often a resync that waits for handed-out objects to start looks again.
-const POLL: Duration = Duration::from_secs(1);
 
 /// The settled objects of one controller's watch scope, waiting for the queue to run short.
 pub(crate) struct Resync<K: Resource<DynamicType = ()>> {
@@ -48,8 +37,8 @@ pub(crate) struct Resync<K: Resource<DynamicType = ()>> {
 struct Inner<K: Resource<DynamicType = ()>> {
     waiting: VecDeque<ObjectRef<K>>,
     queued: HashSet<ObjectRef<K>>,
-    /// Handed to the work queue, not started yet: by queue key, since when.
-    released: HashMap<String, (ObjectRef<K>, Instant)>,
+    /// Handed to the work queue, not started yet.
+    released: Handed<K>,
 }
 
 impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Resync<K> {
@@ -60,7 +49,7 @@ impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Resync<K> {
             inner: Mutex::new(Inner {
                 waiting: VecDeque::new(),
                 queued: HashSet::new(),
-                released: HashMap::new(),
+                released: Handed::default(),
             }),
             wake: Notify::new(),
             batch,
@@ -94,9 +83,9 @@ impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Resync<K> {
     /// A reconcile of `key` takes a worker: if it was handed out from here, it no longer waits.
     pub(crate) fn started(&self, key: &str) {
         let mut inner = self.lock();
-        if inner.released.remove(key).is_some() {
+        if inner.released.started(key) {
             self.report(&inner);
-            if inner.released.len() * 2 < self.batch {
+            if inner.released.has_room(self.batch) {
                 drop(inner);
                 self.wake.notify_one();
             }
@@ -119,15 +108,12 @@ impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Resync<K> {
         cached: impl Fn(&ObjectRef<K>) -> bool,
     ) -> Result<Vec<ObjectRef<K>>, Option<Duration>> {
         let mut inner = self.lock();
-        inner.released.retain(|_, (r, at)| {
-            let waited = now.duration_since(*at);
-            waited < STALE || (waited < LOST && cached(r))
-        });
+        inner.released.forget_lost(now, &cached);
         self.report(&inner);
         if inner.waiting.is_empty() {
             return Err(None);
         }
-        if inner.released.len() * 2 >= self.batch {
+        if !inner.released.has_room(self.batch) {
             return Err(Some(POLL));
         }
         let mut refs = Vec::with_capacity(self.batch);
@@ -135,8 +121,7 @@ impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Resync<K> {
             let Some(r) = inner.waiting.pop_front() else { break };
             inner.queued.remove(&r);
             if cached(&r) {
-                let key = queue_key(r.namespace.as_deref(), &r.name);
-                inner.released.insert(key, (r.clone(), now));
+                inner.released.insert(r.clone(), now);
                 refs.push(r);
             }
         }
@@ -219,6 +204,7 @@ pub(crate) fn settled<K: Resource + Serialize>(obj: &K) -> bool {
 
 #[cfg(test)]
 mod tests {
+    use super::super::admission::STALE;
     use super::*;
     use k8s_openapi::api::apps::v1::{Deployment, DeploymentStatus};
     use k8s_openapi::api::core::v1::ConfigMap;

@@ -18,6 +18,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 
+use super::admission::Admission;
 use super::resync::{Resync, settled};
 use super::shared::{Echoes, ShareKey, Shared, SharedWatches, Synced, queue_key};
 use crate::OWNER_LABEL;
@@ -105,6 +106,8 @@ where
     enqueue: Enqueue<K>,
     /// The listed objects whose reconcile waits behind new work.
     pub(crate) resync: Arc<Resync<K>>,
+    /// The fair line every other request waits in.
+    pub(crate) admission: Arc<Admission<K>>,
     /// The outside sources declared, which carry out the plans' acts.
     pub(crate) actors: crate::outside::Actors,
 }
@@ -164,6 +167,7 @@ where
                 store: reflector::store().0,
             },
             resync: Resync::new(concurrency, ctx.metrics().resync_gauge()),
+            admission: Admission::new(0, false, None, reflector::store().0),
             actors: Default::default(),
         };
         // A controller of a kind that is not there has nothing to do: it waits for it.
@@ -175,6 +179,12 @@ where
         let (primary, events) = w.subscribe(&watch);
         primary.add_index(UID_INDEX, Arc::new(|o: &K| o.uid().into_iter().collect()));
         w.enqueue.store = primary.store();
+        w.admission = Admission::new(
+            concurrency,
+            ctx.tuning().fair_queue,
+            watch.fair_by.take(),
+            primary.store(),
+        );
         let enqueue = w.enqueue.clone();
         let resync = w.resync.clone();
         // What the sharder asks of an object (take its children over, give it back) is work.
@@ -203,6 +213,17 @@ where
                 if let Ok(o) = o {
                     enqueue.add(&ObjectRef::from_obj(o));
                 }
+            })
+            .filter_map({
+                let (admission, ctx) = (w.admission.clone(), ctx.clone());
+                move |o| {
+                    futures::future::ready(match o {
+                        Ok(o) => admission
+                            .admit(ObjectRef::from_obj(&o), ctx.is_leading())
+                            .map(|_| Ok(o)),
+                        Err(e) => Some(Err(e)),
+                    })
+                }
             });
         let resync = w
             .resync
@@ -211,7 +232,8 @@ where
         w.controller = Some(
             Controller::for_stream(stream, primary.store())
                 .with_config(ControllerConfig::default().concurrency(concurrency))
-                .reconcile_on(resync),
+                .reconcile_on(resync)
+                .reconcile_on(w.admission.clone().feed()),
         );
         w.primary = primary;
         w
@@ -466,12 +488,23 @@ where
             })
             .touched_objects();
         let enqueue = self.enqueue.clone();
-        let map = move |c: C| {
-            let refs = refs(c);
+        let refs = stream.flat_map(move |c| {
+            // A failed watch is logged and retried where it runs.
+            let refs = c.map(|c| refs(c)).unwrap_or_default();
             refs.iter().for_each(|r| enqueue.add(r));
-            refs
-        };
-        self.controller = self.controller.take().map(|c| c.watches_stream(stream, map));
+            futures::stream::iter(refs)
+        });
+        let refs = self.admitted(refs);
+        self.controller = self.controller.take().map(|c| c.reconcile_on(refs));
+    }
+
+    /// `refs` through the fair line: those that go on now.
+    fn admitted(
+        &self,
+        refs: impl Stream<Item = ObjectRef<K>> + Send + 'static,
+    ) -> impl Stream<Item = ObjectRef<K>> + Send + 'static {
+        let (admission, ctx) = (self.admission.clone(), self.enqueue.ctx.clone());
+        refs.filter_map(move |r| futures::future::ready(admission.admit(r, ctx.is_leading())))
     }
 
     /// Watches a related kind: a change to one reconciles the primary objects `map` names.
@@ -492,7 +525,7 @@ where
         let namespace = self.namespace.clone().filter(|_| namespaced::<K>());
         let (one, all) = trigger.subscribe(namespace);
         let enqueue = self.enqueue.clone();
-        let one = one.inspect(move |r| enqueue.add(r));
+        let one = self.admitted(one.inspect(move |r| enqueue.add(r)));
         self.controller = self
             .controller
             .take()
@@ -547,7 +580,7 @@ where
         self.actors
             .insert(std::any::TypeId::of::<O>(), Arc::new(cache.clone()));
         let enqueue = self.enqueue.clone();
-        let rx = rx.inspect(move |r| enqueue.add(r));
+        let rx = self.admitted(rx.inspect(move |r| enqueue.add(r)));
         self.controller = self.controller.take().map(|c| c.reconcile_on(rx));
         let read_once = self.synced.track_once();
         let poller = cache.clone();

@@ -1,0 +1,188 @@
+//! The work queue is fair across namespaces: a burst of changes in one namespace does not
+//! hold up a change in another. One worker, a reconcile that takes a few milliseconds and a
+//! log of the order in which objects were reconciled. The first reconcile waits until a burst
+//! of 200 ConfigMaps in one namespace and then one in each of ten quiet namespaces are all
+//! queued: with `fair-queue` (the default) the quiet ones are reconciled within the first
+//! rounds; without it they are spread through the burst (kube-runtime's queue serves requests
+//! queued at the same time in no particular order).
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::ensure;
+use k8s_openapi::api::core::v1::ConfigMap;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, PostParams};
+use kube::{Client, ResourceExt};
+use opkit_runtime::testing::Harness;
+use opkit_runtime::{
+    Invalid, Manager, Operator, Plan, Reconciler, Registration, Registry, Requeue, Tuning, Watch, Watches,
+};
+
+/// The objects reconciled, `namespace/name`, in order.
+type Log = Arc<Mutex<Vec<String>>>;
+
+/// What the test shares with the controller: the log, and the gate reconciles wait at.
+#[derive(Clone)]
+struct Shared {
+    log: Log,
+    gate: tokio::sync::watch::Receiver<bool>,
+}
+
+struct Slow {
+    name: &'static str,
+    fair: bool,
+    shared: Shared,
+}
+
+impl Reconciler for Slow {
+    type Object = ConfigMap;
+    type Caches = ();
+    type World = ();
+    type Status = ();
+
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn tuning(&self, defaults: Tuning) -> Tuning {
+        Tuning {
+            concurrency: 1,
+            fair_queue: self.fair,
+            ..defaults
+        }
+    }
+
+    fn primary(&self) -> Watch<ConfigMap> {
+        Watch::labels("work")
+    }
+
+    fn watch(&self, _: &mut Watches<ConfigMap>) {}
+
+    async fn observe(&self, cm: &ConfigMap, _: &(), _: &Client) -> kube::Result<()> {
+        self.shared.log.lock().expect("log lock").push(format!(
+            "{}/{}",
+            cm.namespace().unwrap_or_default(),
+            cm.name_any()
+        ));
+        let _ = self.shared.gate.clone().wait_for(|open| *open).await;
+        // The work a reconcile waits on (an apiserver round trip, say).
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        Ok(())
+    }
+
+    fn plan(&self, _: &ConfigMap, _: &(), _: Timestamp) -> Result<Plan<()>, Invalid> {
+        Ok(Plan::nothing(Requeue::OnChange))
+    }
+}
+
+fn operator() -> Operator<Shared> {
+    let entry = |name: &'static str, add: fn(&mut Manager, &Shared)| Registration {
+        name,
+        crds: Vec::new,
+        rbac: Vec::new,
+        webhooks: |w| w,
+        add,
+    };
+    Operator {
+        name: "slow",
+        version: "0.1.0",
+        about: "Reconciles ConfigMaps slowly",
+        registry: Registry::new(vec![
+            entry("fair", |m, shared| {
+                m.add(Slow {
+                    name: "fair",
+                    fair: true,
+                    shared: shared.clone(),
+                });
+            }),
+            entry("fifo", |m, shared| {
+                m.add(Slow {
+                    name: "fifo",
+                    fair: false,
+                    shared: shared.clone(),
+                });
+            }),
+        ]),
+    }
+}
+
+fn labelled(ns: &str, name: &str) -> ConfigMap {
+    let mut cm = ConfigMap::default();
+    cm.metadata.name = Some(name.into());
+    cm.metadata.namespace = Some(ns.into());
+    cm.metadata.labels = Some([("work".to_string(), "yes".to_string())].into());
+    cm
+}
+
+/// The quiet namespaces, one ConfigMap each.
+const QUIET: usize = 10;
+
+/// Runs `controller` through a burst of 200 ConfigMaps in one namespace and one more in each
+/// of [`QUIET`] others, and returns the quiet ones' places in the order of reconciles, with
+/// the order.
+async fn places_of_the_quiet_ones(controller: &str) -> anyhow::Result<(Vec<usize>, Vec<String>)> {
+    let (open, gate) = tokio::sync::watch::channel(false);
+    let log = Log::default();
+    let shared = Shared {
+        log: log.clone(),
+        gate,
+    };
+    let mut h = Harness::start(operator(), &[controller], shared).await?;
+    let burst: Api<ConfigMap> = Api::namespaced(h.client(), "burst");
+    for i in 0..200 {
+        burst
+            .create(&PostParams::default(), &labelled("burst", &format!("b{i}")))
+            .await?;
+    }
+    for i in 0..QUIET {
+        let ns = format!("quiet{i}");
+        Api::<ConfigMap>::namespaced(h.client(), &ns)
+            .create(&PostParams::default(), &labelled(&ns, "q"))
+            .await?;
+    }
+    // The first reconcile holds the worker until all the others are queued.
+    let queued = (200 + QUIET - 1) as f64;
+    let depth = format!("workqueue_depth{{controller=\"{controller}\",name=\"{controller}\"}}");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while h.metrics().sample(&depth) < queued {
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "not all queued: {depth} is {}",
+            h.metrics().sample(&depth)
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    open.send_replace(true);
+    let writes = h.settle().await?;
+    ensure!(writes.failures() == 0, "{writes}");
+    let log = log.lock().expect("log lock").clone();
+    ensure!(
+        log.len() == 200 + QUIET,
+        "each object once: {} reconciles",
+        log.len()
+    );
+    let places = (0..log.len()).filter(|&i| log[i].starts_with("quiet")).collect();
+    Ok((places, log))
+}
+
+#[tokio::test]
+async fn a_burst_in_one_namespace_does_not_hold_up_the_others() -> anyhow::Result<()> {
+    let (places, log) = places_of_the_quiet_ones("fair").await?;
+    // Place 0 held the worker and 1 was handed on at once; then the lines take turns:
+    // one of the burst, each quiet namespace, the burst again.
+    ensure!(
+        places.iter().all(|&p| p <= 3 + QUIET),
+        "quiet objects at {places:?}: {log:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn without_the_fair_queue_the_others_wait_among_the_burst() -> anyhow::Result<()> {
+    let (places, log) = places_of_the_quiet_ones("fifo").await?;
+    ensure!(
+        places.iter().any(|&p| p > 3 + QUIET),
+        "quiet objects at {places:?}: {log:?}"
+    );
+    Ok(())
+}
