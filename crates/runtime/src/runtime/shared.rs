@@ -177,12 +177,155 @@ pub(super) struct Shared<C: Resource<DynamicType = ()> + Clone + 'static> {
     pub(super) cache: Cache<C>,
     /// For an optional watch: whether its kind is served now.
     pub(super) active: Option<Arc<AtomicBool>>,
-    pub(super) subscribers: Arc<Mutex<Vec<futures::channel::mpsc::UnboundedSender<watcher::Event<C>>>>>,
+    pub(super) subscribers: Arc<Mutex<Subscribers<C>>>,
+}
+
+type Feed<C> = futures::channel::mpsc::UnboundedSender<watcher::Event<C>>;
+
+/// The controllers fed by one shared watch, and where its list stands, so that one that
+/// subscribes after the watch started (a controller that starts late, such as a sharded one
+/// once it has a slot) still gets a whole list and its end: without them it would never count
+/// the watch as synced, nor see the objects listed before it came.
+pub(super) struct Subscribers<C: Resource<DynamicType = ()> + Clone + 'static> {
+    /// Each feed, and whether it joined during a list (its objects are sent at the list's end).
+    feeds: Vec<(Feed<C>, bool)>,
+    /// `None` before the first list starts; `Some(true)` while listing; `Some(false)` listed.
+    listing: Option<bool>,
+}
+
+impl<C: Resource<DynamicType = ()> + Clone + 'static> Subscribers<C> {
+    pub(super) fn new(first: Feed<C>) -> Self {
+        Subscribers {
+            feeds: vec![(first, false)],
+            listing: None,
+        }
+    }
+
+    /// Adds a feed, brought up to where the others are: a listed watch's objects as a list of
+    /// its own; during a list, the list's start now and its objects at its end.
+    pub(super) fn join(&mut self, feed: Feed<C>, store: &kube::runtime::reflector::Store<C>) {
+        match self.listing {
+            None => self.feeds.push((feed, false)),
+            Some(true) => {
+                let _ = feed.unbounded_send(watcher::Event::Init);
+                self.feeds.push((feed, true));
+            }
+            Some(false) => {
+                let _ = feed.unbounded_send(watcher::Event::Init);
+                Self::replay(&feed, store);
+                let _ = feed.unbounded_send(watcher::Event::InitDone);
+                self.feeds.push((feed, false));
+            }
+        }
+    }
+
+    fn replay(feed: &Feed<C>, store: &kube::runtime::reflector::Store<C>) {
+        for o in store.state() {
+            let _ = feed.unbounded_send(watcher::Event::InitApply((*o).clone()));
+        }
+    }
+
+    /// Sends `ev` to every feed; `store` has applied it already.
+    pub(super) fn send(&mut self, ev: watcher::Event<C>, store: &kube::runtime::reflector::Store<C>) {
+        self.feeds.retain(|(f, _)| !f.is_closed());
+        match &ev {
+            watcher::Event::Init => self.listing = Some(true),
+            watcher::Event::InitDone => {
+                self.listing = Some(false);
+                for (feed, joined) in &mut self.feeds {
+                    if std::mem::take(joined) {
+                        Self::replay(feed, store);
+                    }
+                }
+            }
+            _ => {}
+        }
+        // A copy for every feed but the last, which takes the event.
+        if let Some(((last, _), others)) = self.feeds.split_last() {
+            for (f, _) in others {
+                let _ = f.unbounded_send(ev.clone());
+            }
+            let _ = last.unbounded_send(ev);
+        }
+    }
 }
 
 impl SharedWatches {
     /// The reflectors declared so far, to run until shutdown.
     pub(crate) fn take_drivers(&self) -> Vec<BoxFuture<'static, ()>> {
         std::mem::take(&mut self.inner.lock().unwrap_or_else(|p| p.into_inner()).drivers)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::ConfigMap;
+    use kube::runtime::reflector;
+    use watcher::Event;
+
+    fn cm(name: &str) -> ConfigMap {
+        let mut c = ConfigMap::default();
+        c.metadata.namespace = Some("ns".into());
+        c.metadata.name = Some(name.into());
+        c
+    }
+
+    /// What a feed has received so far, as `init`, `+name` (listed), `done`, `name` (applied).
+    fn received(rx: &mut futures::channel::mpsc::UnboundedReceiver<Event<ConfigMap>>) -> Vec<String> {
+        std::iter::from_fn(|| rx.try_recv().ok())
+            .map(|ev| match ev {
+                Event::Init => "init".to_string(),
+                Event::InitApply(c) => format!("+{}", c.name_any()),
+                Event::InitDone => "done".to_string(),
+                Event::Apply(c) => c.name_any(),
+                Event::Delete(c) => format!("-{}", c.name_any()),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_feed_that_joins_late_gets_a_whole_list_and_its_end() {
+        let (store, mut writer) = reflector::store();
+        let mut step = |subs: &mut Subscribers<ConfigMap>, ev: Event<ConfigMap>| {
+            writer.apply_watcher_event(&ev);
+            subs.send(ev, &store);
+        };
+        let (first, mut first_rx) = futures::channel::mpsc::unbounded();
+        let mut subs = Subscribers::new(first);
+        let (early, mut early_rx) = futures::channel::mpsc::unbounded();
+        subs.join(early, &store);
+        step(&mut subs, Event::Init);
+        step(&mut subs, Event::InitApply(cm("a")));
+        let (during, mut during_rx) = futures::channel::mpsc::unbounded();
+        subs.join(during, &store);
+        step(&mut subs, Event::InitApply(cm("b")));
+        step(&mut subs, Event::InitDone);
+        let (after, mut after_rx) = futures::channel::mpsc::unbounded();
+        subs.join(after, &store);
+        step(&mut subs, Event::Apply(cm("c")));
+
+        let whole = ["init", "+a", "+b", "done", "c"];
+        assert_eq!(received(&mut first_rx), whole);
+        assert_eq!(
+            received(&mut early_rx),
+            whole,
+            "joined before the list: as the first"
+        );
+        let mut during = received(&mut during_rx);
+        assert_eq!(
+            during[..2],
+            ["init", "+b"],
+            "the list's start at once, then its rest"
+        );
+        during[2..4].sort();
+        assert_eq!(
+            during[2..],
+            ["+a", "+b", "done", "c"],
+            "every listed object before the end"
+        );
+        let mut after = received(&mut after_rx);
+        after[1..3].sort();
+        assert_eq!(after, whole, "joined a listed watch: a list of its own at once");
     }
 }

@@ -20,7 +20,7 @@ use serde::de::DeserializeOwned;
 
 use super::admission::Admission;
 use super::resync::{Resync, settled};
-use super::shared::{Echoes, ShareKey, Shared, SharedWatches, Synced, queue_key};
+use super::shared::{Echoes, ShareKey, Shared, SharedWatches, Subscribers, Synced, queue_key};
 use crate::OWNER_LABEL;
 use crate::cache::{Cache, Filter, Indexes, KeyFn, OWNER_INDEX, Watch, keep_applied, observe_all};
 use crate::kind::{Watchable, api, namespaced};
@@ -287,7 +287,7 @@ where
                     .subscribers
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
-                    .push(tx);
+                    .join(tx, &existing.cache.store());
                 (existing.cache.clone(), existing.active.clone())
             }
             None => {
@@ -301,8 +301,8 @@ where
                 let trim = w.trim.clone();
                 let (store, writer) = reflector::store();
                 let cache = Cache::new(store.clone(), Indexes::default());
-                let subscribers = Arc::new(Mutex::new(vec![tx]));
-                let (indexes, subs) = (cache.indexes().clone(), subscribers.clone());
+                let subscribers = Arc::new(Mutex::new(Subscribers::new(tx)));
+                let (indexes, subs, listed) = (cache.indexes().clone(), subscribers.clone(), store.clone());
                 let kind = C::kind(&()).to_string();
                 let api = api::<C>(&self.client, self.namespace.as_deref());
                 let active = w.optional.then(|| Arc::new(AtomicBool::new(false)));
@@ -328,15 +328,7 @@ where
                             // The indexes are complete before any subscriber counts the watch
                             // as synced.
                             observe_all(&indexes, &ev);
-                            let mut subs = subs.lock().unwrap_or_else(|p| p.into_inner());
-                            subs.retain(|s| !s.is_closed());
-                            // A copy for every subscriber but the last, which takes the event.
-                            if let Some((last, others)) = subs.split_last() {
-                                for s in others {
-                                    let _ = s.unbounded_send(ev.clone());
-                                }
-                                let _ = last.unbounded_send(ev);
-                            }
+                            subs.lock().unwrap_or_else(|p| p.into_inner()).send(ev, &listed);
                         }
                         Err(e) => tracing::warn!(kind, error = %e, "watch failed; retrying with backoff"),
                     }
