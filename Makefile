@@ -67,7 +67,7 @@ chaos: testenv-build ## Full chaos runs: two replicas (300 Memcacheds, 100 Ats; 
 	cargo test -p opkit-runtime --lib -- --ignored partition --nocapture
 
 .PHONY: bench
-bench: ## Benchmark opkit vs Go peers vs a direct client: BENCH=foo (sample-controller, N=300) or BENCH=memcached (controller-runtime, as scaffolded and tuned); BENCH_REPEAT=3 for medians, BENCH_LANES=a,b for some lanes; e.g. make bench BENCH=memcached N=10000
+bench: ## Benchmark opkit vs Go peers vs a direct client: BENCH=foo (sample-controller, N=300) or BENCH=memcached (controller-runtime, as scaffolded and tuned) or BENCH=fairness (a burst in one namespace, fair queue vs arrival order, N=10000); BENCH_REPEAT=3 for medians, BENCH_LANES=a,b for some lanes; e.g. make bench BENCH=memcached N=10000
 	bash crates/testenv/scripts/build-binaries.sh --with-bench >/dev/null
 	cargo build --release -p opkit-operator -p opkit-bench
 	./target/release/opkit-bench

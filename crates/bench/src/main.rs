@@ -33,6 +33,9 @@
 //! `target/bench/<scenario>-n<N>.{md,json,svg}`. It prints numbers and never fails on a
 //! threshold.
 //!
+//! `BENCH=fairness` is a third job, of opkit alone: a burst in one namespace against single
+//! objects in ten others, with the fair queue and without (see `fairness.rs`).
+//!
 //! `BENCH_CREATE_ONLY=1` stops each lane after the idle window (no update, no restart): CPU
 //! and peak RSS then cover create and idle only.
 //!
@@ -62,6 +65,8 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 use opkit_testenv::{ControlPlane, Options};
 use serde_json::{Value, json};
+
+mod fairness;
 
 /// Requests in flight while the benchmark itself creates or patches objects.
 const PARALLEL: usize = 50;
@@ -286,7 +291,7 @@ impl Scenario {
                 }
                 c
             }
-            "opkit" | "opkit-sharded" => {
+            "opkit" | "opkit-sharded" | "opkit-fifo" => {
                 let mut c = Command::new(root().join("target/release/opkit"));
                 c.args(["run", "--controllers", self.name()])
                     .arg("--metrics-bind-address")
@@ -301,6 +306,10 @@ impl Scenario {
                             .unwrap_or_default()
                             .split_whitespace(),
                     );
+                if lane == "opkit-fifo" {
+                    // The fairness run's baseline: kube-runtime's queue as it is.
+                    c.args(["--tune", "memcached.fair-queue=false"]);
+                }
                 if lane == "opkit-sharded" {
                     // The Lease timings stay opkit's defaults; a replica's member name starts
                     // with its POD_NAME.
@@ -552,6 +561,11 @@ impl Tracker {
             target,
             tasks: vec![t1, t2],
         }
+    }
+
+    /// How many Deployments have `size` replicas now.
+    fn deployments_at(&self, size: i32) -> usize {
+        lock(&self.deployments).values().filter(|v| **v == size).count()
     }
 
     /// Waits for (a) and (b) at `size`; times are from `since`.
@@ -1596,12 +1610,13 @@ fn rss_slopes(this: &Value, other: &Value) -> Vec<String> {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    let fairness = std::env::var("BENCH").as_deref() == Ok("fairness");
     let scenario = match std::env::var("BENCH").as_deref() {
-        Ok("memcached") => Scenario::Memcached,
+        Ok("memcached" | "fairness") => Scenario::Memcached,
         Ok("foo") | Err(_) => Scenario::Foo,
-        Ok(other) => bail!("BENCH={other}: expected foo or memcached"),
+        Ok(other) => bail!("BENCH={other}: expected foo, memcached or fairness"),
     };
-    let n: usize = env_or("N", 300);
+    let n: usize = env_or("N", if fairness { 10000 } else { 300 });
     // The Memcached scenario: size 1 (a Pod each) up to 1000 objects, size 0 beyond.
     let default_size = if scenario == Scenario::Memcached && n > 1000 {
         0
@@ -1637,7 +1652,7 @@ async fn main() -> anyhow::Result<()> {
         ..Default::default()
     })
     .await?;
-    if scenario == Scenario::Memcached && !cp.binaries().path("memcached-peer").exists() {
+    if scenario == Scenario::Memcached && !fairness && !cp.binaries().path("memcached-peer").exists() {
         bail!(
             "memcached-peer is missing: run `bash crates/testenv/scripts/build-binaries.sh --with-bench` (make bench does)"
         );
@@ -1656,6 +1671,9 @@ async fn main() -> anyhow::Result<()> {
     )
     .await??;
 
+    if fairness {
+        return fairness::run(&cp, &admin, n).await;
+    }
     let run = Run {
         cp: &cp,
         admin: &admin,
