@@ -31,6 +31,8 @@ struct Shared {
 struct Slow {
     name: &'static str,
     fair: bool,
+    /// Lines by the `team` label instead of the namespace.
+    by_team: bool,
     shared: Shared,
 }
 
@@ -53,7 +55,10 @@ impl Reconciler for Slow {
     }
 
     fn primary(&self) -> Watch<ConfigMap> {
-        Watch::labels("work")
+        if !self.by_team {
+            return Watch::labels("work");
+        }
+        Watch::labels("work").fair_by(|cm: &ConfigMap| cm.labels().get("team").cloned().unwrap_or_default())
     }
 
     fn watch(&self, _: &mut Watches<ConfigMap>) {}
@@ -92,6 +97,7 @@ fn operator() -> Operator<Shared> {
                 m.add(Slow {
                     name: "fair",
                     fair: true,
+                    by_team: false,
                     shared: shared.clone(),
                 });
             }),
@@ -99,6 +105,15 @@ fn operator() -> Operator<Shared> {
                 m.add(Slow {
                     name: "fifo",
                     fair: false,
+                    by_team: false,
+                    shared: shared.clone(),
+                });
+            }),
+            entry("team", |m, shared| {
+                m.add(Slow {
+                    name: "team",
+                    fair: true,
+                    by_team: true,
                     shared: shared.clone(),
                 });
             }),
@@ -106,21 +121,31 @@ fn operator() -> Operator<Shared> {
     }
 }
 
-fn labelled(ns: &str, name: &str) -> ConfigMap {
+fn labelled(ns: &str, name: &str, team: &str) -> ConfigMap {
     let mut cm = ConfigMap::default();
     cm.metadata.name = Some(name.into());
     cm.metadata.namespace = Some(ns.into());
-    cm.metadata.labels = Some([("work".to_string(), "yes".to_string())].into());
+    cm.metadata.labels = Some(
+        [
+            ("work".to_string(), "yes".to_string()),
+            ("team".to_string(), team.to_string()),
+        ]
+        .into(),
+    );
     cm
 }
 
 /// The quiet namespaces, one ConfigMap each.
 const QUIET: usize = 10;
 
-/// Runs `controller` through a burst of 200 ConfigMaps in one namespace and one more in each
-/// of [`QUIET`] others, and returns the quiet ones' places in the order of reconciles, with
-/// the order.
-async fn places_of_the_quiet_ones(controller: &str) -> anyhow::Result<(Vec<usize>, Vec<String>)> {
+/// Runs `controller` through a burst of 200 ConfigMaps of one team in one namespace and one
+/// more of each of [`QUIET`] other teams, each in a namespace of its own or (`one_namespace`)
+/// in the burst's, and returns the quiet ones' places in the order of reconciles, with the
+/// order.
+async fn places_of_the_quiet_ones(
+    controller: &str,
+    one_namespace: bool,
+) -> anyhow::Result<(Vec<usize>, Vec<String>)> {
     let (open, gate) = tokio::sync::watch::channel(false);
     let log = Log::default();
     let shared = Shared {
@@ -131,13 +156,22 @@ async fn places_of_the_quiet_ones(controller: &str) -> anyhow::Result<(Vec<usize
     let burst: Api<ConfigMap> = Api::namespaced(h.client(), "burst");
     for i in 0..200 {
         burst
-            .create(&PostParams::default(), &labelled("burst", &format!("b{i}")))
+            .create(
+                &PostParams::default(),
+                &labelled("burst", &format!("b{i}"), "big"),
+            )
             .await?;
     }
     for i in 0..QUIET {
-        let ns = format!("quiet{i}");
+        let ns = match one_namespace {
+            true => "burst".to_string(),
+            false => format!("quiet{i}"),
+        };
         Api::<ConfigMap>::namespaced(h.client(), &ns)
-            .create(&PostParams::default(), &labelled(&ns, "q"))
+            .create(
+                &PostParams::default(),
+                &labelled(&ns, &format!("q{i}"), &format!("q{i}")),
+            )
             .await?;
     }
     // The first reconcile holds the worker until all the others are queued.
@@ -161,13 +195,15 @@ async fn places_of_the_quiet_ones(controller: &str) -> anyhow::Result<(Vec<usize
         "each object once: {} reconciles",
         log.len()
     );
-    let places = (0..log.len()).filter(|&i| log[i].starts_with("quiet")).collect();
+    let places = (0..log.len())
+        .filter(|&i| log[i].split('/').nth(1).is_some_and(|n| n.starts_with('q')))
+        .collect();
     Ok((places, log))
 }
 
 #[tokio::test]
 async fn a_burst_in_one_namespace_does_not_hold_up_the_others() -> anyhow::Result<()> {
-    let (places, log) = places_of_the_quiet_ones("fair").await?;
+    let (places, log) = places_of_the_quiet_ones("fair", false).await?;
     // Place 0 held the worker and 1 was handed on at once; then the lines take turns:
     // one of the burst, each quiet namespace, the burst again.
     ensure!(
@@ -179,10 +215,26 @@ async fn a_burst_in_one_namespace_does_not_hold_up_the_others() -> anyhow::Resul
 
 #[tokio::test]
 async fn without_the_fair_queue_the_others_wait_among_the_burst() -> anyhow::Result<()> {
-    let (places, log) = places_of_the_quiet_ones("fifo").await?;
+    let (places, log) = places_of_the_quiet_ones("fifo", false).await?;
     ensure!(
         places.iter().any(|&p| p > 3 + QUIET),
         "quiet objects at {places:?}: {log:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn lines_can_be_keyed_by_a_label_instead_of_the_namespace() -> anyhow::Result<()> {
+    let (places, log) = places_of_the_quiet_ones("team", true).await?;
+    ensure!(
+        places.iter().all(|&p| p <= 3 + QUIET),
+        "quiet teams' objects at {places:?}: {log:?}"
+    );
+    // Keyed by namespace, the same objects share the burst's line.
+    let (places, log) = places_of_the_quiet_ones("fair", true).await?;
+    ensure!(
+        places.iter().all(|&p| p > 3 + QUIET),
+        "quiet teams' objects at {places:?}: {log:?}"
     );
     Ok(())
 }
