@@ -89,6 +89,13 @@ pub(crate) struct Admission<K: Resource<DynamicType = ()> + 'static> {
     fair: bool,
     group: Option<GroupFn<K>>,
     primary: Store<K>,
+    /// Whether the primary kind is namespaced (a mapper may name a namespace for one that
+    /// is not; the reconcile's key has none).
+    namespaced: bool,
+    /// Whether the primary watch is listing (from the start until its first list ends, and
+    /// during a relist): the store then holds the listed objects only at the list's end, so
+    /// a request for an object it does not have yet is neither dropped nor taken for lost.
+    listing: std::sync::atomic::AtomicBool,
 }
 
 struct Lines<K: Resource<DynamicType = ()>> {
@@ -102,12 +109,13 @@ struct Lines<K: Resource<DynamicType = ()>> {
 impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Admission<K> {
     /// `concurrency` is the controller's limit of reconciles at once (0: none, and then
     /// nothing waits here: there is no queue to be fair in); `group` keys the lines (`None`:
-    /// by namespace); `primary` is the primary cache.
+    /// by namespace); `primary` is the primary cache, of a kind `namespaced` or not.
     pub(crate) fn new(
         concurrency: u16,
         fair: bool,
         group: Option<GroupFn<K>>,
         primary: Store<K>,
+        namespaced: bool,
     ) -> Arc<Self> {
         Arc::new(Admission {
             inner: Mutex::new(Lines {
@@ -121,7 +129,23 @@ impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Admission<K>
             fair: fair && concurrency > 0,
             group,
             primary,
+            namespaced,
+            listing: std::sync::atomic::AtomicBool::new(true),
         })
+    }
+
+    /// Follows the primary watch's events: where its list stands.
+    pub(crate) fn follow<E>(&self, ev: &Result<kube::runtime::watcher::Event<K>, E>) {
+        use kube::runtime::watcher::Event;
+        use std::sync::atomic::Ordering;
+        match ev {
+            Ok(Event::Init) => self.listing.store(true, Ordering::SeqCst),
+            Ok(Event::InitDone) => {
+                self.listing.store(false, Ordering::SeqCst);
+                self.wake.notify_one();
+            }
+            _ => {}
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Lines<K>> {
@@ -138,10 +162,15 @@ impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Admission<K>
     /// A reconcile request for `r`: `Some` if it goes on to kube-runtime's queue now, `None`
     /// if it waits here (or already does). A standby passes everything on: its reconciles
     /// wait for the Lease, not for a turn.
-    pub(crate) fn admit(&self, r: ObjectRef<K>, leading: bool) -> Option<ObjectRef<K>> {
+    pub(crate) fn admit(&self, mut r: ObjectRef<K>, leading: bool) -> Option<ObjectRef<K>> {
         if !self.fair || !leading {
             return Some(r);
         }
+        if !self.namespaced {
+            r.namespace = None;
+        }
+        // The author's key is read before the lock: the other requests do not wait on it.
+        let group = self.group.as_ref().map(|_| self.group_of(&r));
         let mut inner = self.lock();
         if inner.waiting.contains(&r) {
             return None;
@@ -154,8 +183,7 @@ impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Admission<K>
             inner.handed.insert(r.clone(), Instant::now());
             return Some(r);
         }
-        let group = self.group_of(&r);
-        let mut r = r;
+        let group = group.unwrap_or_else(|| self.group_of(&r));
         r.extra = Default::default();
         inner.waiting.insert(r.clone());
         match inner.lines.entry(group) {
@@ -189,10 +217,21 @@ impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Admission<K>
 
     /// The next batch, one request per group in turn, if kube-runtime's queue has room; else
     /// when to look again (`None`: when woken). A request for an object the primary cache
-    /// does not have (deleted since) is dropped: it would not start.
-    fn take(&self, now: Instant) -> Result<Vec<ObjectRef<K>>, Option<Duration>> {
-        let cached = |r: &ObjectRef<K>| self.primary.get(r).is_some();
+    /// does not have (deleted since) is dropped, as it would not start; not while the
+    /// primary is listing, when the cache holds the listed objects only at the end. While
+    /// this replica does not lead, every waiting request goes on: its reconciles wait for the
+    /// Lease, not for a turn, and those handed on before will not start until it leads.
+    fn take(&self, now: Instant, leading: bool) -> Result<Vec<ObjectRef<K>>, Option<Duration>> {
+        let listing = self.listing.load(std::sync::atomic::Ordering::SeqCst);
+        let cached = |r: &ObjectRef<K>| listing || self.primary.get(r).is_some();
         let mut inner = self.lock();
+        if !leading {
+            inner.handed = Handed::default();
+            inner.turns.clear();
+            inner.waiting.clear();
+            let all: Vec<ObjectRef<K>> = inner.lines.drain().flat_map(|(_, line)| line).collect();
+            return if all.is_empty() { Err(None) } else { Ok(all) };
+        }
         inner.handed.forget_lost(now, cached);
         if inner.turns.is_empty() {
             return Err(None);
@@ -225,14 +264,21 @@ impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Admission<K>
     }
 
     /// The requests that waited here, for kube-runtime's queue as their turns come.
-    pub(crate) fn feed(self: Arc<Self>) -> impl Stream<Item = ObjectRef<K>> + Send + 'static {
-        futures::stream::unfold(self, |this| async move {
-            loop {
-                match this.take(Instant::now()) {
-                    Ok(refs) => return Some((futures::stream::iter(refs), this)),
-                    Err(None) => this.wake.notified().await,
-                    Err(Some(after)) => {
-                        let _ = tokio::time::timeout(after, this.wake.notified()).await;
+    pub(crate) fn feed(
+        self: Arc<Self>,
+        leading: impl Fn() -> bool + Send + Sync + 'static,
+    ) -> impl Stream<Item = ObjectRef<K>> + Send + 'static {
+        let leading = Arc::new(leading);
+        futures::stream::unfold(self, move |this| {
+            let leading = leading.clone();
+            async move {
+                loop {
+                    match this.take(Instant::now(), leading()) {
+                        Ok(refs) => return Some((futures::stream::iter(refs), this)),
+                        Err(None) => this.wake.notified().await,
+                        Err(Some(after)) => {
+                            let _ = tokio::time::timeout(after, this.wake.notified()).await;
+                        }
                     }
                 }
             }
@@ -264,7 +310,9 @@ mod tests {
         for o in objects {
             writer.apply_watcher_event(&kube::runtime::watcher::Event::Apply(o.clone()));
         }
-        Admission::new(concurrency, true, group, store)
+        let a = Admission::new(concurrency, true, group, store, true);
+        a.follow::<()>(&Ok(kube::runtime::watcher::Event::InitDone));
+        a
     }
 
     fn names(refs: &[ObjectRef<ConfigMap>]) -> Vec<String> {
@@ -286,10 +334,10 @@ mod tests {
             a.admit(ObjectRef::from_obj(&cm("a", "z")), true).is_none(),
             "two of four wait: no room"
         );
-        assert_eq!(a.take(Instant::now()), Err(Some(POLL)));
+        assert_eq!(a.take(Instant::now(), true), Err(Some(POLL)));
         a.started("a/x");
         assert_eq!(
-            a.take(Instant::now()).map(|r| names(&r)),
+            a.take(Instant::now(), true).map(|r| names(&r)),
             Ok(vec!["a/z".to_string()])
         );
     }
@@ -314,12 +362,12 @@ mod tests {
         // The reconciles handed over start: the next batch alternates the burst and the others.
         a.started("burst/b0");
         a.started("burst/b1");
-        let batch = names(&a.take(Instant::now()).expect("room"));
+        let batch = names(&a.take(Instant::now(), true).expect("room"));
         assert_eq!(batch, ["burst/b2", "quiet0/q", "quiet1/q", "quiet2/q"]);
         for r in &batch {
             a.started(r);
         }
-        let batch = names(&a.take(Instant::now()).expect("room"));
+        let batch = names(&a.take(Instant::now(), true).expect("room"));
         assert_eq!(
             batch,
             ["burst/b3", "burst/b4", "burst/b5", "burst/b6"],
@@ -350,9 +398,9 @@ mod tests {
             [true, false, false, false, false],
             "one handed over fills a batch of two"
         );
-        assert_eq!(a.take(Instant::now()), Err(Some(POLL)));
+        assert_eq!(a.take(Instant::now(), true), Err(Some(POLL)));
         a.started("ns-t1-a/t1-a");
-        let batch = names(&a.take(Instant::now()).expect("room"));
+        let batch = names(&a.take(Instant::now(), true).expect("room"));
         assert_eq!(
             batch,
             ["ns-t1-b/t1-b", "ns-t2-a/t2-a"],
@@ -368,7 +416,7 @@ mod tests {
         assert!(a.admit(ObjectRef::from_obj(&cm("a", "here")), true).is_none());
         a.started("a/first");
         assert_eq!(
-            a.take(Instant::now()).map(|r| names(&r)),
+            a.take(Instant::now(), true).map(|r| names(&r)),
             Ok(vec!["a/here".to_string()]),
             "gone: dropped"
         );
@@ -377,7 +425,7 @@ mod tests {
             "a standby passes on"
         );
         let (store, _) = reflector::store();
-        let fifo: Arc<Admission<ConfigMap>> = Admission::new(2, false, None, store);
+        let fifo: Arc<Admission<ConfigMap>> = Admission::new(2, false, None, store, true);
         for i in 0..10 {
             assert!(
                 fifo.admit(ObjectRef::new(&format!("o{i}")).within("a"), true)
@@ -385,10 +433,76 @@ mod tests {
             );
         }
         let (store, _) = reflector::store();
-        let unlimited: Arc<Admission<ConfigMap>> = Admission::new(0, true, None, store);
+        let unlimited: Arc<Admission<ConfigMap>> = Admission::new(0, true, None, store, true);
         assert!(
             unlimited.admit(ObjectRef::new("o").within("a"), true).is_some(),
             "no limit: no line"
+        );
+    }
+
+    #[test]
+    fn while_the_primary_lists_nothing_waiting_is_dropped_or_taken_for_lost() {
+        // The store holds the listed objects only once the list ends.
+        let (store, mut writer) = reflector::store();
+        let a: Arc<Admission<ConfigMap>> = Admission::new(2, true, None, store, true);
+        a.follow::<()>(&Ok(kube::runtime::watcher::Event::Init));
+        let objects: Vec<ConfigMap> = (0..4).map(|i| cm("a", &format!("o{i}"))).collect();
+        let admitted: Vec<bool> = objects
+            .iter()
+            .map(|o| a.admit(ObjectRef::from_obj(o), true).is_some())
+            .collect();
+        assert_eq!(admitted, [true, false, false, false]);
+        let now = Instant::now();
+        // The reconcile handed on waits for the sync: still counted after STALE.
+        assert_eq!(a.take(now + STALE, true), Err(Some(POLL)));
+        // Counted as lost after LOST: what waits goes on, not dropped, though not cached yet.
+        assert_eq!(a.take(now + LOST, true).map(|r| r.len()), Ok(2));
+        writer.apply_watcher_event(&kube::runtime::watcher::Event::Init);
+        for o in &objects {
+            writer.apply_watcher_event(&kube::runtime::watcher::Event::InitApply(o.clone()));
+        }
+        writer.apply_watcher_event(&kube::runtime::watcher::Event::InitDone);
+        a.follow::<()>(&Ok(kube::runtime::watcher::Event::InitDone));
+        a.started("a/o1");
+        a.started("a/o2");
+        assert_eq!(
+            a.take(now + LOST, true).map(|r| names(&r)),
+            Ok(vec!["a/o3".to_string()])
+        );
+    }
+
+    #[test]
+    fn a_replica_that_stops_leading_passes_everything_on() {
+        let objects: Vec<ConfigMap> = (0..5).map(|i| cm("a", &format!("o{i}"))).collect();
+        let a = admission(2, None, &objects);
+        for o in &objects {
+            a.admit(ObjectRef::from_obj(o), true);
+        }
+        assert_eq!(a.waiting(), 4);
+        assert_eq!(a.take(Instant::now(), false).map(|r| r.len()), Ok(4));
+        assert_eq!(a.waiting(), 0);
+        assert!(
+            a.admit(ObjectRef::from_obj(&objects[0]), true).is_some(),
+            "what was handed on before no longer counts"
+        );
+    }
+
+    #[test]
+    fn a_cluster_scoped_kind_is_keyed_without_a_namespace() {
+        use k8s_openapi::api::core::v1::Namespace;
+        let (store, _) = reflector::store();
+        let a: Arc<Admission<Namespace>> = Admission::new(2, true, None, store, false);
+        a.follow::<()>(&Ok(kube::runtime::watcher::Event::InitDone));
+        assert!(a.admit(ObjectRef::new("x").within("mapped"), true).is_some());
+        assert!(
+            a.admit(ObjectRef::new("y"), true).is_none(),
+            "one handed on fills a batch of two"
+        );
+        a.started("/x");
+        assert_eq!(
+            a.take(Instant::now(), true),
+            Err(None),
+            "x started; y, not cached, dropped"
         );
     }
 }

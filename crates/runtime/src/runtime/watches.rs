@@ -167,7 +167,7 @@ where
                 store: reflector::store().0,
             },
             resync: Resync::new(concurrency, ctx.metrics().resync_gauge()),
-            admission: Admission::new(0, false, None, reflector::store().0),
+            admission: Admission::new(0, false, None, reflector::store().0, true),
             actors: Default::default(),
         };
         // A controller of a kind that is not there has nothing to do: it waits for it.
@@ -184,6 +184,7 @@ where
             ctx.tuning().fair_queue,
             watch.fair_by.take(),
             primary.store(),
+            namespaced::<K>(),
         );
         let enqueue = w.enqueue.clone();
         let resync = w.resync.clone();
@@ -194,8 +195,10 @@ where
                 o.annotations().contains_key(adopt) || o.labels().contains_key(drain)
             })
         };
+        let listing = w.admission.clone();
         let stream = events
             .inspect(w.synced.track())
+            .inspect(move |ev| listing.follow(ev))
             .filter(triggers(watch.filter, w.echoes.clone()))
             .filter(move |ev| {
                 // A listed object that has seen its generation waits behind new work.
@@ -233,7 +236,10 @@ where
             Controller::for_stream(stream, primary.store())
                 .with_config(ControllerConfig::default().concurrency(concurrency))
                 .reconcile_on(resync)
-                .reconcile_on(w.admission.clone().feed()),
+                .reconcile_on(w.admission.clone().feed({
+                    let ctx = ctx.clone();
+                    move || ctx.is_leading()
+                })),
         );
         w.primary = primary;
         w
