@@ -554,10 +554,12 @@ mod tests {
             r#"controller_runtime_reconcile_time_seconds_count{controller="at"} 3"#,
         );
         has(&text, r#"workqueue_retries_total{controller="at",name="at"} 1"#);
-        // Buckets from 1 ms to past a minute.
-        has(
-            &text,
-            r#"controller_runtime_reconcile_time_seconds_bucket{le="0.001",controller="at"} 3"#,
+        // Buckets from 1 ms to past a minute (how many took under 1 ms depends on the load).
+        assert!(
+            text.lines().any(|l| l.starts_with(
+                r#"controller_runtime_reconcile_time_seconds_bucket{le="0.001",controller="at"} "#
+            )),
+            "no 1 ms bucket in\n{text}"
         );
         has(
             &text,
