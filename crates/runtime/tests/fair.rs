@@ -5,6 +5,8 @@
 //! queued: with `fair-queue` (the default) the quiet ones are reconciled within the first
 //! rounds; without it they are spread through the burst (kube-runtime's queue serves requests
 //! queued at the same time in no particular order).
+mod common;
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -14,9 +16,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
 use opkit_runtime::testing::Harness;
-use opkit_runtime::{
-    Invalid, Manager, Operator, Plan, Reconciler, Registration, Registry, Requeue, Tuning, Watch, Watches,
-};
+use opkit_runtime::{Invalid, Operator, Plan, Reconciler, Registry, Requeue, Tuning, Watch, Watches};
 
 /// The objects reconciled, `namespace/name`, in order.
 type Log = Arc<Mutex<Vec<String>>>;
@@ -81,19 +81,12 @@ impl Reconciler for Slow {
 }
 
 fn operator() -> Operator<Shared> {
-    let entry = |name: &'static str, add: fn(&mut Manager, &Shared)| Registration {
-        name,
-        crds: Vec::new,
-        rbac: Vec::new,
-        webhooks: |w| w,
-        add,
-    };
     Operator {
         name: "slow",
         version: "0.1.0",
         about: "Reconciles ConfigMaps slowly",
         registry: Registry::new(vec![
-            entry("fair", |m, shared| {
+            common::entry("fair", |m, shared| {
                 m.add(Slow {
                     name: "fair",
                     fair: true,
@@ -101,7 +94,7 @@ fn operator() -> Operator<Shared> {
                     shared: shared.clone(),
                 });
             }),
-            entry("fifo", |m, shared| {
+            common::entry("fifo", |m, shared| {
                 m.add(Slow {
                     name: "fifo",
                     fair: false,
@@ -109,7 +102,7 @@ fn operator() -> Operator<Shared> {
                     shared: shared.clone(),
                 });
             }),
-            entry("team", |m, shared| {
+            common::entry("team", |m, shared| {
                 m.add(Slow {
                     name: "team",
                     fair: true,

@@ -1,6 +1,8 @@
 //! The in-memory harness catches what a unit test of a plan does not: a plan that writes on
 //! every reconcile. Two controllers keep a copy of every ConfigMap labelled `mirror`; one
 //! stamps the time of the copy into it, so that its output is never the same twice.
+mod common;
+
 use std::collections::BTreeMap;
 
 use anyhow::ensure;
@@ -9,9 +11,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, PostParams};
 use kube::{Client, Resource, ResourceExt};
 use opkit_runtime::testing::Harness;
-use opkit_runtime::{
-    Cache, Child, Invalid, Operator, Plan, Reconciler, Registration, Registry, Requeue, Watch, Watches,
-};
+use opkit_runtime::{Cache, Child, Invalid, Operator, Plan, Reconciler, Registry, Requeue, Watch, Watches};
 
 struct Mirror {
     name: &'static str,
@@ -62,25 +62,18 @@ impl Reconciler for Mirror {
 }
 
 fn operator() -> Operator<()> {
-    let entry = |name: &'static str, add: fn(&mut opkit_runtime::Manager, &())| Registration {
-        name,
-        crds: Vec::new,
-        rbac: Vec::new,
-        webhooks: |w| w,
-        add,
-    };
     Operator {
         name: "mirror",
         version: "0.1.0",
         about: "Copies ConfigMaps",
         registry: Registry::new(vec![
-            entry("mirror", |m, _| {
+            common::entry("mirror", |m, _| {
                 m.add(Mirror {
                     name: "mirror",
                     stamp: false,
                 });
             }),
-            entry("stamped", |m, _| {
+            common::entry("stamped", |m, _| {
                 m.add(Mirror {
                     name: "stamped",
                     stamp: true,
