@@ -128,10 +128,17 @@ fn labelled(ns: &str, name: &str, team: &str) -> ConfigMap {
     cm
 }
 
+/// The burst's ConfigMaps.
+const BURST: usize = 200;
+
 /// The quiet namespaces, one ConfigMap each.
 const QUIET: usize = 10;
 
-/// Runs `controller` through a burst of 200 ConfigMaps of one team in one namespace and one
+/// The last place a quiet object may take when lines take turns: place 0 held the worker and 1
+/// was handed on at once; then one of the burst, each quiet line, the burst again.
+const FIRST_ROUNDS: usize = 3 + QUIET;
+
+/// Runs `controller` through a burst of [`BURST`] ConfigMaps of one team in one namespace and one
 /// more of each of [`QUIET`] other teams, each in a namespace of its own or (`one_namespace`)
 /// in the burst's, and returns the quiet ones' places in the order of reconciles, with the
 /// order.
@@ -147,7 +154,7 @@ async fn places_of_the_quiet_ones(
     };
     let mut h = Harness::start(operator(), &[controller], shared).await?;
     let burst: Api<ConfigMap> = Api::namespaced(h.client(), "burst");
-    for i in 0..200 {
+    for i in 0..BURST {
         burst
             .create(
                 &PostParams::default(),
@@ -168,7 +175,7 @@ async fn places_of_the_quiet_ones(
             .await?;
     }
     // The first reconcile holds the worker until all the others are queued.
-    let queued = (200 + QUIET - 1) as f64;
+    let queued = (BURST + QUIET - 1) as f64;
     let depth = format!("workqueue_depth{{controller=\"{controller}\",name=\"{controller}\"}}");
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     while h.metrics().sample(&depth) < queued {
@@ -184,7 +191,7 @@ async fn places_of_the_quiet_ones(
     ensure!(writes.failures() == 0, "{writes}");
     let log = log.lock().expect("log lock").clone();
     ensure!(
-        log.len() == 200 + QUIET,
+        log.len() == BURST + QUIET,
         "each object once: {} reconciles",
         log.len()
     );
@@ -197,10 +204,8 @@ async fn places_of_the_quiet_ones(
 #[tokio::test]
 async fn a_burst_in_one_namespace_does_not_hold_up_the_others() -> anyhow::Result<()> {
     let (places, log) = places_of_the_quiet_ones("fair", false).await?;
-    // Place 0 held the worker and 1 was handed on at once; then the lines take turns:
-    // one of the burst, each quiet namespace, the burst again.
     ensure!(
-        places.iter().all(|&p| p <= 3 + QUIET),
+        places.iter().all(|&p| p <= FIRST_ROUNDS),
         "quiet objects at {places:?}: {log:?}"
     );
     Ok(())
@@ -210,7 +215,7 @@ async fn a_burst_in_one_namespace_does_not_hold_up_the_others() -> anyhow::Resul
 async fn without_the_fair_queue_the_others_wait_among_the_burst() -> anyhow::Result<()> {
     let (places, log) = places_of_the_quiet_ones("fifo", false).await?;
     ensure!(
-        places.iter().any(|&p| p > 3 + QUIET),
+        places.iter().any(|&p| p > FIRST_ROUNDS),
         "quiet objects at {places:?}: {log:?}"
     );
     Ok(())
@@ -220,13 +225,13 @@ async fn without_the_fair_queue_the_others_wait_among_the_burst() -> anyhow::Res
 async fn lines_can_be_keyed_by_a_label_instead_of_the_namespace() -> anyhow::Result<()> {
     let (places, log) = places_of_the_quiet_ones("team", true).await?;
     ensure!(
-        places.iter().all(|&p| p <= 3 + QUIET),
+        places.iter().all(|&p| p <= FIRST_ROUNDS),
         "quiet teams' objects at {places:?}: {log:?}"
     );
     // Keyed by namespace, the same objects share the burst's line.
     let (places, log) = places_of_the_quiet_ones("fair", true).await?;
     ensure!(
-        places.iter().all(|&p| p > 3 + QUIET),
+        places.iter().all(|&p| p > FIRST_ROUNDS),
         "quiet teams' objects at {places:?}: {log:?}"
     );
     Ok(())

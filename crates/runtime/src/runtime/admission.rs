@@ -152,13 +152,6 @@ impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Admission<K>
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn group_of(&self, r: &ObjectRef<K>) -> String {
-        match (&self.group, self.primary.get(r)) {
-            (Some(group), Some(obj)) => group(&obj),
-            _ => r.namespace.clone().unwrap_or_default(),
-        }
-    }
-
     /// A reconcile request for `r`: `Some` if it goes on to kube-runtime's queue now, `None`
     /// if it waits here (or already does). A standby passes everything on: its reconciles
     /// wait for the Lease, not for a turn.
@@ -169,8 +162,9 @@ impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Admission<K>
         if !self.namespaced {
             r.namespace = None;
         }
-        // The author's key is read before the lock: the other requests do not wait on it.
-        let group = self.group.as_ref().map(|_| self.group_of(&r));
+        // The author's key (of the cached object) is read before the lock: the other requests
+        // do not wait on it. Without one, or for an object not cached, the namespace.
+        let keyed = (self.group.as_ref()).and_then(|key| self.primary.get(&r).map(|o| key(&o)));
         let mut inner = self.lock();
         if inner.waiting.contains(&r) {
             return None;
@@ -183,7 +177,7 @@ impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Admission<K>
             inner.handed.insert(r.clone(), Instant::now());
             return Some(r);
         }
-        let group = group.unwrap_or_else(|| self.group_of(&r));
+        let group = keyed.unwrap_or_else(|| r.namespace.clone().unwrap_or_default());
         r.extra = Default::default();
         inner.waiting.insert(r.clone());
         match inner.lines.entry(group) {
