@@ -7,6 +7,7 @@ pub mod config_mirror;
 pub mod crontab;
 pub mod eru;
 pub mod foo;
+pub mod label_propagation;
 pub mod memcached;
 pub mod postgres;
 
@@ -30,7 +31,7 @@ pub(crate) mod test_rng {
 }
 
 use kube::CustomResourceExt;
-use opkit::{Operator, Registration, Registry};
+use opkit::{Operator, Registration, Registry, RunTimeKinds};
 
 /// Operator settings the controllers take from the command line.
 #[derive(Clone, Debug)]
@@ -39,6 +40,8 @@ pub struct Settings {
     pub memcached_image: String,
     /// How often the PostgreSQL servers are read (drift is put right within it).
     pub postgres_poll: std::time::Duration,
+    /// The kinds whose objects get their Namespace's labels (none: the controller idles).
+    pub propagate: Vec<opkit::DynamicKind>,
 }
 
 impl Default for Settings {
@@ -46,6 +49,7 @@ impl Default for Settings {
         Settings {
             memcached_image: memcached::DEFAULT_IMAGE.into(),
             postgres_poll: postgres::DEFAULT_POLL,
+            propagate: Vec::new(),
         }
     }
 }
@@ -63,7 +67,7 @@ pub fn operator() -> Operator<Settings> {
 /// Every controller opkit ships, in start order. Adding a kind: its folder, its types, and one
 /// entry here.
 pub fn registry() -> Registry<Settings> {
-    Registry::new(vec![
+    Registry::<Settings>::new(vec![
         Registration {
             name: memcached::NAME,
             crds: || vec![opkit_api::memcached::crd()],
@@ -132,5 +136,24 @@ pub fn registry() -> Registry<Settings> {
                 m.add(foo::FooController);
             },
         },
+        Registration {
+            name: label_propagation::NAME,
+            crds: Vec::new,
+            rbac: label_propagation::rbac_rules,
+            webhooks: |w| w,
+            // Without kinds to act on, nothing to watch.
+            add: |m, s| {
+                if !s.propagate.is_empty() {
+                    m.add(label_propagation::LabelPropagationController {
+                        kinds: s.propagate.clone(),
+                    });
+                }
+            },
+        },
     ])
+    .with_run_time_kinds(RunTimeKinds {
+        controller: label_propagation::NAME,
+        flag: label_propagation::FLAG,
+        verbs: label_propagation::VERBS,
+    })
 }

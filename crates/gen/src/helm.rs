@@ -74,7 +74,7 @@ pub fn chart<S>(op: &Operator<S>) -> anyhow::Result<Vec<(String, String)>> {
         }
         Ok(crate::yaml::to_string(&rules)?)
     };
-    let controllers = yaml_rules(&op.registry.rbac())?;
+    let controllers = yaml_rules(&op.registry.rbac())? + &run_time_rules(op);
     let webhook_rules = yaml_rules(&opkit_runtime::webhook::rbac_rules(op.name, &webhooks))?;
     let crd_rule = yaml_rules(&[manifests::crd_read_rule(op)])?;
     let metrics_rules = yaml_rules(&manifests::metrics_auth_rules())?;
@@ -326,7 +326,62 @@ networkPolicy:
 ",
         resources = indented(&resources, "    "),
         name = op.name,
-    ))
+    ) + &run_time_values(op))
+}
+
+/// The values naming the kinds controllers are given when the operator runs, if any.
+fn run_time_values<S>(op: &Operator<S>) -> String {
+    let kinds = op.registry.run_time_kinds();
+    if kinds.is_empty() {
+        return String::new();
+    }
+    let mut out = String::from(
+        "\nrunTimeKinds:\n  # Kinds named when the operator runs, as kubectl names resources: PLURAL.VERSION.GROUP\n  \
+         # (deployments.v1.apps), or PLURAL.VERSION for the core group (configmaps.v1). Each list\n  \
+         # is passed as its flag, and the manager's role grants the controller's verbs on each kind.\n",
+    );
+    for k in kinds {
+        out += &format!(
+            "  # The {} controller (--{}; {} on each).\n  {}: []\n",
+            k.controller,
+            k.flag,
+            k.verbs.join(", "),
+            k.value()
+        );
+    }
+    out
+}
+
+/// The rules granting the run-time kinds' verbs, one per kind listed in the values.
+fn run_time_rules<S>(op: &Operator<S>) -> String {
+    op.registry
+        .run_time_kinds()
+        .iter()
+        .map(|k| {
+            let verbs: String = k.verbs.iter().map(|v| format!("  - {v}\n")).collect();
+            format!(
+                "{{{{- range $.Values.runTimeKinds.{value} }}}}\n{{{{- $p := splitList \".\" . }}}}\n\
+                 - apiGroups:\n  - {{{{ join \".\" (slice $p 2) | quote }}}}\n  resources:\n  - {{{{ index $p 0 | quote }}}}\n  verbs:\n{verbs}\
+                 {{{{- end }}}}\n",
+                value = k.value()
+            )
+        })
+        .collect()
+}
+
+/// The flags passing the run-time kinds, indented by `i`.
+fn run_time_args<S>(op: &Operator<S>, i: &str) -> String {
+    op.registry
+        .run_time_kinds()
+        .iter()
+        .map(|k| {
+            format!(
+                "\n{i}{{{{- with $.Values.runTimeKinds.{value} }}}}\n{i}- --{flag}={{{{ join \",\" . }}}}\n{i}{{{{- end }}}}",
+                value = k.value(),
+                flag = k.flag
+            )
+        })
+        .collect()
 }
 
 fn notes<S>(op: &Operator<S>) -> String {
@@ -404,8 +459,9 @@ fn deployment<S>(op: &Operator<S>) -> anyhow::Result<String> {
         format!(
             "{i}{{{{- if .Values.webhook.enable }}}}\n{i}- --webhook-bind-address=:9443\n{i}{{{{- end }}}}\n\
              {i}{{{{- range .Values.manager.namespaces }}}}\n{i}- --namespace={{{{ . }}}}\n{i}{{{{- end }}}}\n\
-             {i}{{{{- with .Values.manager.args }}}}\n{i}{{{{- toYaml . | nindent {n} }}}}\n{i}{{{{- end }}}}",
-            n = i.len()
+             {i}{{{{- with .Values.manager.args }}}}\n{i}{{{{- toYaml . | nindent {n} }}}}\n{i}{{{{- end }}}}{run_time}",
+            n = i.len(),
+            run_time = run_time_args(op, i),
         )
     })?;
     y = replace_block(&y, "resources:", |i| {

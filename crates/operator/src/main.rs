@@ -13,6 +13,12 @@ struct Flags {
     /// drift made by hand is put right within it.
     #[arg(long, default_value = "30s", value_parser = duration)]
     postgres_poll_interval: std::time::Duration,
+    /// The kinds whose objects get the labels their Namespace lists in
+    /// `labels.opkit.dev/propagate`, comma-separated, as `kubectl` names resources:
+    /// `deployments.v1.apps,configmaps.v1` (the core group has no suffix). They need not be
+    /// installed yet: each is watched from when it is.
+    #[arg(long, value_delimiter = ',')]
+    label_propagation_resources: Vec<opkit::DynamicKind>,
 }
 
 /// `30s`, `500ms`, `2m` or plain seconds.
@@ -35,6 +41,7 @@ fn main() -> anyhow::Result<()> {
         |f: &Flags| Settings {
             memcached_image: f.memcached_image.clone(),
             postgres_poll: f.postgres_poll_interval,
+            propagate: f.label_propagation_resources.clone(),
         },
         opkit_scaffold::run,
     )

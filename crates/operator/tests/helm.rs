@@ -370,3 +370,53 @@ fn helm_package_archives_the_chart() {
         objects(&helm_template(&[]).expect("helm template dist/chart"))
     );
 }
+
+#[test]
+fn kinds_named_in_the_values_are_passed_to_the_manager_and_granted() {
+    let default = objects(&helm_template(&[]).unwrap_or_else(|e| panic!("helm template: {e}")));
+    let (args, _) = manager_args_and_unnamed_leases(&default);
+    assert!(
+        !args
+            .iter()
+            .any(|a| a.starts_with("--label-propagation-resources")),
+        "{args:?}"
+    );
+    let set = "runTimeKinds.labelPropagationResources={services.v1,widgets.v1alpha1.example.opkit.dev}";
+    for confined in [None, Some("manager.namespaces={apps}")] {
+        let mut flags = vec!["--set", set];
+        if let Some(c) = confined {
+            flags.extend(["--set", c]);
+        }
+        let objs = objects(&helm_template(&flags).unwrap_or_else(|e| panic!("helm template: {e}")));
+        let (args, _) = manager_args_and_unnamed_leases(&objs);
+        assert!(
+            args.contains(
+                &"--label-propagation-resources=services.v1,widgets.v1alpha1.example.opkit.dev".to_string()
+            ),
+            "{args:?}"
+        );
+        let role = match confined {
+            None => &objs["ClusterRole /opkit-manager-role"],
+            Some(_) => &objs["Role apps/opkit-manager-role"],
+        };
+        let granted = |group: &str, resource: &str| -> Vec<String> {
+            role["rules"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|r| strings(&r["apiGroups"]) == [group] && strings(&r["resources"]) == [resource])
+                .flat_map(|r| strings(&r["verbs"]))
+                .collect()
+        };
+        assert_eq!(
+            granted("", "services"),
+            ["list", "watch", "patch"],
+            "{confined:?}"
+        );
+        assert_eq!(
+            granted("example.opkit.dev", "widgets"),
+            ["list", "watch", "patch"],
+            "{confined:?}"
+        );
+    }
+}

@@ -5,6 +5,7 @@ use std::collections::{HashMap, HashSet};
 use std::hash::Hash;
 use std::sync::{Arc, RwLock};
 
+use kube::core::{ApiResource, DynamicObject};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::watcher;
 use kube::{Resource, ResourceExt};
@@ -12,6 +13,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::changed::hash;
+use crate::kind::ResolvedKind;
 
 /// The index every pruned watch keeps: cached objects by the uid of the primary object that
 /// controls them (owner reference) or names itself in [`crate::OWNER_LABEL`], so that pruning
@@ -188,26 +190,12 @@ impl<C: Resource<DynamicType = ()> + Clone + 'static> Cache<C> {
         cache
     }
 
-    /// (objects, estimated bytes): the JSON size of a sample of the cached objects, scaled to
-    /// all of them. JSON is not the in-memory layout, but it moves with what is cached, so a
-    /// trim or a label selector shows up in it.
+    /// (objects, estimated bytes) of the cache ([`measure`]).
     pub(crate) fn measure(&self) -> (usize, usize)
     where
         C: Serialize,
     {
-        let all = self.store.state();
-        let step = (all.len() / SIZE_SAMPLE).max(1);
-        let sample: Vec<usize> = all
-            .iter()
-            .step_by(step)
-            .take(SIZE_SAMPLE)
-            .map(|o| serde_json::to_vec(o.as_ref()).map_or(0, |v| v.len()))
-            .collect();
-        let bytes = match sample.len() {
-            0 => 0,
-            k => sample.iter().sum::<usize>() * all.len() / k,
-        };
-        (all.len(), bytes)
+        measure(&self.store)
     }
 
     /// The cached objects that the index `name` ([`Watch::index`]) keys under `key`, without
@@ -247,6 +235,107 @@ impl<C: Resource<DynamicType = ()> + Clone + 'static> Cache<C> {
 
     /// The cached objects for which `f` holds.
     pub fn filter(&self, f: impl Fn(&C) -> bool) -> Vec<Arc<C>> {
+        self.store.state().into_iter().filter(|o| f(o)).collect()
+    }
+
+    /// How many objects are cached.
+    pub fn len(&self) -> usize {
+        self.store.len()
+    }
+
+    /// Whether nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.store.is_empty()
+    }
+}
+
+/// (objects, estimated bytes): the JSON size of a sample of the stored objects, scaled to
+/// all of them. JSON is not the in-memory layout, but it moves with what is cached, so a
+/// trim or a label selector shows up in it.
+pub(crate) fn measure<C>(store: &Store<C>) -> (usize, usize)
+where
+    C: Resource<DynamicType: Eq + Hash + Clone> + Serialize + Clone + 'static,
+{
+    let all = store.state();
+    let step = (all.len() / SIZE_SAMPLE).max(1);
+    let sample: Vec<usize> = all
+        .iter()
+        .step_by(step)
+        .take(SIZE_SAMPLE)
+        .map(|o| serde_json::to_vec(o.as_ref()).map_or(0, |v| v.len()))
+        .collect();
+    match sample.len() {
+        0 => (all.len(), 0),
+        k => (all.len(), sample.iter().sum::<usize>() * all.len() / k),
+    }
+}
+
+/// A read-only cache of a kind named at run time ([`crate::Watches::dynamic`]): its objects
+/// as `DynamicObject`s, and the kind as discovery found it.
+///
+/// Empty while the apiserver does not serve the kind.
+#[derive(Clone)]
+pub struct DynamicCache {
+    store: Store<DynamicObject>,
+    /// The store's key of every object (any one value will do, as long as it is this one).
+    keyed: ApiResource,
+    resolved: Arc<RwLock<Option<ResolvedKind>>>,
+}
+
+impl DynamicCache {
+    pub(crate) fn new(store: Store<DynamicObject>, keyed: ApiResource) -> Self {
+        DynamicCache {
+            store,
+            keyed,
+            resolved: Arc::default(),
+        }
+    }
+
+    pub(crate) fn store(&self) -> Store<DynamicObject> {
+        self.store.clone()
+    }
+
+    pub(crate) fn resolve(&self, kind: ResolvedKind) {
+        *self.resolved.write().unwrap_or_else(|p| p.into_inner()) = Some(kind);
+    }
+
+    /// A cache holding `objects` of `kind` as its watch would (its label selector is not
+    /// evaluated, nor its trim): for unit tests of `observe`, with no cluster.
+    pub fn from_objects(kind: ResolvedKind, objects: impl IntoIterator<Item = DynamicObject>) -> Self {
+        let keyed = kind.resource.clone();
+        let mut writer = reflector::store::Writer::new(keyed.clone());
+        let store = writer.as_reader();
+        for o in objects {
+            writer.apply_watcher_event(&watcher::Event::Apply(o));
+        }
+        let cache = DynamicCache::new(store, keyed);
+        cache.resolve(kind);
+        cache
+    }
+
+    /// The kind as the apiserver serves it (its kind, plural and scope), for the children and
+    /// deletions of its objects; `None` until discovery has found it.
+    pub fn kind(&self) -> Option<ResolvedKind> {
+        self.resolved.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// The object `name` in `namespace` (empty for a cluster-scoped kind), if cached.
+    pub fn get(&self, namespace: &str, name: &str) -> Option<Arc<DynamicObject>> {
+        let r = ObjectRef::new_with(name, self.keyed.clone());
+        self.store.get(&if namespace.is_empty() {
+            r
+        } else {
+            r.within(namespace)
+        })
+    }
+
+    /// Every cached object.
+    pub fn all(&self) -> Vec<Arc<DynamicObject>> {
+        self.store.state()
+    }
+
+    /// The cached objects for which `f` holds.
+    pub fn filter(&self, f: impl Fn(&DynamicObject) -> bool) -> Vec<Arc<DynamicObject>> {
         self.store.state().into_iter().filter(|o| f(o)).collect()
     }
 

@@ -43,8 +43,8 @@ pub mod webhook;
 
 pub mod changed;
 pub mod client;
-pub use cache::{Cache, Watch};
-pub use kind::{KindScope, Watchable};
+pub use cache::{Cache, DynamicCache, Watch};
+pub use kind::{DynamicKind, KindScope, ResolvedKind, Watchable};
 pub use manager::{Manager, ManagerError, ManagerOptions};
 pub use operator::{
     Connect, CrdError, Operator, RunConfig, RunError, Running, Started, WebhookServing, install_crd,
@@ -55,7 +55,7 @@ pub use plan::{
     Act, Child, Cleanup, Deletion, Event, Invalid, OWNER_LABEL, Plan, Requeue, Retry, finalizer_name,
 };
 pub use reconciler::Reconciler;
-pub use registry::{Registration, Registry};
+pub use registry::{Registration, Registry, RunTimeKinds};
 pub use runtime::Watches;
 pub use scope::Scope;
 pub use trigger::Trigger;

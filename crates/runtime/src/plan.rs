@@ -4,12 +4,12 @@
 use std::fmt::Debug;
 use std::time::Duration;
 
-use kube::core::ApiResource;
+use kube::core::{ApiResource, DynamicObject};
 use kube::runtime::events::EventType;
 use kube::{Resource, ResourceExt};
 use serde::Serialize;
 
-use crate::kind::KindScope;
+use crate::kind::{KindScope, ResolvedKind};
 
 /// The finalizer opkit keeps on the objects of a controller that [`crate::Reconciler::cleans_up`]:
 /// `opkit.dev/<controller name>`. To delete such an object after its controller was removed
@@ -94,6 +94,16 @@ impl Deletion {
         Deletion {
             resource: ApiResource::erase::<C>(&()),
             namespace: obj.namespace().filter(|_| <C::Scope as KindScope>::NAMESPACED),
+            name: obj.name_any(),
+            uid: obj.uid(),
+        }
+    }
+
+    /// Delete `obj`, of a kind named at run time (as cached: its uid is a precondition).
+    pub fn of_dynamic(kind: &ResolvedKind, obj: &DynamicObject) -> Self {
+        Deletion {
+            resource: kind.resource.clone(),
+            namespace: obj.namespace().filter(|_| kind.namespaced),
             name: obj.name_any(),
             uid: obj.uid(),
         }
@@ -302,20 +312,55 @@ impl Child {
         body: serde_json::Value,
         live: Option<&C>,
     ) -> Self {
+        let kind = ResolvedKind::new(ApiResource::erase::<C>(&()), <C::Scope as KindScope>::NAMESPACED);
+        Self::of_kind(&kind, mode, namespace, name, body, live)
+    }
+
+    fn of_kind(
+        kind: &ResolvedKind,
+        mode: Mode,
+        namespace: Option<String>,
+        name: String,
+        body: serde_json::Value,
+        live: Option<&impl Serialize>,
+    ) -> Self {
         let needed = match live.map(serde_json::to_value) {
             Some(Ok(l)) => !crate::diff::is_subset(&body, &l),
             _ => true,
         };
         Child {
-            resource: ApiResource::erase::<C>(&()),
+            resource: kind.resource.clone(),
             namespace,
-            namespaced: <C::Scope as KindScope>::NAMESPACED,
+            namespaced: kind.namespaced,
             name,
             body,
             mode,
             needed,
             cached: live.is_some(),
         }
+    }
+
+    /// [`Child::apply`] for a kind named at run time ([`crate::Watches::dynamic`]): `desired`
+    /// needs `metadata.name` (and `metadata.namespace` outside the primary's); its `apiVersion`
+    /// and `kind` are `kind`'s.
+    pub fn apply_dynamic(
+        kind: &ResolvedKind,
+        mut desired: serde_json::Value,
+        live: Option<&DynamicObject>,
+    ) -> Self {
+        let (namespace, name) = identity(kind, &mut desired);
+        Self::of_kind(kind, Mode::Apply, namespace, name, desired, live)
+    }
+
+    /// [`Child::fields`] for a kind named at run time: only `fields` (with `metadata.name`,
+    /// and `metadata.namespace` outside the primary's) of an object someone else owns.
+    pub fn fields_dynamic(
+        kind: &ResolvedKind,
+        mut fields: serde_json::Value,
+        live: Option<&DynamicObject>,
+    ) -> Self {
+        let (namespace, name) = identity(kind, &mut fields);
+        Self::of_kind(kind, Mode::Fields, namespace, name, fields, live)
     }
 
     /// Server-side apply `desired` unless `live` (the cached object) already has all of it.
@@ -378,6 +423,11 @@ impl Child {
         self.needed
     }
 
+    /// What would be written (for a plan's unit test).
+    pub fn body(&self) -> &serde_json::Value {
+        &self.body
+    }
+
     /// The child's name.
     pub fn name(&self) -> &str {
         &self.name
@@ -396,6 +446,17 @@ impl Child {
         }
         self.namespace.as_deref().or(default)
     }
+}
+
+/// Sets `body`'s `apiVersion` and `kind` to `kind`'s; its namespace and name.
+fn identity(kind: &ResolvedKind, body: &mut serde_json::Value) -> (Option<String>, String) {
+    if let Some(m) = body.as_object_mut() {
+        m.insert("apiVersion".into(), kind.resource.api_version.clone().into());
+        m.insert("kind".into(), kind.resource.kind.clone().into());
+    }
+    let meta = &body["metadata"];
+    let text = |v: &serde_json::Value| v.as_str().map(String::from);
+    (text(&meta["namespace"]), text(&meta["name"]).unwrap_or_default())
 }
 
 /// An Event about the primary object, shown by `kubectl describe`.

@@ -28,15 +28,67 @@ pub struct Registration<S> {
     pub add: fn(&mut Manager, &S),
 }
 
+/// Kinds a controller acts on that are named when the operator runs (a flag of the operator's,
+/// parsed into [`crate::DynamicKind`]s), not when it is built: the generated chart takes them
+/// as a value, passes them as the flag and grants `verbs` on each.
+#[derive(Clone, Copy, Debug)]
+pub struct RunTimeKinds {
+    /// The controller ([`Registration::name`]).
+    pub controller: &'static str,
+    /// The operator's flag that names them, comma-separated, without its dashes.
+    pub flag: &'static str,
+    /// What the controller does with them, e.g. `list`, `watch`, `patch`.
+    pub verbs: &'static [&'static str],
+}
+
+impl RunTimeKinds {
+    /// The chart value that names them: the flag in camel case (`labelPropagationResources`).
+    pub fn value(&self) -> String {
+        let mut out = String::new();
+        let mut upper = false;
+        for c in self.flag.chars() {
+            match c {
+                '-' => upper = true,
+                c if upper => {
+                    out.push(c.to_ascii_uppercase());
+                    upper = false;
+                }
+                c => out.push(c),
+            }
+        }
+        out
+    }
+}
+
 /// The ordered list of an operator's controllers.
 pub struct Registry<S> {
     entries: Vec<Registration<S>>,
+    run_time_kinds: Vec<RunTimeKinds>,
 }
 
 impl<S> Registry<S> {
     /// A registry of `entries`, in the order they should start and be listed.
     pub fn new(entries: Vec<Registration<S>>) -> Self {
-        Registry { entries }
+        Registry {
+            entries,
+            run_time_kinds: Vec::new(),
+        }
+    }
+
+    /// Declares that a controller acts on kinds named by a flag ([`RunTimeKinds`]).
+    pub fn with_run_time_kinds(mut self, kinds: RunTimeKinds) -> Self {
+        assert!(
+            self.names().contains(&kinds.controller),
+            "run-time kinds for {:?}, which is not in the registry",
+            kinds.controller
+        );
+        self.run_time_kinds.push(kinds);
+        self
+    }
+
+    /// The controllers' kinds named when the operator runs.
+    pub fn run_time_kinds(&self) -> &[RunTimeKinds] {
+        &self.run_time_kinds
     }
 
     /// Every name, for `--controllers` help and errors.

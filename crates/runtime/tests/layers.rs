@@ -66,6 +66,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "runtime/admission",
             "runtime/resync",
             "runtime/watches",
+            "runtime/watches/dynamic",
             "reconciler",
             "runtime/write",
             "runtime/driver",

@@ -133,8 +133,8 @@ impl Echoes {
     }
 
     /// Whether `obj` is exactly what this process last wrote of it (and forgets that write).
-    pub(super) fn is_echo<C: Resource<DynamicType = ()>>(&self, obj: &C) -> bool {
-        let key = echo_key(&C::kind(&()), obj.meta().namespace.as_deref(), &obj.name_any());
+    pub(super) fn is_echo<C: Resource>(&self, kind: &str, obj: &C) -> bool {
+        let key = echo_key(kind, obj.meta().namespace.as_deref(), &obj.name_any());
         let mut w = self.written.lock().unwrap_or_else(|p| p.into_inner());
         match (w.by_key.get(&key), obj.resource_version()) {
             (Some((rv, _)), Some(seen)) if *rv == seen => {

@@ -28,6 +28,8 @@ use crate::outside::{Outside, OutsideCache};
 use crate::plan::Deletion;
 use crate::runtime::context::Shard;
 
+mod dynamic;
+
 /// How long after an act changed an outside thing its objects are reconciled.
 pub(crate) const ACTED: Duration = Duration::from_millis(250);
 
@@ -35,33 +37,41 @@ pub(crate) const ACTED: Duration = Duration::from_millis(250);
 const UID_INDEX: &str = "opkit.dev/uid";
 
 /// Decides per watch event whether it triggers a reconcile: not an echo, and (with a filter)
-/// a change of what the filter hashes. Deletions always trigger.
-fn triggers<C: Resource<DynamicType = ()>>(
+/// a change of what the filter hashes. Deletions always trigger. `kind` names the objects'
+/// kind as opkit's writes record it (none yet: nothing can be an echo).
+fn triggers<C: Resource>(
     filter: Option<Filter<C>>,
     echoes: Echoes,
+    kind: impl Fn() -> Option<String>,
 ) -> impl FnMut(&Result<watcher::Event<C>, watcher::Error>) -> futures::future::Ready<bool> {
-    let mut seen: HashMap<ObjectRef<C>, u64> = HashMap::new();
+    let mut seen: HashMap<(Option<String>, String), u64> = HashMap::new();
+    let key = |o: &C| (o.namespace(), o.name_any());
     move |ev| {
         let keep = match ev {
             Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o)) => {
-                let echo = echoes.is_echo(o);
+                let echo = kind().is_some_and(|k| echoes.is_echo(&k, o));
                 let changed = match &filter {
                     None => true,
                     Some(f) => {
                         let h = hash(&(o.uid(), f(o)));
-                        seen.insert(ObjectRef::from_obj(o), h) != Some(h)
+                        seen.insert(key(o), h) != Some(h)
                     }
                 };
                 !echo && changed
             }
             Ok(watcher::Event::Delete(o)) => {
-                seen.remove(&ObjectRef::from_obj(o));
+                seen.remove(&key(o));
                 true
             }
             _ => true,
         };
         futures::future::ready(keep)
     }
+}
+
+/// The kind of `C`, for [`triggers`].
+fn kind_of<C: Resource<DynamicType = ()>>() -> impl Fn() -> Option<String> {
+    || Some(C::kind(&()).to_string())
 }
 
 /// Lists the cached children controlled by the object of a uid: what pruning may delete (by
@@ -199,7 +209,7 @@ where
         let stream = events
             .inspect(w.synced.track())
             .inspect(move |ev| listing.follow(ev))
-            .filter(triggers(watch.filter, w.echoes.clone()))
+            .filter(triggers(watch.filter, w.echoes.clone(), kind_of::<K>()))
             .filter(move |ev| {
                 // A listed object that has seen its generation waits behind new work.
                 let later = match ev {
@@ -313,7 +323,10 @@ where
                 let api = api::<C>(&self.client, self.namespace.as_deref());
                 let active = w.optional.then(|| Arc::new(AtomicBool::new(false)));
                 let events = match &active {
-                    Some(active) => optional(api, cfg, store, active.clone(), kind.clone()).boxed(),
+                    Some(active) => {
+                        let connect = move || watcher(api.clone(), cfg.clone()).boxed();
+                        optional(connect, store, active.clone(), kind.clone()).boxed()
+                    }
                     None => watcher(api, cfg).default_backoff().boxed(),
                 };
                 let driver = reflector::reflector(
@@ -381,9 +394,11 @@ where
             cache.add_index(OWNER_INDEX, Arc::new(owner_uids::<C>) as KeyFn<C>);
             self.add_pruner(&cache);
         }
-        let stream = events
-            .inspect(self.synced.track())
-            .filter(triggers(w.filter, self.echoes.clone()));
+        let stream = events.inspect(self.synced.track()).filter(triggers(
+            w.filter,
+            self.echoes.clone(),
+            kind_of::<C>(),
+        ));
         (cache, stream)
     }
 
@@ -457,7 +472,7 @@ where
     /// into the resync: listed unchanged, a child says nothing new of its owner. They go in
     /// once the list is complete, when the cache holds it: a primary reconciled earlier would
     /// see the cache as it was before the list (empty, for a kind installed a moment ago).
-    fn trigger<C: Watchable>(
+    fn trigger<C: Resource + Clone + Send + Sync + 'static>(
         &mut self,
         events: impl Stream<Item = Result<watcher::Event<C>, watcher::Error>> + Send + 'static,
         refs: impl Fn(C) -> Vec<ObjectRef<K>> + Send + Sync + 'static,
@@ -625,9 +640,10 @@ fn missing(e: &watcher::Error) -> bool {
 }
 
 /// The state of an optional watch between two of its events.
-struct Optional<C: Watchable> {
-    api: kube::Api<C>,
-    cfg: watcher::Config,
+struct Optional<C: Resource<DynamicType: Eq + std::hash::Hash + Clone> + Clone + 'static, F> {
+    /// A new watch of the kind: the watcher, or (for a kind named at run time) discovery and
+    /// then the watcher.
+    connect: F,
     events: Option<BoxStream<'static, watcher::Result<watcher::Event<C>>>>,
     /// What the watch has delivered: its objects leave as deletions when the kind goes.
     store: reflector::Store<C>,
@@ -646,16 +662,18 @@ struct Optional<C: Watchable> {
 /// synced and empty (its objects delivered as deletions when the kind goes) and it asks again
 /// every few seconds, quietly; once it is, the events are the watcher's. kube's own backoff
 /// would not grow here: the watcher starts each list with an `Init`, which resets it.
-fn optional<C: Watchable>(
-    api: kube::Api<C>,
-    cfg: watcher::Config,
+fn optional<C, F>(
+    connect: F,
     store: reflector::Store<C>,
     active: Arc<AtomicBool>,
     kind: String,
-) -> impl Stream<Item = watcher::Result<watcher::Event<C>>> + Send + 'static {
+) -> impl Stream<Item = watcher::Result<watcher::Event<C>>> + Send + 'static
+where
+    C: Resource<DynamicType: Eq + std::hash::Hash + Clone> + Clone + Send + Sync + 'static,
+    F: Fn() -> BoxStream<'static, watcher::Result<watcher::Event<C>>> + Send + 'static,
+{
     let state = Optional {
-        api,
-        cfg,
+        connect,
         events: None,
         store,
         active,
@@ -670,8 +688,10 @@ fn optional<C: Watchable>(
         if let Some(wait) = s.wait.take() {
             tokio::time::sleep(wait).await;
         }
-        let (api, cfg) = (s.api.clone(), s.cfg.clone());
-        let events = s.events.get_or_insert_with(|| watcher(api, cfg).boxed());
+        let events = match &mut s.events {
+            Some(events) => events,
+            None => s.events.insert((s.connect)()),
+        };
         let out = match events.next().await {
             None => {
                 s.events = None;
@@ -846,7 +866,7 @@ mod tests {
     #[test]
     fn a_filter_triggers_on_changes_of_its_key_and_on_deletions_only() {
         let data: Filter<ConfigMap> = Arc::new(|c: &ConfigMap| hash(&c.data));
-        let mut f = triggers(Some(data), Echoes::default());
+        let mut f = triggers(Some(data), Echoes::default(), kind_of::<ConfigMap>());
         assert!(
             fire(&mut f, watcher::Event::InitApply(cm("a", "1", "x"))),
             "first sight"
@@ -869,7 +889,7 @@ mod tests {
     #[test]
     fn the_echo_of_an_own_write_triggers_nothing_but_later_changes_do() {
         let echoes = Echoes::default();
-        let mut f = triggers(None, echoes.clone());
+        let mut f = triggers(None, echoes.clone(), kind_of::<ConfigMap>());
         echoes.record("ConfigMap", Some("ns"), "a", "7".into());
         assert!(
             fire(&mut f, watcher::Event::Apply(cm("a", "6", "x"))),
