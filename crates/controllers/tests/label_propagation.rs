@@ -1,0 +1,184 @@
+//! The label-propagation controller on the real local control plane: kinds named when the
+//! operator runs, one built in (ConfigMaps) and one a CRD installed after the operator started
+//! and deleted while it runs.
+
+use std::time::Duration;
+
+use anyhow::ensure;
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, DeleteParams, Patch, PatchParams};
+use kube::core::{ApiResource, DynamicObject, GroupVersionKind};
+use kube::{Client, ResourceExt};
+use opkit::ManagerOptions;
+use opkit_controllers::label_propagation::{self, PROPAGATE, PROPAGATED, reason};
+use opkit_controllers::{Settings, operator};
+use opkit_testenv::{free_port, shared, wait_for};
+use serde_json::json;
+
+mod common;
+use common::{Run, T, assert_quiescent};
+
+const GROUP: &str = "propagation.opkit.dev";
+const CRD: &str = "widgets.propagation.opkit.dev";
+
+fn widget_crd() -> anyhow::Result<CustomResourceDefinition> {
+    Ok(serde_json::from_value(json!({
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "metadata": {"name": CRD},
+        "spec": {
+            "group": GROUP,
+            "names": {"kind": "Widget", "plural": "widgets", "singular": "widget", "listKind": "WidgetList"},
+            "scope": "Namespaced",
+            "versions": [{
+                "name": "v1", "served": true, "storage": true,
+                "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": true}}
+            }]
+        }
+    }))?)
+}
+
+/// Deletes the Widget CRD and waits until the apiserver no longer has it.
+async fn remove_widgets(client: &Client) -> anyhow::Result<()> {
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    if crds.get_opt(CRD).await?.is_some() {
+        crds.delete(CRD, &DeleteParams::default()).await?;
+    }
+    wait_for("the Widget CRD gone", T, || async {
+        ensure!(crds.get_opt(CRD).await?.is_none(), "still there");
+        Ok(())
+    })
+    .await
+}
+
+/// Sets the Namespace's `team` label and the keys it propagates (`None`: none).
+async fn label_namespace(
+    client: &Client,
+    ns: &str,
+    team: &str,
+    propagate: Option<&str>,
+) -> anyhow::Result<()> {
+    let api: Api<Namespace> = Api::all(client.clone());
+    let body = json!({"metadata": {"labels": {"team": team}, "annotations": {PROPAGATE: propagate}}});
+    api.patch(ns, &PatchParams::default(), &Patch::Merge(body))
+        .await?;
+    Ok(())
+}
+
+/// Waits until the object's labels and the controller's annotation are `want` (`None`: no
+/// copied labels and no annotation), besides `app=web`, which the test set.
+async fn labelled(
+    what: &str,
+    get: impl AsyncFn() -> anyhow::Result<DynamicObject>,
+    want: Option<&str>,
+) -> anyhow::Result<()> {
+    wait_for(what, T, || async {
+        let o = get().await?;
+        ensure!(
+            o.labels().get("app").map(String::as_str) == Some("web"),
+            "the test's label went: {:?}",
+            o.labels()
+        );
+        ensure!(
+            o.labels().get("team").map(String::as_str) == want,
+            "labels {:?}",
+            o.labels()
+        );
+        let copied = o.annotations().get(PROPAGATED).map(String::as_str);
+        ensure!(copied == want.map(|_| "team"), "annotation {copied:?}");
+        Ok(())
+    })
+    .await
+}
+
+#[tokio::test]
+async fn labels_reach_objects_of_kinds_named_at_run_time_including_one_installed_later() {
+    shared()
+        .in_namespace("label-propagation", |client, ns| async move {
+            remove_widgets(&client).await?;
+            let health = std::net::SocketAddr::from(([127, 0, 0, 1], free_port()?));
+            let settings = Settings {
+                propagate: vec!["configmaps.v1".parse().map_err(anyhow::Error::msg)?, format!("widgets.v1.{GROUP}").parse().map_err(anyhow::Error::msg)?],
+                ..Settings::default()
+            };
+            let run = Run {
+                opts: ManagerOptions {
+                    health_addr: Some(health),
+                    ..Default::default()
+                },
+                ..Run::new(&[label_propagation::NAME])
+            };
+            let op = common::start_op(&operator(), &client, &ns, run, &settings, |_| {}).await?;
+            let active = format!(r#"opkit_optional_watch_active{{controller="labelpropagation",kind="widgets.v1.{GROUP}"}}"#);
+            let readyz = || async {
+                let (code, body) = opkit_testenv::http_get(health, "/readyz").await?;
+                ensure!(code == 200, "{code} {body}");
+                anyhow::Ok(body)
+            };
+            wait_for("ready, naming the kind that is not installed", T, || async {
+                let body = readyz().await?;
+                ensure!(body.contains(&format!("labelpropagation/widgets.v1.{GROUP}")), "{body}");
+                ensure!(op.encoded().contains(&format!("{active} 0")), "no inactive gauge");
+                Ok(())
+            })
+            .await?;
+
+            // A ConfigMap of the Namespace gets the label it lists.
+            let cms: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
+            let cm = json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "settings", "labels": {"app": "web"}}, "data": {"k": "v"}});
+            cms.patch("settings", &PatchParams::apply("test"), &Patch::Apply(cm)).await?;
+            label_namespace(&client, &ns, "a", Some("team")).await?;
+            let cm_api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &ApiResource::erase::<ConfigMap>(&()));
+            let configmap = async || anyhow::Ok(cm_api.get("settings").await?);
+            labelled("the ConfigMap labelled team=a", configmap, Some("a")).await?;
+            common::event(&client, None, &ns, reason::PROPAGATED).await?;
+
+            // The CRD installed now: its objects are found and labelled too.
+            common::install_crd(&client, widget_crd()?).await?;
+            let widget_kind = ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(GROUP, "v1", "Widget"), "widgets");
+            let widgets: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &widget_kind);
+            let w = json!({"apiVersion": format!("{GROUP}/v1"), "kind": "Widget", "metadata": {"name": "w", "labels": {"app": "web"}}, "spec": {"size": 1}});
+            widgets.patch("w", &PatchParams::apply("test"), &Patch::Apply(w)).await?;
+            let widget = async || anyhow::Ok(widgets.get("w").await?);
+            let installed = std::time::Instant::now();
+            labelled("the Widget labelled team=a", widget, Some("a")).await?;
+            let took = installed.elapsed();
+            ensure!(took < Duration::from_secs(15), "the Widget took {took:?}");
+            wait_for("the watch of Widgets active, and ready", T, || async {
+                ensure!(op.sample(&active) == 1.0, "gauge {}", op.sample(&active));
+                ensure!(readyz().await? == "ok", "not ready");
+                Ok(())
+            })
+            .await?;
+
+            // The Namespace's label changes: both follow; then, once settled, nothing more
+            // is written.
+            label_namespace(&client, &ns, "b", Some("team")).await?;
+            labelled("the ConfigMap relabelled team=b", configmap, Some("b")).await?;
+            labelled("the Widget relabelled team=b", widget, Some("b")).await?;
+            assert_quiescent(&op.metrics(), &cm_api, "settings", Duration::from_secs(3)).await?;
+
+            // No longer asked for: what was copied goes, and only that.
+            label_namespace(&client, &ns, "b", None).await?;
+            labelled("the ConfigMap's copied label gone", configmap, None).await?;
+            labelled("the Widget's copied label gone", widget, None).await?;
+
+            // The kind goes: its watch waits again, and the rest carries on.
+            remove_widgets(&client).await?;
+            wait_for("the watch of Widgets waiting again", T, || async {
+                ensure!(op.sample(&active) == 0.0, "gauge {}", op.sample(&active));
+                ensure!(readyz().await?.contains("labelpropagation/widgets"), "not named");
+                Ok(())
+            })
+            .await?;
+            label_namespace(&client, &ns, "c", Some("team")).await?;
+            labelled("the ConfigMap labelled team=c with Widgets gone", configmap, Some("c")).await?;
+            ensure!(op.running(), "the manager stopped");
+            let failed = op.metrics().reconciles_failed();
+            ensure!(failed == 0, "{failed} failed reconciles");
+            // Leave the Namespace as it was found.
+            label_namespace(&client, &ns, "c", None).await?;
+            Ok(())
+        })
+        .await;
+}
