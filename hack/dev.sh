@@ -72,6 +72,9 @@ cat <<EOT
      kubectl get secret app-postgres -o jsonpath='{.data.uri}' | base64 -d
      kubectl label namespace kube-public mirror.opkit.dev/app-settings=true
      kubectl get configmirror                    # app-settings copied to kube-public
+     kubectl label namespace default team=web
+     kubectl annotate namespace default labels.opkit.dev/propagate=team
+     kubectl get deploy,configmap -L team        # every one labelled team=web
      kubectl logs example-at-pod                 # YAY (from a container with the real node)
      kubectl get crontabs.v1.stable.example.com  # the CronTabs as v1 (stored as v2, converted by opkit)
      kubectl get crontabs.v2.stable.example.com -o yaml
@@ -86,7 +89,8 @@ EOT
 # The apiserver reaches the webhooks at 127.0.0.1:9443; while the operator is stopped, At and
 # ConfigMirror objects are refused (failurePolicy Fail), Memcacheds and Erus are not (Ignore).
 "$opkit" run --metrics-bind-address 127.0.0.1:8080 --health-probe-bind-address 127.0.0.1:8081 \
-  --webhook-bind-address 127.0.0.1:9443 --webhook-url https://127.0.0.1:9443 &
+  --webhook-bind-address 127.0.0.1:9443 --webhook-url https://127.0.0.1:9443 \
+  --label-propagation-resources deployments.v1.apps,configmaps.v1 &
 op=$!
 trap 'kill -TERM "$op" ${pg:+"$pg"} 2>/dev/null; wait "$op"' INT TERM
 # Only once the operator has pointed the CRD at its conversion webhook: before that the
