@@ -299,6 +299,11 @@ impl DynamicCache {
         *self.resolved.write().unwrap_or_else(|p| p.into_inner()) = Some(kind);
     }
 
+    /// The kind is no longer served.
+    pub(crate) fn unresolve(&self) {
+        *self.resolved.write().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+
     /// A cache holding `objects` of `kind` as its watch would (its label selector is not
     /// evaluated, nor its trim): for unit tests of `observe`, with no cluster.
     pub fn from_objects(kind: ResolvedKind, objects: impl IntoIterator<Item = DynamicObject>) -> Self {

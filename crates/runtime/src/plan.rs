@@ -287,6 +287,10 @@ pub(crate) enum Mode {
     /// Server-side apply of a few fields of an object someone else owns (e.g. one annotation
     /// on a user's Deployment); never pruned.
     Fields,
+    /// A JSON merge patch of an object someone else owns, seen in a cache: of that version
+    /// only (its `resourceVersion`), so that one changed since is planned for again and one
+    /// deleted since is not made again, as an apply would; never pruned.
+    Merge,
 }
 
 /// An object the plan wants written.
@@ -361,6 +365,32 @@ impl Child {
     ) -> Self {
         let (namespace, name) = identity(kind, &mut fields);
         Self::of_kind(kind, Mode::Fields, namespace, name, fields, live)
+    }
+
+    /// Changes `live`, an object someone else owns, by a JSON merge patch (`null` removes a
+    /// key) of the version seen, never pruned: one that changed since fails the reconcile as
+    /// stale (the next plan sees the newer version), one deleted since is left deleted.
+    /// Unlike [`Child::fields_dynamic`], it takes no field ownership and can never create
+    /// the object; what it set it must remove by name.
+    pub fn merge_dynamic(kind: &ResolvedKind, live: &DynamicObject, mut patch: serde_json::Value) -> Self {
+        let live_json = serde_json::to_value(live).unwrap_or_default();
+        let needed = !merged(&patch, &live_json);
+        if let Some(m) = patch.as_object_mut() {
+            let meta = m.entry("metadata").or_insert_with(|| serde_json::json!({}));
+            if meta.is_object() {
+                meta["resourceVersion"] = live.resource_version().unwrap_or_default().into();
+            }
+        }
+        Child {
+            resource: kind.resource.clone(),
+            namespace: live.namespace().filter(|_| kind.namespaced),
+            namespaced: kind.namespaced,
+            name: live.name_any(),
+            body: patch,
+            mode: Mode::Merge,
+            needed,
+            cached: true,
+        }
     }
 
     /// Server-side apply `desired` unless `live` (the cached object) already has all of it.
@@ -445,6 +475,20 @@ impl Child {
             return None;
         }
         self.namespace.as_deref().or(default)
+    }
+}
+
+/// Whether the JSON merge patch `patch` would leave `live` as it is.
+fn merged(patch: &serde_json::Value, live: &serde_json::Value) -> bool {
+    match patch {
+        serde_json::Value::Object(p) => p.iter().all(|(k, v)| match (v, live.get(k)) {
+            (serde_json::Value::Null, l) => l.is_none_or(serde_json::Value::is_null),
+            // Merged into nothing: no change as long as it only removes.
+            (serde_json::Value::Object(_), None) => merged(v, &serde_json::Value::Null),
+            (v, Some(l)) => merged(v, l),
+            (_, None) => false,
+        }),
+        v => v == live,
     }
 }
 
@@ -667,6 +711,55 @@ impl From<Retry> for Invalid {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_child_of_a_kind_named_at_run_time_is_compared_with_what_was_seen() {
+        let cm = ResolvedKind::new(
+            ApiResource::erase::<k8s_openapi::api::core::v1::ConfigMap>(&()),
+            true,
+        );
+        let live: DynamicObject = serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": "a", "namespace": "ns", "resourceVersion": "7", "labels": {"team": "x"}},
+            "data": {"k": "v"},
+        }))
+        .expect("object");
+        let desired =
+            serde_json::json!({"metadata": {"name": "a", "namespace": "ns", "labels": {"team": "x"}}});
+        let apply = Child::apply_dynamic(&cm, desired.clone(), Some(&live));
+        assert!(!apply.is_needed(), "the cached object has all of it");
+        assert_eq!(apply.body()["kind"], "ConfigMap");
+        assert_eq!((apply.namespace(None), apply.name()), (Some("ns"), "a"));
+        assert!(
+            Child::fields_dynamic(
+                &cm,
+                serde_json::json!({"metadata": {"name": "b", "namespace": "ns"}}),
+                None
+            )
+            .is_needed()
+        );
+        // A merge patch: a no-op when every key already has its value (or is absent for null).
+        let same = Child::merge_dynamic(
+            &cm,
+            &live,
+            serde_json::json!({"metadata": {"labels": {"team": "x", "gone": null}, "annotations": {"a": null}}}),
+        );
+        assert!(!same.is_needed());
+        let change = Child::merge_dynamic(
+            &cm,
+            &live,
+            serde_json::json!({"metadata": {"labels": {"team": null}}}),
+        );
+        assert!(change.is_needed());
+        assert_eq!(
+            change.body()["metadata"]["resourceVersion"],
+            "7",
+            "of the version seen only"
+        );
+        assert_eq!((change.namespace(None), change.name()), (Some("ns"), "a"));
+        let d = Deletion::of_dynamic(&cm, &live);
+        assert_eq!(d.describe(), "ConfigMap ns/a");
+    }
 
     #[test]
     fn a_retry_survives_the_trip_through_a_kube_error_and_becomes_an_invalid_with_a_delay() {

@@ -5,9 +5,10 @@
 //! discovery, watched from when they are installed until they go.
 //!
 //! observe (the Namespace, and each kind's cached objects in it) → plan (pure: for each object,
-//! the labels it should carry; one partial apply where they differ) → opkit applies the labels
-//! with its own field manager, so taking a key off the annotation, or the label off the
-//! Namespace, removes exactly what was copied and nothing someone else set.
+//! the labels it should carry; a merge patch of the version seen where they differ, recording
+//! the keys copied in [`PROPAGATED`]) → opkit patches, so taking a key off the annotation, or
+//! the label off the Namespace, removes exactly what was copied and nothing someone else set;
+//! an object deleted meanwhile is not made again.
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
@@ -22,6 +23,7 @@ use opkit::{
     Child, DynamicCache, DynamicKind, Event, Invalid, Plan, Reconciler, Requeue, ResolvedKind, Watch,
     Watches, changed,
 };
+use serde_json::json;
 
 /// The controller's name (`--controllers labelpropagation`) and metrics label.
 pub const NAME: &str = "labelpropagation";
@@ -37,6 +39,7 @@ pub const PROPAGATED: &str = "labels.opkit.dev/propagated";
 pub mod reason {
     pub const PROPAGATED: &str = "LabelsPropagated";
     pub const INVALID_KEY: &str = "InvalidLabelKey";
+    pub const CONFLICT: &str = "LabelConflict";
 }
 
 /// Copies a Namespace's chosen labels onto the objects of `kinds` in it.
@@ -69,7 +72,8 @@ impl Reconciler for LabelPropagationController {
     }
 
     fn primary(&self) -> Watch<Namespace> {
-        Watch::all().on_change(|ns: &Namespace| (changed::labels(ns), changed::annotations(ns)))
+        Watch::all()
+            .on_change(|ns: &Namespace| (changed::labels(ns), ns.annotations().get(PROPAGATE).cloned()))
     }
 
     fn watch(&self, w: &mut Watches<Namespace>) -> Vec<DynamicCache> {
@@ -79,7 +83,9 @@ impl Reconciler for LabelPropagationController {
                 let watch = Watch::all()
                     // Only metadata is read: the rest of each object stays out of memory.
                     .trim(|o: &mut DynamicObject| o.data = serde_json::Value::Null)
-                    .on_change(|o: &DynamicObject| (changed::labels(o), changed::annotations(o)));
+                    .on_change(|o: &DynamicObject| {
+                        (changed::labels(o), o.annotations().get(PROPAGATED).cloned())
+                    });
                 w.dynamic(kind, watch, |o| o.namespace().map(|ns| ObjectRef::new(&ns)))
             })
             .collect()
@@ -119,12 +125,13 @@ fn wanted(ns: &Namespace) -> (BTreeMap<String, String>, Vec<Event>) {
     (labels, events)
 }
 
-/// What `ns`'s objects should carry, as partial applies where they do not.
+/// What `ns`'s objects should carry, as merge patches where they do not. Only labels an
+/// object does not have yet are copied (and recorded in [`PROPAGATED`]); one someone else
+/// set is theirs: left alone, with a Warning when its value differs.
 pub fn plan(ns: &Namespace, objects: &Objects) -> Plan<()> {
-    let (labels, events) = wanted(ns);
-    let keys: BTreeSet<&String> = labels.keys().collect();
+    let (labels, mut events) = wanted(ns);
     let mut plan = Plan::nothing(Requeue::OnChange);
-    let mut changed = 0;
+    let (mut changed, mut taken) = (0, Vec::new());
     for (kind, objs) in objects {
         for o in objs.iter().filter(|o| o.metadata.deletion_timestamp.is_none()) {
             let copied: BTreeSet<&str> = o
@@ -132,29 +139,31 @@ pub fn plan(ns: &Namespace, objects: &Objects) -> Plan<()> {
                 .get(PROPAGATED)
                 .map(|a| a.split(',').filter(|k| !k.is_empty()).collect())
                 .unwrap_or_default();
-            let carried: BTreeMap<&str, &String> = copied
-                .iter()
-                .filter_map(|k| o.labels().get(*k).map(|v| (*k, v)))
-                .collect();
-            let same = copied == keys.iter().map(|k| k.as_str()).collect()
-                && carried.len() == labels.len()
-                && labels.iter().all(|(k, v)| carried.get(k.as_str()) == Some(&v));
-            if same {
-                continue;
+            let mut mine = labels.clone();
+            mine.retain(|k, v| {
+                let theirs = !copied.contains(k.as_str()) && o.labels().contains_key(k);
+                if theirs && o.labels().get(k) != Some(v) {
+                    taken.push(format!("{k} on {} {}", kind.resource().kind, o.name_any()));
+                }
+                !theirs
+            });
+            let mut patch = serde_json::Map::new();
+            for k in &copied {
+                if !mine.contains_key(*k) {
+                    patch.insert(k.to_string(), serde_json::Value::Null);
+                }
             }
-            changed += 1;
-            let mut meta = serde_json::json!({"name": o.name_any(), "namespace": ns.name_any()});
-            // Applied without them, the labels and the annotation this controller set go.
-            if !labels.is_empty() {
-                let list: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
-                meta["labels"] = serde_json::json!(labels);
-                meta["annotations"] = serde_json::json!({ PROPAGATED: list.join(",") });
+            for (k, v) in &mine {
+                patch.insert(k.clone(), json!(v));
             }
-            plan = plan.child(Child::fields_dynamic(
-                kind,
-                serde_json::json!({ "metadata": meta }),
-                None,
-            ));
+            let keys: Vec<&str> = mine.keys().map(String::as_str).collect();
+            let record = (!keys.is_empty()).then(|| keys.join(","));
+            let patch = json!({"metadata": {"labels": patch, "annotations": { PROPAGATED: record }}});
+            let child = Child::merge_dynamic(kind, o, patch);
+            if child.is_needed() {
+                changed += 1;
+                plan = plan.child(child);
+            }
         }
     }
     if changed > 0 {
@@ -164,6 +173,23 @@ pub fn plan(ns: &Namespace, objects: &Objects) -> Plan<()> {
             false => format!("{} on {changed} object(s)", shown.join(", ")),
         };
         plan = plan.event(Event::normal(reason::PROPAGATED, "Propagate", note));
+    }
+    if !taken.is_empty() {
+        let more = taken.len().saturating_sub(5);
+        taken.truncate(5);
+        let more = if more > 0 {
+            format!(" and {more} more")
+        } else {
+            String::new()
+        };
+        events.push(Event::warning(
+            reason::CONFLICT,
+            "Propagate",
+            format!(
+                "left alone, set by someone else to another value: {}{more}",
+                taken.join(", ")
+            ),
+        ));
     }
     events.into_iter().fold(plan, Plan::event)
 }
@@ -216,7 +242,8 @@ mod tests {
     }
 
     fn object(name: &str, labels: &[(&str, &str)], copied: Option<&str>) -> Arc<DynamicObject> {
-        let mut meta = serde_json::json!({"name": name, "namespace": "team-a", "labels": {}});
+        let mut meta =
+            serde_json::json!({"name": name, "namespace": "team-a", "resourceVersion": "5", "labels": {}});
         for (k, v) in labels {
             meta["labels"][k] = serde_json::json!(v);
         }
@@ -261,9 +288,8 @@ mod tests {
             &configmaps(vec![object("settings", &[("app", "web")], None)]),
         );
         let body = &bodies(&plan)[0];
-        assert_eq!(body["apiVersion"], "v1");
-        assert_eq!(body["kind"], "ConfigMap");
-        assert_eq!(body["metadata"]["namespace"], "team-a");
+        assert_eq!(plan.children[0].name(), "settings");
+        assert_eq!(body["metadata"]["resourceVersion"], "5", "of the version seen");
         assert_eq!(
             body["metadata"]["labels"],
             serde_json::json!({"team": "a", "cost-center": "7"})
@@ -292,26 +318,56 @@ mod tests {
         assert_eq!(body["metadata"]["labels"]["team"], "b");
         let ns = namespace(&[("team", "a"), ("cost-center", "7")], Some("team"));
         let body = &bodies(&plan(&ns, &configmaps(vec![carrying.clone()])))[0];
-        assert_eq!(body["metadata"]["labels"], serde_json::json!({"team": "a"}));
+        assert_eq!(
+            body["metadata"]["labels"],
+            serde_json::json!({"team": "a", "cost-center": null})
+        );
         assert_eq!(body["metadata"]["annotations"][PROPAGATED], "team");
-        // Nothing left to copy: applied without labels, what was copied goes.
+        // Nothing left to copy: what was copied goes, and the record of it.
         let ns = namespace(&[("team", "a")], None);
         let body = &bodies(&plan(&ns, &configmaps(vec![carrying])))[0];
-        assert!(body["metadata"].get("labels").is_none(), "{body}");
-        assert!(body["metadata"].get("annotations").is_none(), "{body}");
+        assert_eq!(
+            body["metadata"]["labels"],
+            serde_json::json!({"team": null, "cost-center": null})
+        );
+        assert!(body["metadata"]["annotations"][PROPAGATED].is_null(), "{body}");
     }
 
     #[test]
-    fn a_label_someone_else_set_is_not_taken_for_a_copy() {
-        // The object carries team=a, but not from this controller: the copy is still written,
-        // so that the controller owns it (and can later take it away).
-        let own = object("settings", &[("team", "a")], None);
+    fn a_label_someone_else_set_is_theirs() {
+        // The object carries team=a, not from this controller: left as it is, and not recorded
+        // as copied (taking the key off the annotation must not remove it).
+        let same = object("settings", &[("team", "a")], None);
         let ns = namespace(&[("team", "a")], Some("team"));
-        assert_eq!(bodies(&plan(&ns, &configmaps(vec![own]))).len(), 1);
+        let plan = plan(&ns, &configmaps(vec![same]));
+        assert!(bodies(&plan).is_empty(), "{:?}", bodies(&plan));
+        assert!(plan.events.is_empty(), "{:?}", plan.events);
+        // Someone set team=z: theirs, left alone, and said so.
+        let other = object("settings", &[("team", "z")], None);
+        let plan = super::plan(&ns, &configmaps(vec![other]));
+        assert!(bodies(&plan).is_empty(), "{:?}", bodies(&plan));
+        let warning = plan
+            .events
+            .iter()
+            .find(|e| e.reason == reason::CONFLICT)
+            .expect("a warning");
+        assert!(
+            warning.note.contains("team on ConfigMap settings"),
+            "{}",
+            warning.note
+        );
+        // A value this controller copied and someone changed is put back.
+        let drifted = object("settings", &[("team", "z")], Some("team"));
+        let plan = super::plan(&ns, &configmaps(vec![drifted]));
+        assert_eq!(
+            bodies(&plan)[0]["metadata"]["labels"],
+            serde_json::json!({"team": "a"})
+        );
         // Nothing asked and nothing copied: nothing written, whatever labels it has.
         let ns = namespace(&[("team", "a")], None);
-        let plan = plan(&ns, &configmaps(vec![object("settings", &[("team", "z")], None)]));
+        let plan = super::plan(&ns, &configmaps(vec![object("settings", &[("team", "z")], None)]));
         assert!(bodies(&plan).is_empty());
+        assert!(plan.events.is_empty());
     }
 
     #[test]

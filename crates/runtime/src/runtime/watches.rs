@@ -325,7 +325,7 @@ where
                 let events = match &active {
                     Some(active) => {
                         let connect = move || watcher(api.clone(), cfg.clone()).boxed();
-                        optional(connect, store, active.clone(), kind.clone()).boxed()
+                        optional(connect, store, active.clone(), kind.clone(), false).boxed()
                     }
                     None => watcher(api, cfg).default_backoff().boxed(),
                 };
@@ -650,6 +650,9 @@ struct Optional<C: Resource<DynamicType: Eq + std::hash::Hash + Clone> + Clone +
     active: Arc<AtomicBool>,
     /// Whether the kind was neither found nor missed yet.
     first: bool,
+    /// Whether a first error of another kind than "not served" counts as not served too
+    /// (logged): for a kind named at run time, which may be one the operator may not list.
+    lenient: bool,
     /// The watcher's `Init`, held back until what follows it shows the kind is served.
     held: bool,
     wait: Option<Duration>,
@@ -667,6 +670,7 @@ fn optional<C, F>(
     store: reflector::Store<C>,
     active: Arc<AtomicBool>,
     kind: String,
+    lenient: bool,
 ) -> impl Stream<Item = watcher::Result<watcher::Event<C>>> + Send + 'static
 where
     C: Resource<DynamicType: Eq + std::hash::Hash + Clone> + Clone + Send + Sync + 'static,
@@ -678,6 +682,7 @@ where
         store,
         active,
         first: true,
+        lenient,
         held: false,
         wait: None,
         missing_wait: MISSING_FIRST,
@@ -732,7 +737,14 @@ where
                 s.held = false;
                 s.wait = Some(s.failed_wait);
                 s.failed_wait = (s.failed_wait * 2).min(FAILED_MAX);
-                vec![Err(e)]
+                let mut out = vec![Err(e)];
+                if std::mem::take(&mut s.first) && s.lenient {
+                    // Synced, and empty: the rest of the controller goes on without it, and
+                    // `/readyz` names the watch waiting.
+                    tracing::warn!(kind = %s.kind, "the kind cannot be watched; the controller goes on without it and asks again");
+                    out.extend([Ok(watcher::Event::Init), Ok(watcher::Event::InitDone)]);
+                }
+                out
             }
         };
         Some((futures::stream::iter(out), s))

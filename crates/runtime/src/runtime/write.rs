@@ -65,7 +65,7 @@ impl Writer {
         // Not on `fields` writes: those set fields of an object someone else owns (Eru's
         // restart stamp on a user's Deployment), which must not become a child to prune.
         let body = match (self.ctx.shard(), owner_uid) {
-            (Some(shard), Some(uid)) if child.mode != Mode::Fields => {
+            (Some(shard), Some(uid)) if !matches!(child.mode, Mode::Fields | Mode::Merge) => {
                 labelled = shard_labelled(&child.body, shard, uid);
                 &labelled
             }
@@ -92,6 +92,21 @@ impl Writer {
                             child: child.describe(),
                         });
                     }
+                    Err(e) => return Err(err(e)),
+                }
+            }
+            Mode::Merge => {
+                let pp = PatchParams {
+                    field_manager: Some(self.ctx.field_manager().to_string()),
+                    ..Default::default()
+                };
+                self.ctx.may_write("patch")?;
+                match api.patch(&child.name, &pp, &Patch::Merge(body)).await {
+                    Ok(o) => o,
+                    // Gone: nothing left to change.
+                    Err(kube::Error::Api(s)) if s.code == 404 => return Ok(()),
+                    // Changed since it was seen: the next plan sees the newer version.
+                    Err(kube::Error::Api(s)) if s.code == 409 => return Err(Error::Stale),
                     Err(e) => return Err(err(e)),
                 }
             }

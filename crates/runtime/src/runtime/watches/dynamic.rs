@@ -6,7 +6,7 @@ use std::sync::atomic::AtomicBool;
 use futures::StreamExt;
 use futures::stream::BoxStream;
 use kube::core::{ApiResource, DynamicObject, GroupVersion};
-use kube::discovery::Scope;
+use kube::discovery::{Scope, verbs};
 use kube::runtime::reflector::{self, ObjectRef};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, ResourceExt};
@@ -74,10 +74,18 @@ impl<K: Watchable> Watches<K> {
             }
         };
         let name = kind.to_string();
-        let events = optional(connect, cache.store(), active.clone(), name.clone());
+        let events = optional(connect, cache.store(), active.clone(), name.clone(), true);
         let applied = w.applied.as_ref().map(|_| self.field_manager.clone());
         let trim = w.trim.clone();
+        let typed = cache.clone();
         let events = events.modify(move |o| {
+            // Listed objects of built-in kinds come without them; a plan compares with them.
+            if let Some(k) = typed.kind() {
+                o.types = Some(kube::core::TypeMeta {
+                    api_version: k.resource.api_version,
+                    kind: k.resource.kind,
+                });
+            }
             if let Some(manager) = &applied {
                 keep_applied(o, manager);
             }
@@ -126,23 +134,41 @@ fn connect(
                     cache.resolve(found);
                     watcher(api, cfg.clone()).boxed()
                 }
-                Err(e) => futures::stream::iter([Err(watcher::Error::InitialListFailed(e))]).boxed(),
+                Err(e) => {
+                    if matches!(&e, kube::Error::Api(s) if s.code == 404) {
+                        cache.unresolve();
+                    }
+                    futures::stream::iter([Err(watcher::Error::InitialListFailed(e))]).boxed()
+                }
             }
         })
         .boxed()
 }
 
-/// The kind, plural and scope the apiserver serves `kind` with; a 404 when it does not.
+/// The kind, plural and scope the apiserver serves `kind` with; a 404 when it does not, a 405
+/// when it cannot be listed and watched.
 async fn discover(client: &Client, kind: &DynamicKind) -> kube::Result<ResolvedKind> {
+    let refused = |code: u16, reason: &str, message: String| {
+        kube::Error::Api(
+            kube::core::Status::failure(&message, reason)
+                .with_code(code)
+                .boxed(),
+        )
+    };
     let group = kube::discovery::pinned_group(client, &GroupVersion::gv(&kind.group, &kind.version)).await?;
-    group
+    let (resource, caps) = group
         .versioned_resources(&kind.version)
         .into_iter()
         .find(|(r, _)| r.plural == kind.plural)
-        .map(|(r, caps)| ResolvedKind::new(r, caps.scope == Scope::Namespaced))
-        .ok_or_else(|| {
-            let status =
-                kube::core::Status::failure(&format!("{kind} is not served"), "NotFound").with_code(404);
-            kube::Error::Api(status.boxed())
-        })
+        .ok_or_else(|| refused(404, "NotFound", format!("{kind} is not served")))?;
+    for verb in [verbs::LIST, verbs::WATCH] {
+        if !caps.supports_operation(verb) {
+            return Err(refused(
+                405,
+                "MethodNotAllowed",
+                format!("{kind} does not support {verb}"),
+            ));
+        }
+    }
+    Ok(ResolvedKind::new(resource, caps.scope == Scope::Namespaced))
 }
