@@ -224,3 +224,64 @@ async fn a_config_mirror_copies_into_matching_namespaces_and_cleans_up_before_it
     }
     Ok(())
 }
+
+#[tokio::test]
+async fn labels_are_propagated_to_a_kind_named_at_run_time_then_nothing_is_written() -> anyhow::Result<()> {
+    use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
+    use kube::ResourceExt;
+    use opkit_controllers::label_propagation::{self, PROPAGATE, PROPAGATED};
+
+    let settings = Settings {
+        propagate: vec!["configmaps.v1".parse().map_err(anyhow::Error::msg)?],
+        ..Settings::default()
+    };
+    let mut h = Harness::start(operator(), &[label_propagation::NAME], settings).await?;
+    let client = h.client();
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": "team-a",
+        "labels": {"team": "a"}, "annotations": {PROPAGATE: "team"}}}))?;
+    namespaces.create(&PostParams::default(), &ns).await?;
+    let cms: Api<ConfigMap> = Api::namespaced(client.clone(), "team-a");
+    for name in ["one", "two"] {
+        let cm: ConfigMap = serde_json::from_value(json!({"metadata": {"name": name}, "data": {"k": "v"}}))?;
+        cms.create(&PostParams::default(), &cm).await?;
+    }
+
+    let writes = h.settle().await?;
+    ensure!(writes.patched("ConfigMap").len() == 2, "{writes}");
+    ensure!(writes.failures() == 0, "{writes}");
+    for name in ["one", "two"] {
+        let cm = cms.get(name).await?;
+        ensure!(
+            cm.labels().get("team").map(String::as_str) == Some("a"),
+            "{:?}",
+            cm.labels()
+        );
+        ensure!(cm.annotations().get(PROPAGATED).map(String::as_str) == Some("team"));
+    }
+    ensure!(h.settle().await?.is_empty());
+    let resync = h.resync().await?;
+    ensure!(resync.reconciles() >= 1, "no resync after the restart");
+    ensure!(
+        resync.is_empty(),
+        "the resync of labelled objects wrote: {resync}"
+    );
+
+    // The key taken off the annotation: the copies go, and nothing else of the objects.
+    namespaces
+        .patch(
+            "team-a",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"annotations": {PROPAGATE: null}}})),
+        )
+        .await?;
+    let writes = h.settle().await?;
+    ensure!(writes.patched("ConfigMap").len() == 2, "{writes}");
+    let cm = cms.get("one").await?;
+    ensure!(
+        cm.labels().get("team").is_none() && !cm.annotations().contains_key(PROPAGATED),
+        "{cm:?}"
+    );
+    ensure!(cm.data.is_some_and(|d| d["k"] == "v"), "the data went");
+    Ok(())
+}

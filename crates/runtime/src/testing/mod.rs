@@ -106,6 +106,14 @@ impl Writes {
             .collect()
     }
 
+    /// The patches (not applies) of objects of `kind` (a [`crate::Child::merge_dynamic`]).
+    pub fn patched(&self, kind: &str) -> Vec<&Recorded> {
+        self.writes
+            .iter()
+            .filter(|r| r.verb == "patch" && r.kind == kind && r.subresource.is_none())
+            .collect()
+    }
+
     /// The creates of objects of `kind` (a child made with [`crate::Child::create`]).
     pub fn created(&self, kind: &str) -> Vec<&Recorded> {
         self.writes

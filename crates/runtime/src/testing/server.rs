@@ -297,6 +297,40 @@ impl State {
             .position(|k| k.group == group && k.version == version && k.plural == plural)
     }
 
+    /// The discovery document of `/api/v1` or `/apis/GROUP/VERSION` (what `kube::discovery`
+    /// reads to resolve a kind named at run time); `None` for any other path.
+    fn discovery(&self, path: &str) -> Option<(StatusCode, Value)> {
+        let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
+        let (group, version) = match segs.as_slice() {
+            ["api", v] => ("", *v),
+            ["apis", g, v] => (*g, *v),
+            _ => return None,
+        };
+        let kinds: Vec<&Kind> = self
+            .kinds
+            .iter()
+            .filter(|k| k.group == group && k.version == version)
+            .collect();
+        let Some(first) = kinds.first() else {
+            return Some(not_found(&format!("the path {path}")));
+        };
+        let mut resources = Vec::new();
+        for k in &kinds {
+            resources.push(
+                json!({"name": k.plural, "singularName": "", "namespaced": k.namespaced, "kind": k.kind,
+                "verbs": ["create", "delete", "get", "list", "patch", "update", "watch"]}),
+            );
+            if k.status {
+                resources.push(json!({"name": format!("{}/status", k.plural), "singularName": "",
+                    "namespaced": k.namespaced, "kind": k.kind, "verbs": ["get", "patch", "update"]}));
+            }
+        }
+        Some((
+            StatusCode::OK,
+            json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": first.api_version(), "resources": resources}),
+        ))
+    }
+
     fn target(&self, path: &str) -> Result<Target, Failure> {
         let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
         let (group, version, rest) = match segs.as_slice() {
@@ -745,6 +779,11 @@ impl ApiServer {
             .to_string();
         let path = parts.uri.path().to_string();
         let mut state = self.lock();
+        if parts.method == Method::GET
+            && let Some((code, v)) = state.discovery(&path)
+        {
+            return full(code, &v);
+        }
         let target = state.target(&path);
         let verb = match (&parts.method, &target) {
             (&Method::GET, Ok(t))
