@@ -1520,19 +1520,6 @@ impl Reconciler for Lit {
     }
 }
 
-/// Deletes the Lamp CRD and waits until the apiserver no longer has it.
-async fn remove_lamps(client: &Client) -> anyhow::Result<()> {
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    if crds.get_opt(LAMP_CRD).await?.is_some() {
-        crds.delete(LAMP_CRD, &DeleteParams::default()).await?;
-    }
-    wait_for("the Lamp CRD gone", T, || async {
-        ensure!(crds.get_opt(LAMP_CRD).await?.is_none(), "still there");
-        Ok(())
-    })
-    .await
-}
-
 /// `client`, counting the requests for Lamps the apiserver answered 404: how often a watch
 /// asks for its kind while it is missing.
 fn counting_lamp_misses(client: &Client) -> (Client, Arc<std::sync::atomic::AtomicUsize>) {
@@ -1560,7 +1547,7 @@ fn counting_lamp_misses(client: &Client) -> (Client, Arc<std::sync::atomic::Atom
 async fn an_optional_watch_waits_for_its_kind_without_holding_readiness_and_follows_it() {
     shared()
         .in_namespace("framework-optional", |client, ns| async move {
-            remove_lamps(&client).await?;
+            common::remove_crd(&client, LAMP_CRD).await?;
             common::install_crd(&client, flag_crd()?).await?;
             let health = std::net::SocketAddr::from(([127, 0, 0, 1], free_port()?));
             let run = Run {
@@ -1638,7 +1625,7 @@ async fn an_optional_watch_waits_for_its_kind_without_holding_readiness_and_foll
             })
             .await?;
 
-            remove_lamps(&client).await?;
+            common::remove_crd(&client, LAMP_CRD).await?;
             wait_for("the Lamps gone with their kind", T, note("0 lamps")).await?;
             wait_for("the watch waiting again", T, || async {
                 ensure!(op.sample(active) == 0.0, "gauge {}", op.sample(active));
@@ -1657,7 +1644,7 @@ async fn an_optional_watch_waits_for_its_kind_without_holding_readiness_and_foll
             let took = installed.elapsed();
             ensure!(took < Duration::from_secs(15), "the Lamp took {took:?}");
             ensure!(op.running(), "the manager stopped");
-            remove_lamps(&client).await?;
+            common::remove_crd(&client, LAMP_CRD).await?;
             Ok(())
         })
         .await;

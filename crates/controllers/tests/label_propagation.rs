@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::ensure;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::api::{Api, DeleteParams, Patch, PatchParams};
+use kube::api::{Api, Patch, PatchParams};
 use kube::core::{ApiResource, DynamicObject, GroupVersionKind};
 use kube::{Client, ResourceExt};
 use opkit::ManagerOptions;
@@ -36,19 +36,6 @@ fn widget_crd() -> anyhow::Result<CustomResourceDefinition> {
             }]
         }
     }))?)
-}
-
-/// Deletes the Widget CRD and waits until the apiserver no longer has it.
-async fn remove_widgets(client: &Client) -> anyhow::Result<()> {
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    if crds.get_opt(CRD).await?.is_some() {
-        crds.delete(CRD, &DeleteParams::default()).await?;
-    }
-    wait_for("the Widget CRD gone", T, || async {
-        ensure!(crds.get_opt(CRD).await?.is_none(), "still there");
-        Ok(())
-    })
-    .await
 }
 
 /// Sets the Namespace's `team` label and the keys it propagates (`None`: none).
@@ -95,7 +82,7 @@ async fn labelled(
 async fn labels_reach_objects_of_kinds_named_at_run_time_including_one_installed_later() {
     shared()
         .in_namespace("label-propagation", |client, ns| async move {
-            remove_widgets(&client).await?;
+            common::remove_crd(&client, CRD).await?;
             let health = std::net::SocketAddr::from(([127, 0, 0, 1], free_port()?));
             let settings = Settings {
                 // Bindings can be created only: never listed, never watched.
@@ -189,7 +176,7 @@ async fn labels_reach_objects_of_kinds_named_at_run_time_including_one_installed
             labelled("the Widget's copied label gone", widget, None).await?;
 
             // The kind goes: its watch waits again, and the rest carries on.
-            remove_widgets(&client).await?;
+            common::remove_crd(&client, CRD).await?;
             wait_for("the watch of Widgets waiting again", T, || async {
                 ensure!(op.sample(&active) == 0.0, "gauge {}", op.sample(&active));
                 ensure!(readyz().await?.contains("labelpropagation/widgets"), "not named");
@@ -205,7 +192,7 @@ async fn labels_reach_objects_of_kinds_named_at_run_time_including_one_installed
             widgets.patch("w2", &PatchParams::apply("test"), &Patch::Apply(w)).await?;
             let widget2 = async || anyhow::Ok(widgets.get("w2").await?);
             labelled("the Widget of the CRD installed again labelled team=c", widget2, Some("c")).await?;
-            remove_widgets(&client).await?;
+            common::remove_crd(&client, CRD).await?;
             ensure!(op.running(), "the manager stopped");
             // A plan from a version the patch found changed is retried ("stale"); nothing else
             // may fail.

@@ -78,6 +78,19 @@ pub async fn install_crd(client: &Client, crd: CustomResourceDefinition) -> anyh
     Ok(opkit::install_crd(client, &crd, "opkit-tests").await?)
 }
 
+/// Deletes the CRD `name` (if there) and waits until the apiserver no longer has it.
+pub async fn remove_crd(client: &Client, name: &str) -> anyhow::Result<()> {
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    if crds.get_opt(name).await?.is_some() {
+        crds.delete(name, &kube::api::DeleteParams::default()).await?;
+    }
+    wait_for(&format!("the CRD {name} gone"), T, || async {
+        ensure!(crds.get_opt(name).await?.is_none(), "still there");
+        Ok(())
+    })
+    .await
+}
+
 /// Installs the CRDs of the registry entry `name` and runs it, watching only `ns`, without
 /// signal handling.
 pub async fn start(

@@ -95,10 +95,11 @@ impl<K: Watchable> Watches<K> {
             }
         });
         let known = cache.clone();
+        let named = name.clone();
         let stream = reflector::reflector(writer, events)
-            .inspect(|ev| {
+            .inspect(move |ev| {
                 if let Err(e) = ev {
-                    tracing::warn!(error = %e, "watch failed; retrying with backoff");
+                    tracing::warn!(kind = %named, error = %e, "watch failed; retrying with backoff");
                 }
             })
             .inspect(self.synced.track())
