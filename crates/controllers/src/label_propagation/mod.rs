@@ -97,7 +97,10 @@ impl Reconciler for LabelPropagationController {
             .iter()
             .filter_map(|c| {
                 let kind = c.kind()?;
-                Some((kind, c.filter(|o| o.namespace().as_deref() == Some(&name))))
+                Some((
+                    kind,
+                    c.filter(|o| o.metadata.namespace.as_deref() == Some(name.as_str())),
+                ))
             })
             .collect())
     }

@@ -80,7 +80,9 @@ impl<K: Watchable> Watches<K> {
         let typed = cache.clone();
         let events = events.modify(move |o| {
             // Listed objects of built-in kinds come without them; a plan compares with them.
-            if let Some(k) = typed.kind() {
+            if o.types.is_none()
+                && let Some(k) = typed.kind()
+            {
                 o.types = Some(kube::core::TypeMeta {
                     api_version: k.resource.api_version,
                     kind: k.resource.kind,
