@@ -16,7 +16,9 @@ use anyhow::{Context, anyhow, ensure};
 use opkit_testenv::{shared, wait_for};
 
 mod common;
-use common::{Running, free_port, index_platforms, kubectl, kubectl_stdin, outcome, registry_manifest};
+use common::{
+    Running, discard_build, free_port, index_platforms, kubectl, kubectl_stdin, outcome, registry_manifest,
+};
 
 /// Runs `opkit <command line>` (split at spaces) in `dir`; (succeeded, stdout + stderr).
 fn opkit_in(dir: &Path, command: &str) -> anyhow::Result<(bool, String)> {
@@ -531,6 +533,7 @@ async fn a_scaffolded_guestbook_builds_lints_and_passes_its_own_tests() -> anyho
         );
     }
     let _ = std::fs::remove_dir_all(&base);
+    discard_build(&target_dir());
     Ok(())
 }
 

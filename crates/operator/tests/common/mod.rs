@@ -13,6 +13,18 @@ use kube::Api;
 use kube::api::PostParams;
 use opkit_testenv::{shared, wait_for};
 
+/// Removes a build tree a test made for itself (a cross build, a generated project's) once the
+/// test has passed, where `OPKIT_TEST_DISCARD_BUILDS` is set: on a CI machine whose disk cannot
+/// hold every such tree at once. Elsewhere the tree stays, for the next run's build.
+pub fn discard_build(dir: &Path) {
+    if std::env::var_os("OPKIT_TEST_DISCARD_BUILDS").is_some() && dir.exists() {
+        match std::fs::remove_dir_all(dir) {
+            Ok(()) => eprintln!("removed the build tree {}", dir.display()),
+            Err(e) => eprintln!("could not remove the build tree {}: {e}", dir.display()),
+        }
+    }
+}
+
 /// Runs the pinned kubectl against the local control plane; its stdout, or an error with
 /// its stderr.
 pub fn kubectl(args: &[&str]) -> anyhow::Result<String> {
