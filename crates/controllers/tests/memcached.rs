@@ -472,3 +472,74 @@ async fn progress_is_written_once_settled_or_once_it_takes_long() {
         })
         .await;
 }
+
+/// Progress writes share a budget per rollout: of many Memcacheds that cannot finish (a quota
+/// leaves no room for their Pods), the budget's worth show their progress once the delay has
+/// passed, then one more per delay, never faster, until every one of them has been shown.
+#[tokio::test]
+async fn progress_writes_of_a_slow_rollout_share_a_budget_and_none_is_left_out() {
+    shared()
+        .in_namespace("mc-budget", |client, ns| async move {
+            const DELAY: Duration = Duration::from_secs(4);
+            const BUDGET: usize = 3;
+            const OBJECTS: usize = 8;
+            let quotas: Api<k8s_openapi::api::core::v1::ResourceQuota> = Api::namespaced(client.clone(), &ns);
+            quotas
+                .create(
+                    &PostParams::default(),
+                    &serde_json::from_value(
+                        json!({"metadata": {"name": "no-pods"}, "spec": {"hard": {"pods": "0"}}}),
+                    )?,
+                )
+                .await?;
+            let tune = [
+                format!("memcached.progress-delay={}s", DELAY.as_secs()),
+                format!("memcached.progress-budget={BUDGET}"),
+            ];
+            let tune: Vec<&str> = tune.iter().map(String::as_str).collect();
+            let _op =
+                common::start_tuned(&client, &ns, memcached::NAME, ManagerOptions::default(), &tune).await?;
+            let mcs: Api<Memcached> = Api::namespaced(client.clone(), &ns);
+            for i in 0..OBJECTS {
+                let mc: Memcached = serde_json::from_value(json!({
+                    "apiVersion": "cache.example.com/v1", "kind": "Memcached",
+                    "metadata": {"name": format!("slow-{i}")}, "spec": {"size": 1},
+                }))?;
+                mcs.create(&PostParams::default(), &mc).await?;
+            }
+            let created = std::time::Instant::now();
+            let deadline = created + DELAY * (OBJECTS as u32 + 2) + T;
+            loop {
+                let shown = mcs
+                    .list(&Default::default())
+                    .await?
+                    .items
+                    .iter()
+                    .filter(|m| {
+                        m.status
+                            .as_ref()
+                            .is_some_and(|s| opkit::conditions::is_true(&s.conditions, "Progressing"))
+                    })
+                    .count();
+                // Writes start after one delay with the budget, and one more comes per delay.
+                let delays = created.elapsed().saturating_sub(DELAY).as_secs_f64() / DELAY.as_secs_f64();
+                let most = BUDGET + delays.floor() as usize + 1;
+                ensure!(
+                    shown <= most,
+                    "{shown} Memcacheds show their progress {:?} after the create, at most {most} expected",
+                    created.elapsed()
+                );
+                if shown == OBJECTS {
+                    break;
+                }
+                ensure!(
+                    std::time::Instant::now() < deadline,
+                    "only {shown} of {OBJECTS} Memcacheds show their progress after {:?}",
+                    created.elapsed()
+                );
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Ok(())
+        })
+        .await;
+}

@@ -248,8 +248,8 @@ impl<S> Plan<S> {
     /// Marks the status as describing work still under way (a rollout, Pods starting) when
     /// `yes`. opkit then holds it back: it is written only once the object has been in
     /// progress for the controller's `progress-delay` ([`crate::Tuning::progress_delay`]), and
-    /// again at most once per delay, within the controller's budget of such writes
-    /// ([`crate::Tuning::progress_budget`]), while the first status without the mark (settled) is
+    /// again at most once per delay, within the controller's budget of such writes per
+    /// rollout ([`crate::Tuning::progress_budget`]), while the first status without the mark (settled) is
     /// written at once. A change that settles quickly costs one status write instead of one
     /// per step, and a slow one is still shown. Until then the stored status keeps the last
     /// settled one, and `status.observedGeneration` below `metadata.generation` says the

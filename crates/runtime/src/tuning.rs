@@ -9,9 +9,10 @@ use std::time::Duration;
 /// the Deployments, 16 took 1.3x, unlimited 0.8x with more memory and some retried writes.
 pub const DEFAULT_CONCURRENCY: u16 = 16;
 
-/// Progress writes per progress delay and controller: enough to show every slow object of a
-/// small rollout, a bounded cost for a large one (one write a second with the 30 s delay).
-const DEFAULT_PROGRESS_BUDGET: u32 = 30;
+/// Progress writes per rollout and controller: enough to show every slow object of a small
+/// rollout; a large one shows that many, then one more per progress delay while it lasts, so
+/// its cost hardly grows with its size or its length.
+const DEFAULT_PROGRESS_BUDGET: u32 = 10;
 
 /// How one controller runs. The manager's defaults, then the controller's own
 /// ([`crate::Reconciler::tuning`]), then the command line (`opkit run --tune NAME.KEY=VALUE`) decide.
@@ -30,9 +31,10 @@ pub struct Tuning {
     /// before it is written anyway (a slow rollout is shown), and the least time between two
     /// such writes; key `progress-delay`.
     pub progress_delay: Duration,
-    /// How many such progress writes the controller makes per `progress_delay`, over all its
-    /// objects (0: no limit): a slow rollout of 10000 objects shows some of them progressing
-    /// rather than writing each one's progress; key `progress-budget`.
+    /// How many such progress writes the controller makes per rollout (from the first object
+    /// in progress until none is), over all its objects, plus one per `progress_delay` while
+    /// the rollout lasts (0: no limit): a slow rollout of 10000 objects shows some of them
+    /// progressing rather than writing each one's progress; key `progress-budget`.
     pub progress_budget: u32,
     /// Requests wait in one line per namespace (or [`crate::Watch::fair_by`]'s key) and take
     /// turns, so a burst in one namespace does not hold the others up; `false`: one line in

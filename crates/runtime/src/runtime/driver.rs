@@ -416,8 +416,16 @@ impl<R: Reconciler> Runner<R> {
         // A part of the spec left out is shown at once, never held as progress.
         // After an act that changed something the status waits for the next plan: no hold.
         let holdable = plan.in_progress && plan.degraded.is_empty() && !acted;
-        let held = if holdable && status.is_some() && plan.requeue != Requeue::Again {
-            self.hold.in_progress(&hold_key, std::time::Instant::now())
+        let held = if holdable
+            && plan.requeue != Requeue::Again
+            && let Some(status) = &status
+        {
+            // Progress already shown (or unchanged) costs nothing from the budget.
+            if self.writer.status_stored::<_, R::Status>(obj, status)? {
+                None
+            } else {
+                self.hold.in_progress(&hold_key, std::time::Instant::now())
+            }
         } else {
             self.hold.settled(&hold_key);
             None

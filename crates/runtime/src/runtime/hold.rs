@@ -1,9 +1,10 @@
 //! Holding back statuses that describe work still under way ([`crate::Plan::in_progress`]):
 //! per object, when it was first seen in progress (or last written while in progress), so
 //! that a change which settles quickly costs one status write, and a slow one is written
-//! once per delay. The controller's progress writes share a budget: a slow rollout of
-//! thousands of objects costs about as many writes as a slow rollout of a few, the others
-//! showing their progress in `observedGeneration` until they settle.
+//! once per delay. The controller's progress writes share a budget per rollout (from the
+//! first object held until none is) and one more write per delay while the rollout lasts: a
+//! slow rollout of thousands of objects costs about as many writes as a slow rollout of a
+//! few, the others showing their progress in `observedGeneration` until they settle.
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -11,7 +12,7 @@ use std::time::{Duration, Instant};
 /// When each object in progress started to be held; objects that settled are not in it.
 pub(crate) struct Hold {
     delay: Duration,
-    /// Progress writes per delay, over all objects (0: no limit).
+    /// Progress writes per rollout, over all objects (0: no limit).
     budget: u32,
     inner: Mutex<Inner>,
 }
@@ -19,7 +20,8 @@ pub(crate) struct Hold {
 struct Inner {
     since: HashMap<String, Instant>,
     swept: Instant,
-    /// Progress writes that may still be made, refilled at `budget` per delay up to `budget`.
+    /// Progress writes that may still be made: `budget` when a rollout starts, one more per
+    /// delay while it lasts, never more than `budget`.
     tokens: f64,
     refilled: Instant,
 }
@@ -49,6 +51,9 @@ impl Hold {
             let keep = self.delay * 4;
             inner.since.retain(|_, t| now.duration_since(*t) <= keep);
             inner.swept = now;
+            if inner.since.is_empty() {
+                inner.tokens = f64::from(self.budget);
+            }
         }
         let since = *inner.since.entry(key.to_string()).or_insert(now);
         let held = now.duration_since(since);
@@ -57,7 +62,7 @@ impl Hold {
         }
         if self.budget > 0 {
             let budget = f64::from(self.budget);
-            let per_second = budget / self.delay.as_secs_f64().max(0.001);
+            let per_second = 1.0 / self.delay.as_secs_f64().max(0.001);
             let elapsed = now.saturating_duration_since(inner.refilled).as_secs_f64();
             inner.tokens = (inner.tokens + elapsed * per_second).min(budget);
             inner.refilled = now;
@@ -71,10 +76,13 @@ impl Hold {
         None
     }
 
-    /// `key` settled (or went away): its next in-progress status is held from scratch.
+    /// `key` settled (or went away): its next in-progress status is held from scratch. When
+    /// it was the last object held, the rollout is over and the next one has the whole budget.
     pub(crate) fn settled(&self, key: &str) {
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        inner.since.remove(key);
+        if inner.since.remove(key).is_some() && inner.since.is_empty() {
+            inner.tokens = f64::from(self.budget);
+        }
     }
 
     #[cfg(test)]
@@ -135,19 +143,47 @@ mod tests {
     fn progress_writes_share_the_budget_and_wait_another_delay_when_it_is_spent() {
         let h = Hold::new(D, 2);
         let t0 = Instant::now();
-        for k in ["a", "b", "c"] {
+        for k in ["a", "b", "c", "d"] {
             assert!(h.in_progress(k, t0).is_some());
         }
-        // Two of three may write after the delay; the third waits another delay.
+        // Two of four may write after the delay; the others wait another delay.
         assert_eq!(h.in_progress("a", t0 + D), None);
         assert_eq!(h.in_progress("b", t0 + D), None);
         assert_eq!(h.in_progress("c", t0 + D), Some(D));
-        // The budget refills at two per delay: one more half a delay later.
-        let half = t0 + D + D / 2;
-        assert_eq!(h.in_progress("c", half), None);
-        assert_eq!(h.in_progress("d", half), Some(D));
+        // While the rollout lasts, one more write per delay, however many objects wait.
+        assert_eq!(h.in_progress("c", t0 + D + D / 2), Some(D));
+        assert_eq!(h.in_progress("c", t0 + D * 2), None);
+        assert_eq!(h.in_progress("d", t0 + D * 2), Some(D));
         // Settled statuses are not progress writes: settling costs nothing from the budget.
         h.settled("a");
         assert_eq!(h.len(), 3);
+    }
+
+    #[test]
+    fn a_rollout_that_is_over_leaves_the_whole_budget_to_the_next() {
+        let h = Hold::new(D, 2);
+        let t0 = Instant::now();
+        for k in ["a", "b", "c"] {
+            assert!(h.in_progress(k, t0).is_some());
+        }
+        assert_eq!(h.in_progress("a", t0 + D), None);
+        assert_eq!(h.in_progress("b", t0 + D), None);
+        assert_eq!(h.in_progress("c", t0 + D), Some(D));
+        // Two settle while "c" still rolls out: the rollout goes on, with its budget spent.
+        h.settled("a");
+        h.settled("b");
+        assert!(h.in_progress("d", t0 + D).is_some());
+        assert_eq!(h.in_progress("c", t0 + D * 2), None);
+        assert_eq!(h.in_progress("d", t0 + D * 2), Some(D));
+        // The last two settle: the next rollout has the whole budget at once.
+        h.settled("c");
+        h.settled("d");
+        let t3 = t0 + D * 3;
+        for k in ["e", "f", "g"] {
+            assert!(h.in_progress(k, t3).is_some());
+        }
+        assert_eq!(h.in_progress("e", t3 + D), None);
+        assert_eq!(h.in_progress("f", t3 + D), None);
+        assert_eq!(h.in_progress("g", t3 + D), Some(D));
     }
 }

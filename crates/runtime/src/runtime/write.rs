@@ -167,6 +167,35 @@ impl Writer {
         self.delete(&Deletion::of(obj)).await
     }
 
+    /// Whether `desired` is what the object's status already is, as far as this replica
+    /// knows (its own last write included): nothing to write.
+    pub(crate) fn status_stored<K, S>(&self, obj: &K, desired: &serde_json::Value) -> Result<bool, Error>
+    where
+        K: Watchable,
+        S: Serialize + DeserializeOwned + Default,
+    {
+        Ok(self.status_base::<K, S>(obj, desired)?.is_none())
+    }
+
+    /// The resourceVersion a write of `desired` is made against, or `None` when the status
+    /// already is `desired`.
+    fn status_base<K, S>(&self, obj: &K, desired: &serde_json::Value) -> Result<Option<String>, Error>
+    where
+        K: Watchable,
+        S: Serialize + DeserializeOwned + Default,
+    {
+        let uid = obj.uid().unwrap_or_default();
+        let cached = obj.resource_version().unwrap_or_default();
+        Ok(match self.status.base(&uid, &cached) {
+            StatusBase::Written { version, status } => (status_hash(desired) != status).then_some(version),
+            StatusBase::Cache => {
+                // Read as `S`: fields of the status that `S` does not know are not the plan's.
+                let live: S = serde_json::from_value(crate::diff::status_of(obj)).unwrap_or_default();
+                (!same(desired, &serde_json::to_value(live)?)).then_some(cached)
+            }
+        })
+    }
+
     /// Applies `desired` through the status subresource unless the live status (read as `S`)
     /// is the same: a field the plan no longer sets is written away too. Returns whether it
     /// wrote. With `echo`, its watch event triggers nothing.
@@ -182,22 +211,8 @@ impl Writer {
         S: Serialize + DeserializeOwned + Default,
     {
         let uid = obj.uid().unwrap_or_default();
-        let cached = obj.resource_version().unwrap_or_default();
-        let precondition = match self.status.base(&uid, &cached) {
-            StatusBase::Written { version, status } => {
-                if status_hash(&desired) == status {
-                    return Ok(false);
-                }
-                version
-            }
-            StatusBase::Cache => {
-                // Read as `S`: fields of the status that `S` does not know are not the plan's.
-                let live: S = serde_json::from_value(crate::diff::status_of(obj)).unwrap_or_default();
-                if same(&desired, &serde_json::to_value(live)?) {
-                    return Ok(false);
-                }
-                cached.clone()
-            }
+        let Some(precondition) = self.status_base::<K, S>(obj, &desired)? else {
+            return Ok(false);
         };
         // The resourceVersion the plan saw is a precondition: a plan made from a stale cache
         // (another replica or reconcile wrote since) gets a conflict and is made again from
