@@ -42,6 +42,16 @@ async fn wait_for_size(client: &Client, ns: &str, name: &str, n: usize) -> anyho
     .await
 }
 
+/// A ResourceQuota that allows `pods` Pods in `ns`: a rollout that cannot finish.
+async fn pod_quota(client: &Client, ns: &str, pods: u32) -> anyhow::Result<()> {
+    let quotas: Api<k8s_openapi::api::core::v1::ResourceQuota> = Api::namespaced(client.clone(), ns);
+    let quota = json!({"metadata": {"name": "pods"}, "spec": {"hard": {"pods": pods.to_string()}}});
+    quotas
+        .create(&PostParams::default(), &serde_json::from_value(quota)?)
+        .await?;
+    Ok(())
+}
+
 /// An operator watching `ns`, with the seed's v1alpha1 sample applied and converged to 3 Pods.
 async fn start_with_sample(client: &Client, ns: &str) -> anyhow::Result<Operator> {
     let op = start(client, ns, ManagerOptions::default()).await?;
@@ -424,15 +434,7 @@ async fn progress_is_written_once_settled_or_once_it_takes_long() {
             );
 
             // Stuck: the quota leaves room for one of its three Pods.
-            let quotas: Api<k8s_openapi::api::core::v1::ResourceQuota> = Api::namespaced(client.clone(), &ns);
-            quotas
-                .create(
-                    &PostParams::default(),
-                    &serde_json::from_value(
-                        json!({"metadata": {"name": "pods"}, "spec": {"hard": {"pods": "3"}}}),
-                    )?,
-                )
-                .await?;
+            pod_quota(&client, &ns, 3).await?;
             let created = std::time::Instant::now();
             mcs.create(&PostParams::default(), &memcached("stuck", 3)?)
                 .await?;
@@ -483,15 +485,7 @@ async fn progress_writes_of_a_slow_rollout_share_a_budget_and_none_is_left_out()
             const DELAY: Duration = Duration::from_secs(4);
             const BUDGET: usize = 3;
             const OBJECTS: usize = 8;
-            let quotas: Api<k8s_openapi::api::core::v1::ResourceQuota> = Api::namespaced(client.clone(), &ns);
-            quotas
-                .create(
-                    &PostParams::default(),
-                    &serde_json::from_value(
-                        json!({"metadata": {"name": "no-pods"}, "spec": {"hard": {"pods": "0"}}}),
-                    )?,
-                )
-                .await?;
+            pod_quota(&client, &ns, 0).await?;
             let tune = [
                 format!("memcached.progress-delay={}s", DELAY.as_secs()),
                 format!("memcached.progress-budget={BUDGET}"),
