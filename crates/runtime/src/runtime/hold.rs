@@ -44,11 +44,11 @@ impl Hold {
     /// again after `wait`, `None` to write it (the hold starts over from `now`).
     pub(crate) fn in_progress(&self, key: &str, now: Instant) -> Option<Duration> {
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        // Entries of objects deleted while in progress, or whose progress is shown and has not
-        // changed since (the driver asks no more about those): one still held is refreshed at
-        // least once per delay (its look-again), so anything much older is neither. With no
-        // entry left, the rollout is over. At most one sweep per four delays keeps this O(1)
-        // per call on average.
+        // An entry older than four delays is an object deleted while in progress, one whose
+        // shown progress has not changed since (the driver asks no more about those), or one
+        // the budget has turned away that long, which starts its hold over at its next look.
+        // With no entry left, the rollout is over. At most one sweep per four delays keeps
+        // this O(1) per call on average.
         if now.duration_since(inner.swept) > self.delay * 4 {
             let keep = self.delay * 4;
             inner.since.retain(|_, t| now.duration_since(*t) <= keep);
