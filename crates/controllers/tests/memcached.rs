@@ -42,6 +42,14 @@ async fn wait_for_size(client: &Client, ns: &str, name: &str, n: usize) -> anyho
     .await
 }
 
+/// A Memcached of `size` named `name`, as a user would write it.
+fn new_memcached(name: &str, size: i32) -> anyhow::Result<Memcached> {
+    Ok(serde_json::from_value(json!({
+        "apiVersion": "cache.example.com/v1", "kind": "Memcached",
+        "metadata": {"name": name}, "spec": {"size": size},
+    }))?)
+}
+
 /// A ResourceQuota that allows `pods` Pods in `ns`: a rollout that cannot finish.
 async fn pod_quota(client: &Client, ns: &str, pods: u32) -> anyhow::Result<()> {
     let quotas: Api<k8s_openapi::api::core::v1::ResourceQuota> = Api::namespaced(client.clone(), ns);
@@ -407,15 +415,9 @@ async fn progress_is_written_once_settled_or_once_it_takes_long() {
                 || op.sample(r#"opkit_api_writes_total{controller="memcached",verb="apply_status"}"#);
             let mcs: Api<Memcached> = Api::namespaced(client.clone(), &ns);
             let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
-            let memcached = |name: &str, size: i32| -> anyhow::Result<Memcached> {
-                Ok(serde_json::from_value(json!({
-                    "apiVersion": "cache.example.com/v1", "kind": "Memcached",
-                    "metadata": {"name": name}, "spec": {"size": size},
-                }))?)
-            };
 
             // Settles quickly (kwok Pods are Ready at once): one status write, the settled one.
-            mcs.create(&PostParams::default(), &memcached("quick", 2)?)
+            mcs.create(&PostParams::default(), &new_memcached("quick", 2)?)
                 .await?;
             wait_for("quick to settle", T, || async {
                 let mc = mcs.get("quick").await?;
@@ -436,7 +438,7 @@ async fn progress_is_written_once_settled_or_once_it_takes_long() {
             // Stuck: the quota leaves room for one of its three Pods.
             pod_quota(&client, &ns, 3).await?;
             let created = std::time::Instant::now();
-            mcs.create(&PostParams::default(), &memcached("stuck", 3)?)
+            mcs.create(&PostParams::default(), &new_memcached("stuck", 3)?)
                 .await?;
             wait_for("the one Pod the quota allows to be Ready", T, || async {
                 let ready = deploys
@@ -495,11 +497,8 @@ async fn progress_writes_of_a_slow_rollout_share_a_budget_and_none_is_left_out()
                 common::start_tuned(&client, &ns, memcached::NAME, ManagerOptions::default(), &tune).await?;
             let mcs: Api<Memcached> = Api::namespaced(client.clone(), &ns);
             for i in 0..OBJECTS {
-                let mc: Memcached = serde_json::from_value(json!({
-                    "apiVersion": "cache.example.com/v1", "kind": "Memcached",
-                    "metadata": {"name": format!("slow-{i}")}, "spec": {"size": 1},
-                }))?;
-                mcs.create(&PostParams::default(), &mc).await?;
+                mcs.create(&PostParams::default(), &new_memcached(&format!("slow-{i}"), 1)?)
+                    .await?;
             }
             let created = std::time::Instant::now();
             let deadline = created + DELAY * (OBJECTS as u32 + 2) + T;
