@@ -394,6 +394,9 @@ struct Outcome {
     /// Each process's peak and steady RSS, when the contender runs more than one.
     peak_rss_per_replica_kb: Vec<u64>,
     steady_rss_per_replica_kb: Vec<u64>,
+    /// From the update until the controller-manager had no Deployment or ReplicaSet work left
+    /// (the restart waits for it).
+    update_caught_up: Option<Duration>,
     /// From the restart until the readiness probe answers 200 (contenders that have one; of
     /// several processes, the last to answer).
     restart_ready: Option<Duration>,
@@ -922,6 +925,21 @@ fn free_ports(count: usize) -> anyhow::Result<Vec<Ports>> {
         .collect()
 }
 
+/// Waits until the controller-manager's Deployment and ReplicaSet queues have been empty, with
+/// nothing in progress, on two reads 200 ms apart; returns the time since `since`.
+async fn controller_manager_caught_up(cp: &ControlPlane, since: Instant, limit: Duration) -> anyhow::Result<Duration> {
+    let start = Instant::now();
+    let mut quiet = 0;
+    while quiet < 2 {
+        quiet = if cp.controller_manager_backlog().await? <= 0.0 { quiet + 1 } else { 0 };
+        if start.elapsed() > limit {
+            bail!("the controller-manager still had Deployment or ReplicaSet work after {limit:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    Ok(since.elapsed())
+}
+
 /// Polls a readiness endpoint until it answers 200.
 async fn wait_ready(addr: SocketAddr, limit: Duration) -> anyhow::Result<Duration> {
     let start = Instant::now();
@@ -1131,6 +1149,14 @@ impl Run<'_> {
             delete_namespace(admin, &ns).await?;
             return Ok(out);
         }
+        // The controller-manager goes on after the last Deployment's status (each status it
+        // writes queues that Deployment once more, and a sync lists the namespace's ReplicaSets
+        // and Pods): a Memcached created at the restart would wait behind that, for every lane.
+        out.update_caught_up = Some(controller_manager_caught_up(cp, t1, self.limit).await?);
+        println!(
+            "{lane}: the controller-manager caught up {:.2}s into the update",
+            out.update_caught_up.unwrap_or_default().as_secs_f64()
+        );
         stop(&mut children);
         let stopped = Timestamp::now();
 
@@ -1372,6 +1398,7 @@ fn run_json(r: &Outcome, n: usize) -> Value {
         "update_b_s": secs(r.update.statuses),
         "create_observed_s": r.create.observed.map(secs),
         "update_observed_s": r.update.observed.map(secs),
+        "update_caught_up_s": r.update_caught_up.map(secs),
         "writes_per_object": r.writes as f64 / n as f64,
         "peak_rss_mib": mib(r.peak_rss_kb),
         "steady_rss_mib": mib(r.steady_rss_kb),
