@@ -927,11 +927,19 @@ fn free_ports(count: usize) -> anyhow::Result<Vec<Ports>> {
 
 /// Waits until the controller-manager's Deployment and ReplicaSet queues have been empty, with
 /// nothing in progress, on two reads 200 ms apart; returns the time since `since`.
-async fn controller_manager_caught_up(cp: &ControlPlane, since: Instant, limit: Duration) -> anyhow::Result<Duration> {
+async fn controller_manager_caught_up(
+    cp: &ControlPlane,
+    since: Instant,
+    limit: Duration,
+) -> anyhow::Result<Duration> {
     let start = Instant::now();
     let mut quiet = 0;
     while quiet < 2 {
-        quiet = if cp.controller_manager_backlog().await? <= 0.0 { quiet + 1 } else { 0 };
+        quiet = if cp.controller_manager_backlog().await? <= 0.0 {
+            quiet + 1
+        } else {
+            0
+        };
         if start.elapsed() > limit {
             bail!("the controller-manager still had Deployment or ReplicaSet work after {limit:?}");
         }
