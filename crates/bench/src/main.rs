@@ -933,9 +933,10 @@ async fn controller_manager_caught_up(
     limit: Duration,
 ) -> anyhow::Result<Duration> {
     let start = Instant::now();
+    let client = cp.controller_manager_client().await?;
     let mut quiet = 0;
     while quiet < 2 {
-        quiet = if cp.controller_manager_backlog().await? <= 0.0 {
+        quiet = if ControlPlane::controller_manager_backlog(&client).await? <= 0.0 {
             quiet + 1
         } else {
             0

@@ -550,21 +550,27 @@ impl ControlPlane {
         Ok(Client::try_from(self.config().await?)?)
     }
 
-    /// The work the controller-manager's Deployment and ReplicaSet controllers still hold
-    /// (queued plus in progress, from its `/metrics`): a benchmark waits for 0 so that what it
-    /// times next is not the controller-manager catching up.
-    pub async fn controller_manager_backlog(&self) -> Result<f64> {
+    /// A client for the controller-manager's own endpoints (`/metrics`), with the admin token.
+    pub async fn controller_manager_client(&self) -> Result<Client> {
         let mut config = self.config().await?;
         config.cluster_url = format!("https://127.0.0.1:{}", self.controller_manager)
             .parse()
             .map_err(|e| Error::Setup(format!("controller-manager url: {e}")))?;
-        // Its serving certificate is self-signed; the token is the admin's.
+        // Its serving certificate is self-signed.
         config.accept_invalid_certs = true;
         config.root_cert = None;
+        Ok(Client::try_from(config)?)
+    }
+
+    /// The work the controller-manager's Deployment and ReplicaSet controllers still hold
+    /// (queued plus in progress, from its `/metrics`, read with
+    /// [`ControlPlane::controller_manager_client`]): a benchmark waits for 0 so that what it
+    /// times next is not the controller-manager catching up.
+    pub async fn controller_manager_backlog(client: &Client) -> Result<f64> {
         let request = http::Request::get("/metrics")
             .body(Vec::new())
             .map_err(|e| Error::Setup(e.to_string()))?;
-        let body = Client::try_from(config)?.request_text(request).await?;
+        let body = client.request_text(request).await?;
         Ok(backlog(&body, &["deployment", "replicaset"]))
     }
 
