@@ -25,15 +25,88 @@ pub(crate) const OWNER_INDEX: &str = "opkit.dev/owner";
 /// Reads never block; by the time a reconcile runs, the cache has seen the watch's initial
 /// list.
 pub struct Cache<C: Resource<DynamicType = ()> + Clone + 'static> {
-    store: Store<C>,
+    storage: Storage<C>,
     indexes: Indexes<C>,
 }
 
 impl<C: Resource<DynamicType = ()> + Clone + 'static> Clone for Cache<C> {
     fn clone(&self) -> Self {
         Cache {
-            store: self.store.clone(),
+            storage: self.storage.clone(),
             indexes: self.indexes.clone(),
+        }
+    }
+}
+
+/// Where a cache keeps its objects.
+enum Storage<C: Resource<DynamicType = ()> + Clone + 'static> {
+    /// As decoded: a read hands out the stored object.
+    Typed(Store<C>),
+    /// Encoded ([`Watch::compact`]): a read decodes a copy.
+    Compact(Arc<RwLock<Encoded>>),
+}
+
+impl<C: Resource<DynamicType = ()> + Clone + 'static> Clone for Storage<C> {
+    fn clone(&self) -> Self {
+        match self {
+            Storage::Typed(s) => Storage::Typed(s.clone()),
+            Storage::Compact(m) => Storage::Compact(m.clone()),
+        }
+    }
+}
+
+/// Objects as their JSON, by `namespace/name`: a k8s-openapi struct holds every optional
+/// field inline (a Deployment's `PodSpec` and `Container`s are 3.6 KiB before any value), so
+/// a cached Deployment takes about 9 KiB decoded and 2 KiB encoded.
+type Encoded = HashMap<Box<str>, Box<[u8]>>;
+
+fn encoded_key(namespace: Option<&str>, name: &str) -> Box<str> {
+    format!("{}/{name}", namespace.unwrap_or_default()).into_boxed_str()
+}
+
+fn encoded_key_of<C: Resource>(o: &C) -> Box<str> {
+    encoded_key(o.meta().namespace.as_deref(), &o.name_any())
+}
+
+/// What fills a cache from its watch's events, as kube's reflector fills a store: a list
+/// replaces the contents once it is complete.
+pub(crate) enum CacheWriter<C: Resource<DynamicType = ()> + Clone + 'static> {
+    Typed(reflector::store::Writer<C>),
+    Compact {
+        objects: Arc<RwLock<Encoded>>,
+        relist: Option<Encoded>,
+    },
+}
+
+impl<C: Resource<DynamicType = ()> + Clone + Serialize + 'static> CacheWriter<C> {
+    pub(crate) fn apply(&mut self, ev: &watcher::Event<C>) {
+        let (objects, relist) = match self {
+            CacheWriter::Typed(w) => return w.apply_watcher_event(ev),
+            CacheWriter::Compact { objects, relist } => (objects, relist),
+        };
+        let entry = |o: &C| {
+            let bytes = serde_json::to_vec(o).unwrap_or_default().into_boxed_slice();
+            (encoded_key_of(o), bytes)
+        };
+        let write = || objects.write().unwrap_or_else(|p| p.into_inner());
+        match ev {
+            watcher::Event::Apply(o) => {
+                let (k, v) = entry(o);
+                write().insert(k, v);
+            }
+            watcher::Event::Delete(o) => {
+                write().remove(&*encoded_key_of(o));
+            }
+            watcher::Event::Init => *relist = Some(Encoded::new()),
+            watcher::Event::InitApply(o) => {
+                let (k, v) = entry(o);
+                relist.get_or_insert_default().insert(k, v);
+            }
+            watcher::Event::InitDone => {
+                let mut next = relist.take().unwrap_or_default();
+                next.shrink_to_fit();
+                *write() = next;
+            }
         }
     }
 }
@@ -48,47 +121,107 @@ pub(crate) type Indexes<C> = Arc<RwLock<HashMap<&'static str, Arc<Index<C>>>>>;
 /// beside the store so that finding one object's children does not scan every object.
 pub(crate) struct Index<C: Resource<DynamicType = ()>> {
     key: KeyFn<C>,
-    maps: RwLock<IndexMaps<C>>,
+    maps: RwLock<IndexMaps>,
 }
 
-struct IndexMaps<C: Resource<DynamicType = ()>> {
-    by_key: HashMap<String, HashSet<ObjectRef<C>>>,
-    keys_of: HashMap<ObjectRef<C>, Vec<String>>,
-    /// Filled during a relist and swapped in when it is complete, as the store does.
-    relist: Option<Box<IndexMaps<C>>>,
+/// An indexed object, by `namespace/name`: shared by its keys' entries and its own.
+type Id = Arc<str>;
+
+/// The objects under one key: almost always one (a child's owner, an object's uid).
+enum Ids {
+    One(Id),
+    Many(HashSet<Id>),
 }
 
-impl<C: Resource<DynamicType = ()>> Default for IndexMaps<C> {
-    fn default() -> Self {
-        IndexMaps {
-            by_key: Default::default(),
-            keys_of: Default::default(),
-            relist: None,
-        }
-    }
-}
-
-impl<C: Resource<DynamicType = ()>> IndexMaps<C> {
-    fn remove(&mut self, r: &ObjectRef<C>) {
-        for old in self.keys_of.remove(r).unwrap_or_default() {
-            if let Some(set) = self.by_key.get_mut(&old) {
-                set.remove(r);
-                if set.is_empty() {
-                    self.by_key.remove(&old);
-                }
+impl Ids {
+    fn insert(&mut self, id: Id) {
+        match self {
+            Ids::One(one) if *one == id => {}
+            Ids::One(one) => *self = Ids::Many(HashSet::from([one.clone(), id])),
+            Ids::Many(many) => {
+                many.insert(id);
             }
         }
     }
 
-    fn insert(&mut self, r: ObjectRef<C>, keys: Vec<String>) {
-        self.remove(&r);
+    /// Removes `id`; whether none is left.
+    fn remove(&mut self, id: &str) -> bool {
+        match self {
+            Ids::One(one) => &**one == id,
+            Ids::Many(many) => {
+                many.remove(id);
+                many.is_empty()
+            }
+        }
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &Id> {
+        let (one, many) = match self {
+            Ids::One(one) => (Some(one), None),
+            Ids::Many(many) => (None, Some(many.iter())),
+        };
+        one.into_iter().chain(many.into_iter().flatten())
+    }
+}
+
+/// About a tenth of the memory of sets of `ObjectRef`s: an `ObjectRef` carries four strings
+/// (the resourceVersion and uid too), and a set of one still allocates room for three.
+#[derive(Default)]
+struct IndexMaps {
+    by_key: HashMap<Arc<str>, Ids>,
+    keys_of: HashMap<Id, Box<[Arc<str>]>>,
+    /// Filled during a relist and swapped in when it is complete, as the store does.
+    relist: Option<Box<IndexMaps>>,
+}
+
+impl IndexMaps {
+    fn remove(&mut self, id: &str) {
+        for old in self.keys_of.remove(id).unwrap_or_default() {
+            if self.by_key.get_mut(&old).is_some_and(|ids| ids.remove(id)) {
+                self.by_key.remove(&old);
+            }
+        }
+    }
+
+    fn insert(&mut self, id: Id, keys: Vec<String>) {
+        self.remove(&id);
         if keys.is_empty() {
             return;
         }
-        for key in &keys {
-            self.by_key.entry(key.clone()).or_default().insert(r.clone());
+        let mut kept = Vec::with_capacity(keys.len());
+        for key in keys {
+            // One copy of a key for all its entries.
+            let shared = self.by_key.get_key_value(key.as_str()).map(|(k, _)| k.clone());
+            match shared {
+                Some(k) => {
+                    if let Some(ids) = self.by_key.get_mut(&k) {
+                        ids.insert(id.clone());
+                    }
+                    kept.push(k);
+                }
+                None => {
+                    let k: Arc<str> = key.into();
+                    self.by_key.insert(k.clone(), Ids::One(id.clone()));
+                    kept.push(k);
+                }
+            }
         }
-        self.keys_of.insert(r, keys);
+        self.keys_of.insert(id, kept.into_boxed_slice());
+    }
+}
+
+fn id_of<C: Resource>(o: &C) -> Id {
+    encoded_key_of(o).into()
+}
+
+/// The reference of an object an index holds.
+fn object_ref<C: Resource<DynamicType = ()>>(id: &str) -> ObjectRef<C> {
+    let (namespace, name) = id.split_once('/').unwrap_or(("", id));
+    let r = ObjectRef::new(name);
+    if namespace.is_empty() {
+        r
+    } else {
+        r.within(namespace)
     }
 }
 
@@ -103,17 +236,19 @@ impl<C: Resource<DynamicType = ()> + Clone> Index<C> {
     pub(crate) fn observe(&self, ev: &watcher::Event<C>) {
         let mut maps = self.maps.write().unwrap_or_else(|p| p.into_inner());
         match ev {
-            watcher::Event::Apply(o) => maps.insert(ObjectRef::from_obj(o), (self.key)(o)),
-            watcher::Event::Delete(o) => maps.remove(&ObjectRef::from_obj(o)),
+            watcher::Event::Apply(o) => maps.insert(id_of(o), (self.key)(o)),
+            watcher::Event::Delete(o) => maps.remove(&id_of(o)),
             watcher::Event::Init => maps.relist = Some(Box::default()),
             watcher::Event::InitApply(o) => {
                 let keys = (self.key)(o);
                 if let Some(next) = maps.relist.as_mut() {
-                    next.insert(ObjectRef::from_obj(o), keys);
+                    next.insert(id_of(o), keys);
                 }
             }
             watcher::Event::InitDone => {
-                if let Some(next) = maps.relist.take() {
+                if let Some(mut next) = maps.relist.take() {
+                    next.by_key.shrink_to_fit();
+                    next.keys_of.shrink_to_fit();
                     *maps = *next;
                 }
             }
@@ -124,7 +259,7 @@ impl<C: Resource<DynamicType = ()> + Clone> Index<C> {
         let maps = self.maps.read().unwrap_or_else(|p| p.into_inner());
         maps.by_key
             .get(key)
-            .map(|refs| refs.iter().cloned().collect())
+            .map(|ids| ids.iter().map(|id| object_ref(id)).collect())
             .unwrap_or_default()
     }
 }
@@ -144,12 +279,33 @@ pub(crate) fn observe_all<C: Resource<DynamicType = ()> + Clone>(
 const SIZE_SAMPLE: usize = 32;
 
 impl<C: Resource<DynamicType = ()> + Clone + 'static> Cache<C> {
-    pub(crate) fn new(store: Store<C>, indexes: Indexes<C>) -> Self {
-        Cache { store, indexes }
+    /// An empty cache that keeps its objects decoded, or encoded (`compact`), and its writer.
+    pub(crate) fn empty(compact: bool) -> (Self, CacheWriter<C>) {
+        let (storage, writer) = if compact {
+            let objects = Arc::<RwLock<Encoded>>::default();
+            let writer = CacheWriter::Compact {
+                objects: objects.clone(),
+                relist: None,
+            };
+            (Storage::Compact(objects), writer)
+        } else {
+            let (store, writer) = reflector::store();
+            (Storage::Typed(store), CacheWriter::Typed(writer))
+        };
+        let cache = Cache {
+            storage,
+            indexes: Indexes::default(),
+        };
+        (cache, writer)
     }
 
-    pub(crate) fn store(&self) -> Store<C> {
-        self.store.clone()
+    /// The kube store behind a cache that keeps its objects decoded (the primary's, which
+    /// kube's controller reads); `None` for a compact one.
+    pub(crate) fn typed_store(&self) -> Option<Store<C>> {
+        match &self.storage {
+            Storage::Typed(s) => Some(s.clone()),
+            Storage::Compact(_) => None,
+        }
     }
 
     pub(crate) fn indexes(&self) -> &Indexes<C> {
@@ -170,8 +326,7 @@ impl<C: Resource<DynamicType = ()> + Clone + 'static> Cache<C> {
     where
         C: Serialize + DeserializeOwned,
     {
-        let (store, mut writer) = reflector::store();
-        let cache = Cache::new(store, Indexes::default());
+        let (cache, mut writer) = Cache::empty(watch.compact);
         for (name, key) in &watch.indexes {
             cache.add_index(name, key.clone());
         }
@@ -185,26 +340,48 @@ impl<C: Resource<DynamicType = ()> + Clone + 'static> Cache<C> {
             }
             let ev = watcher::Event::Apply(o);
             observe_all(&cache.indexes, &ev);
-            writer.apply_watcher_event(&ev);
+            writer.apply(&ev);
         }
         cache
     }
 
-    /// (objects, estimated bytes) of the cache ([`measure`]).
+    /// (objects, estimated bytes) of the cache ([`measure`]; a compact one counts exactly).
     pub(crate) fn measure(&self) -> (usize, usize)
     where
         C: Serialize,
     {
-        measure(&self.store)
+        match &self.storage {
+            Storage::Typed(s) => measure(s),
+            Storage::Compact(m) => {
+                let m = m.read().unwrap_or_else(|p| p.into_inner());
+                (m.len(), m.iter().map(|(k, v)| k.len() + v.len()).sum())
+            }
+        }
     }
 
     /// The cached objects that the index `name` ([`Watch::index`]) keys under `key`, without
     /// scanning the others. Empty when there is no such index.
-    pub fn indexed(&self, name: &str, key: &str) -> Vec<Arc<C>> {
+    pub fn indexed(&self, name: &str, key: &str) -> Vec<Arc<C>>
+    where
+        C: DeserializeOwned,
+    {
         self.indexed_refs(name, key)
             .iter()
-            .filter_map(|r| self.store.get(r))
+            .filter_map(|r| self.get_ref(r))
             .collect()
+    }
+
+    fn get_ref(&self, r: &ObjectRef<C>) -> Option<Arc<C>>
+    where
+        C: DeserializeOwned,
+    {
+        match &self.storage {
+            Storage::Typed(s) => s.get(r),
+            Storage::Compact(m) => {
+                let m = m.read().unwrap_or_else(|p| p.into_inner());
+                decode(m.get(&*encoded_key(r.namespace.as_deref(), &r.name))?)
+            }
+        }
     }
 
     /// References to the objects [`Cache::indexed`] returns: what a mapper hands back.
@@ -219,33 +396,64 @@ impl<C: Resource<DynamicType = ()> + Clone + 'static> Cache<C> {
     }
 
     /// The object `name` in `namespace` (empty for a cluster-scoped kind), if cached.
-    pub fn get(&self, namespace: &str, name: &str) -> Option<Arc<C>> {
+    pub fn get(&self, namespace: &str, name: &str) -> Option<Arc<C>>
+    where
+        C: DeserializeOwned,
+    {
         let r = ObjectRef::new(name);
-        self.store.get(&if namespace.is_empty() {
+        self.get_ref(&if namespace.is_empty() {
             r
         } else {
             r.within(namespace)
         })
     }
 
-    /// Every cached object (of every namespace this cache covers).
-    pub fn all(&self) -> Vec<Arc<C>> {
-        self.store.state()
+    /// Every cached object (of every namespace this cache covers); a compact cache decodes
+    /// each of them.
+    pub fn all(&self) -> Vec<Arc<C>>
+    where
+        C: DeserializeOwned,
+    {
+        match &self.storage {
+            Storage::Typed(s) => s.state(),
+            Storage::Compact(m) => {
+                let m = m.read().unwrap_or_else(|p| p.into_inner());
+                m.values().filter_map(|v| decode(v)).collect()
+            }
+        }
     }
 
     /// The cached objects for which `f` holds.
-    pub fn filter(&self, f: impl Fn(&C) -> bool) -> Vec<Arc<C>> {
-        self.store.state().into_iter().filter(|o| f(o)).collect()
+    pub fn filter(&self, f: impl Fn(&C) -> bool) -> Vec<Arc<C>>
+    where
+        C: DeserializeOwned,
+    {
+        self.all().into_iter().filter(|o| f(o)).collect()
     }
 
     /// How many objects are cached.
     pub fn len(&self) -> usize {
-        self.store.len()
+        match &self.storage {
+            Storage::Typed(s) => s.len(),
+            Storage::Compact(m) => m.read().unwrap_or_else(|p| p.into_inner()).len(),
+        }
     }
 
     /// Whether nothing is cached.
     pub fn is_empty(&self) -> bool {
-        self.store.is_empty()
+        self.len() == 0
+    }
+}
+
+/// An object of a compact cache, decoded. It was encoded from a decoded object, so this
+/// fails only for a type whose serialisation does not read back.
+fn decode<C: DeserializeOwned>(bytes: &[u8]) -> Option<Arc<C>> {
+    match serde_json::from_slice(bytes) {
+        Ok(o) => Some(Arc::new(o)),
+        Err(e) => {
+            tracing::error!(error = %e, kind = std::any::type_name::<C>(), "a compact cache's object does not decode");
+            None
+        }
     }
 }
 
@@ -393,6 +601,7 @@ pub struct Watch<C> {
     pub(crate) filter: Option<Filter<C>>,
     pub(crate) optional: bool,
     pub(crate) fair_by: Option<GroupFn<C>>,
+    pub(crate) compact: bool,
 }
 
 impl<C> Watch<C> {
@@ -408,6 +617,7 @@ impl<C> Watch<C> {
             filter: None,
             optional: false,
             fair_by: None,
+            compact: false,
         }
     }
 
@@ -469,6 +679,16 @@ impl<C> Watch<C> {
     /// reads nothing else of but status; objects it never applied are cached whole.
     pub fn applied(mut self) -> Self {
         self.applied = Some(String::new());
+        self
+    }
+
+    /// Keeps each cached object encoded (its JSON) and decodes it on every read: a fifth of
+    /// the memory of a decoded Deployment or Pod, for a few microseconds a read. For caches
+    /// the plans read an object or an index at a time ([`Cache::get`], [`Cache::indexed`]);
+    /// [`Cache::all`] and [`Cache::filter`] decode every object. The primary cache is always
+    /// kept decoded.
+    pub fn compact(mut self) -> Self {
+        self.compact = true;
         self
     }
 
@@ -646,5 +866,74 @@ mod tests {
             cache.indexed_refs("owner", "m2"),
             [ObjectRef::new("b").within("ns")]
         );
+    }
+
+    #[test]
+    fn a_compact_cache_answers_as_a_decoded_one() {
+        let objects = || [pod("a", "m1"), pod("b", "m1.m2")];
+        let typed = Cache::from_objects(&Watch::all().index("owner", owners), objects());
+        let compact = Cache::from_objects(&Watch::all().index("owner", owners).compact(), objects());
+        assert!(compact.typed_store().is_none(), "nothing decoded is kept");
+        assert_eq!(compact.len(), typed.len());
+        assert_eq!(compact.get("ns", "a"), typed.get("ns", "a"));
+        assert_eq!(compact.get("other", "a"), None);
+        let names = |c: &Cache<Pod>| {
+            let mut n: Vec<String> = c.indexed("owner", "m1").iter().map(|p| p.name_any()).collect();
+            n.sort();
+            n
+        };
+        assert_eq!(names(&compact), ["a", "b"]);
+        assert_eq!(compact.filter(|p| p.name_any() == "b").len(), 1);
+        let (objects, bytes) = compact.measure();
+        assert_eq!(objects, 2);
+        let json: usize = typed
+            .all()
+            .iter()
+            .map(|p| serde_json::to_vec(&**p).unwrap().len())
+            .sum();
+        assert!(bytes >= json, "{bytes} counted for {json} bytes of JSON");
+    }
+
+    #[test]
+    fn a_compact_cache_follows_applies_deletes_and_swaps_in_a_relist_when_complete() {
+        let (cache, mut writer) = Cache::<Pod>::empty(true);
+        let names = |c: &Cache<Pod>| {
+            let mut n: Vec<String> = c.all().iter().map(|p| p.name_any()).collect();
+            n.sort();
+            n
+        };
+        writer.apply(&watcher::Event::Apply(pod("a", "m1")));
+        writer.apply(&watcher::Event::Apply(pod("b", "m1")));
+        writer.apply(&watcher::Event::Apply(pod("b", "m2")));
+        assert_eq!(
+            cache.get("ns", "b").map(|p| owners(&p)),
+            Some(vec!["m2".to_string()])
+        );
+        writer.apply(&watcher::Event::Delete(pod("a", "m1")));
+        assert_eq!(names(&cache), ["b"]);
+        writer.apply(&watcher::Event::Init);
+        writer.apply(&watcher::Event::InitApply(pod("c", "m1")));
+        assert_eq!(
+            names(&cache),
+            ["b"],
+            "the old contents answer until the list is complete"
+        );
+        writer.apply(&watcher::Event::InitDone);
+        assert_eq!(names(&cache), ["c"]);
+    }
+
+    #[test]
+    fn an_index_hands_back_references_with_the_namespace_only_of_namespaced_objects() {
+        use k8s_openapi::api::core::v1::Namespace;
+        let i = Index::new(Arc::new(|n: &Namespace| vec![n.name_any()]));
+        let mut ns = Namespace::default();
+        ns.metadata.name = Some("team-a".into());
+        i.observe(&watcher::Event::Apply(ns));
+        let r = i.refs("team-a");
+        assert_eq!(r, [ObjectRef::new("team-a")]);
+        assert_eq!(r[0].namespace, None);
+        let p = Index::new(Arc::new(owners));
+        p.observe(&watcher::Event::Apply(pod("a", "m1")));
+        assert_eq!(p.refs("m1")[0].namespace.as_deref(), Some("ns"));
     }
 }

@@ -147,12 +147,20 @@ impl Reconciler for MemcachedController {
 
     fn watch(&self, w: &mut Watches<Memcached>) -> Caches {
         Caches {
-            deployments: w.owns(Watch::labels(&selector()).applied().trim(trim_deployment).prune()),
+            // Compact: each reconcile reads one Deployment and one Memcached's Pods.
+            deployments: w.owns(
+                Watch::labels(&selector())
+                    .applied()
+                    .trim(trim_deployment)
+                    .prune()
+                    .compact(),
+            ),
             pods: w.watches(
                 Watch::labels(&selector())
                     .fields(LIVE_PODS)
                     .trim(trim_pod)
-                    .index(BY_OWNER, pod_owner),
+                    .index(BY_OWNER, pod_owner)
+                    .compact(),
                 |pod: PodMeta| {
                     let name = pod.labels().get(CR_LABEL)?.clone();
                     Some(ObjectRef::<Memcached>::new(&name).within(&pod.namespace()?))

@@ -171,6 +171,7 @@ pub(super) struct ShareKey {
     pub(super) trim: Option<TrimKey>,
     pub(super) applied: Option<String>,
     pub(super) optional: bool,
+    pub(super) compact: bool,
 }
 
 pub(super) struct Shared<C: Resource<DynamicType = ()> + Clone + 'static> {
@@ -193,7 +194,7 @@ pub(super) struct Subscribers<C: Resource<DynamicType = ()> + Clone + 'static> {
     listing: Option<bool>,
 }
 
-impl<C: Resource<DynamicType = ()> + Clone + 'static> Subscribers<C> {
+impl<C: Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + 'static> Subscribers<C> {
     pub(super) fn new(first: Feed<C>) -> Self {
         Subscribers {
             feeds: vec![(first, false)],
@@ -203,7 +204,7 @@ impl<C: Resource<DynamicType = ()> + Clone + 'static> Subscribers<C> {
 
     /// Adds a feed, brought up to where the others are: a listed watch's objects as a list of
     /// its own; during a list, the list's start now and its objects at its end.
-    pub(super) fn join(&mut self, feed: Feed<C>, store: &kube::runtime::reflector::Store<C>) {
+    pub(super) fn join(&mut self, feed: Feed<C>, store: &Cache<C>) {
         match self.listing {
             None => self.feeds.push((feed, false)),
             Some(true) => {
@@ -219,14 +220,14 @@ impl<C: Resource<DynamicType = ()> + Clone + 'static> Subscribers<C> {
         }
     }
 
-    fn replay(feed: &Feed<C>, store: &kube::runtime::reflector::Store<C>) {
-        for o in store.state() {
+    fn replay(feed: &Feed<C>, store: &Cache<C>) {
+        for o in store.all() {
             let _ = feed.unbounded_send(watcher::Event::InitApply((*o).clone()));
         }
     }
 
     /// Sends `ev` to every feed; `store` has applied it already.
-    pub(super) fn send(&mut self, ev: watcher::Event<C>, store: &kube::runtime::reflector::Store<C>) {
+    pub(super) fn send(&mut self, ev: watcher::Event<C>, store: &Cache<C>) {
         self.feeds.retain(|(f, _)| !f.is_closed());
         match &ev {
             watcher::Event::Init => self.listing = Some(true),
@@ -261,7 +262,6 @@ impl SharedWatches {
 mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::ConfigMap;
-    use kube::runtime::reflector;
     use watcher::Event;
 
     fn cm(name: &str) -> ConfigMap {
@@ -286,9 +286,15 @@ mod tests {
 
     #[test]
     fn a_feed_that_joins_late_gets_a_whole_list_and_its_end() {
-        let (store, mut writer) = reflector::store();
+        for compact in [false, true] {
+            joins_late(compact);
+        }
+    }
+
+    fn joins_late(compact: bool) {
+        let (store, mut writer) = Cache::<ConfigMap>::empty(compact);
         let mut step = |subs: &mut Subscribers<ConfigMap>, ev: Event<ConfigMap>| {
-            writer.apply_watcher_event(&ev);
+            writer.apply(&ev);
             subs.send(ev, &store);
         };
         let (first, mut first_rx) = futures::channel::mpsc::unbounded();

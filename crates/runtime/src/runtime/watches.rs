@@ -22,7 +22,7 @@ use super::admission::Admission;
 use super::resync::{Resync, settled};
 use super::shared::{Echoes, ShareKey, Shared, SharedWatches, Subscribers, Synced, queue_key};
 use crate::OWNER_LABEL;
-use crate::cache::{Cache, Filter, Indexes, KeyFn, OWNER_INDEX, Watch, keep_applied, observe_all};
+use crate::cache::{Cache, Filter, KeyFn, OWNER_INDEX, Watch, keep_applied, observe_all};
 use crate::kind::{Watchable, api, namespaced};
 use crate::outside::{Outside, OutsideCache};
 use crate::plan::Deletion;
@@ -162,7 +162,7 @@ where
             client: ctx.client().clone(),
             namespace,
             controller: None,
-            primary: Cache::new(reflector::store().0, Indexes::default()),
+            primary: Cache::empty(false).0,
             synced,
             pruners: Vec::new(),
             adopters: Vec::new(),
@@ -182,18 +182,23 @@ where
         };
         // A controller of a kind that is not there has nothing to do: it waits for it.
         watch.optional = false;
+        // kube's controller reads the primary objects from a store of its own type.
+        watch.compact = false;
         if let Some(shard) = ctx.shard() {
             // A member watches, caches and reconciles only the objects placed on it.
             watch.labels = Some(mine(watch.labels.take(), shard));
         }
         let (primary, events) = w.subscribe(&watch);
+        let store = primary
+            .typed_store()
+            .expect("the primary cache keeps its objects decoded");
         primary.add_index(UID_INDEX, Arc::new(|o: &K| o.uid().into_iter().collect()));
-        w.enqueue.store = primary.store();
+        w.enqueue.store = store.clone();
         w.admission = Admission::new(
             concurrency,
             ctx.tuning().fair_queue,
             watch.fair_by.take(),
-            primary.store(),
+            store.clone(),
             namespaced::<K>(),
         );
         let enqueue = w.enqueue.clone();
@@ -241,9 +246,9 @@ where
         let resync = w
             .resync
             .clone()
-            .feed(ctx.clone(), w.synced.subscribe(), primary.store());
+            .feed(ctx.clone(), w.synced.subscribe(), store.clone());
         w.controller = Some(
-            Controller::for_stream(stream, primary.store())
+            Controller::for_stream(stream, store)
                 .with_config(ControllerConfig::default().concurrency(concurrency))
                 .reconcile_on(resync)
                 .reconcile_on(w.admission.clone().feed({
@@ -290,6 +295,7 @@ where
             trim: w.trim.as_ref().map(|t| t.key),
             applied: applied.clone(),
             optional: w.optional,
+            compact: w.compact,
         };
         let (tx, rx) = futures::channel::mpsc::unbounded();
         let mut shared = self.shared.inner.lock().unwrap_or_else(|p| p.into_inner());
@@ -303,7 +309,7 @@ where
                     .subscribers
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
-                    .join(tx, &existing.cache.store());
+                    .join(tx, &existing.cache);
                 (existing.cache.clone(), existing.active.clone())
             }
             None => {
@@ -315,23 +321,22 @@ where
                     cfg = cfg.fields(f);
                 }
                 let trim = w.trim.clone();
-                let (store, writer) = reflector::store();
-                let cache = Cache::new(store.clone(), Indexes::default());
+                let (cache, mut writer) = Cache::empty(w.compact);
                 let subscribers = Arc::new(Mutex::new(Subscribers::new(tx)));
-                let (indexes, subs, listed) = (cache.indexes().clone(), subscribers.clone(), store.clone());
+                let (indexes, subs, listed) = (cache.indexes().clone(), subscribers.clone(), cache.clone());
                 let kind = C::kind(&()).to_string();
                 let api = api::<C>(&self.client, self.namespace.as_deref());
                 let active = w.optional.then(|| Arc::new(AtomicBool::new(false)));
                 let events = match &active {
                     Some(active) => {
                         let connect = move || watcher(api.clone(), cfg.clone()).boxed();
-                        optional(connect, store, active.clone(), kind.clone(), false).boxed()
+                        let cached = cache.clone();
+                        optional(connect, move || cached.all(), active.clone(), kind.clone(), false).boxed()
                     }
                     None => watcher(api, cfg).default_backoff().boxed(),
                 };
-                let driver = reflector::reflector(
-                    writer,
-                    events.modify(move |o| {
+                let driver = events
+                    .modify(move |o| {
                         if let Some(manager) = &applied {
                             keep_applied(o, manager);
                         }
@@ -339,21 +344,21 @@ where
                         if let Some(t) = &trim {
                             (t.apply)(o);
                         }
-                    }),
-                )
-                .for_each(move |ev| {
-                    match ev {
-                        Ok(ev) => {
-                            // The indexes are complete before any subscriber counts the watch
-                            // as synced.
-                            observe_all(&indexes, &ev);
-                            subs.lock().unwrap_or_else(|p| p.into_inner()).send(ev, &listed);
+                    })
+                    .for_each(move |ev| {
+                        match ev {
+                            Ok(ev) => {
+                                writer.apply(&ev);
+                                // The indexes are complete before any subscriber counts the
+                                // watch as synced.
+                                observe_all(&indexes, &ev);
+                                subs.lock().unwrap_or_else(|p| p.into_inner()).send(ev, &listed);
+                            }
+                            Err(e) => tracing::warn!(kind, error = %e, "watch failed; retrying with backoff"),
                         }
-                        Err(e) => tracing::warn!(kind, error = %e, "watch failed; retrying with backoff"),
-                    }
-                    futures::future::ready(())
-                })
-                .boxed();
+                        futures::future::ready(())
+                    })
+                    .boxed();
                 // Reported under the controller that declared it first.
                 let measured = cache.clone();
                 self.metrics.cache(&C::kind(&()), move || measured.measure());
@@ -646,7 +651,7 @@ struct Optional<C: Resource<DynamicType: Eq + std::hash::Hash + Clone> + Clone +
     connect: F,
     events: Option<BoxStream<'static, watcher::Result<watcher::Event<C>>>>,
     /// What the watch has delivered: its objects leave as deletions when the kind goes.
-    store: reflector::Store<C>,
+    cached: Box<dyn Fn() -> Vec<Arc<C>> + Send>,
     active: Arc<AtomicBool>,
     /// Whether the kind was neither found nor missed yet.
     first: bool,
@@ -667,7 +672,7 @@ struct Optional<C: Resource<DynamicType: Eq + std::hash::Hash + Clone> + Clone +
 /// would not grow here: the watcher starts each list with an `Init`, which resets it.
 fn optional<C, F>(
     connect: F,
-    store: reflector::Store<C>,
+    cached: impl Fn() -> Vec<Arc<C>> + Send + 'static,
     active: Arc<AtomicBool>,
     kind: String,
     lenient: bool,
@@ -679,7 +684,7 @@ where
     let state = Optional {
         connect,
         events: None,
-        store,
+        cached: Box::new(cached),
         active,
         first: true,
         lenient,
@@ -724,7 +729,7 @@ where
                 let mut out = Vec::new();
                 if s.active.swap(false, Ordering::SeqCst) || s.first {
                     tracing::info!(kind = %s.kind, "the kind of an optional watch is not served: waiting for it to be installed");
-                    out.extend(s.store.state().iter().map(|o| Ok(watcher::Event::Delete((**o).clone()))));
+                    out.extend((s.cached)().iter().map(|o| Ok(watcher::Event::Delete((**o).clone()))));
                     // Synced, and empty.
                     out.extend([Ok(watcher::Event::Init), Ok(watcher::Event::InitDone)]);
                 }

@@ -74,7 +74,8 @@ impl<K: Watchable> Watches<K> {
             }
         };
         let name = kind.to_string();
-        let events = optional(connect, cache.store(), active.clone(), name.clone(), true);
+        let cached = cache.clone();
+        let events = optional(connect, move || cached.all(), active.clone(), name.clone(), true);
         let applied = w.applied.as_ref().map(|_| self.field_manager.clone());
         let trim = w.trim.clone();
         let typed = cache.clone();
