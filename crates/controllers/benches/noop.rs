@@ -1,6 +1,7 @@
 //! CPU of a no-op reconcile of a converged Memcached: the plan, the comparison of its
 //! Deployment with the cached one, and the comparison of its status with the live one, as
-//! the runtime makes them. Run with `cargo bench -p opkit-controllers --bench noop`.
+//! the runtime makes them; and what `observe` pays to decode its objects from the compact
+//! caches. Run with `cargo bench -p opkit-controllers --bench noop`.
 //!
 //! The status comparison is timed twice: reading the live status by serialising the whole
 //! object (how opkit did it before `opkit::diff::status_of`), and with `status_of`.
@@ -106,8 +107,28 @@ fn main() {
     let cached = world.deployment.as_deref().expect("a Deployment");
     let desired_json = serde_json::to_value(&desired).expect("json");
     let cached_json = serde_json::to_value(cached).expect("json");
+    // What `observe` reads from the controller's compact caches.
+    let deployments = opkit::Cache::from_objects(&opkit::Watch::all().compact(), [cached.clone()]);
+    let pods = opkit::Cache::from_objects(
+        &opkit::Watch::all().compact(),
+        world.pods.iter().map(|p| (**p).clone()),
+    );
+    let (ns, name) = ("bench", "memcached-sample-00042");
+    let pod_name = world.pods[0].metadata.name.clone().unwrap_or_default();
     const N: u32 = 20_000;
     let rows = [
+        (
+            "observe: decode the Deployment (compact cache)",
+            time(N, || {
+                black_box(deployments.get(black_box(ns), name));
+            }),
+        ),
+        (
+            "observe: decode a Pod (compact cache)",
+            time(N, || {
+                black_box(pods.get(black_box(ns), &pod_name));
+            }),
+        ),
         (
             "plan (Deployment compared inside)",
             time(N, || {
@@ -159,8 +180,8 @@ fn main() {
         ),
         ("no-op reconcile, status via status_of", time(N, || noop(&alone))),
     ];
-    println!("{:<44} {:>10}", "step (converged Memcached, size 1)", "µs/call");
+    println!("{:<48} {:>10}", "step (converged Memcached, size 1)", "µs/call");
     for (what, ns) in rows {
-        println!("{what:<44} {:>10.2}", ns / 1000.0);
+        println!("{what:<48} {:>10.2}", ns / 1000.0);
     }
 }

@@ -184,6 +184,14 @@ impl IndexMaps {
     }
 
     fn insert(&mut self, id: Id, keys: Vec<String>) {
+        // Most updates (a status, a new resourceVersion) keep an object's keys.
+        if self
+            .keys_of
+            .get(&id)
+            .is_some_and(|old| old.len() == keys.len() && old.iter().zip(&keys).all(|(a, b)| **a == **b))
+        {
+            return;
+        }
         self.remove(&id);
         if keys.is_empty() {
             return;
