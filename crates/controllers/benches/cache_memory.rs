@@ -5,7 +5,9 @@
 //!
 //! The objects are built here, not read from a cluster: the benchmark (`make bench`) is where
 //! the operator's memory is measured; this says which part of it a cache form moves.
-use k8s_openapi::api::apps::v1::{Deployment, DeploymentStatus};
+mod fixtures;
+
+use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use kube::api::PartialObjectMeta;
@@ -49,14 +51,7 @@ fn deployment(i: usize) -> Deployment {
     meta.resource_version = Some(format!("{}", 2_000_000 + i));
     meta.generation = Some(1);
     meta.creation_timestamp = time();
-    d.status = Some(DeploymentStatus {
-        observed_generation: Some(1),
-        replicas: Some(1),
-        ready_replicas: Some(1),
-        available_replicas: Some(1),
-        updated_replicas: Some(1),
-        ..Default::default()
-    });
+    d.status = Some(fixtures::rolled_out());
     d
 }
 

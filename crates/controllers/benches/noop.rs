@@ -5,11 +5,12 @@
 //!
 //! The status comparison is timed twice: reading the live status by serialising the whole
 //! object (how opkit did it before `opkit::diff::status_of`), and with `status_of`.
+mod fixtures;
+
 use std::hint::black_box;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::apps::v1::DeploymentStatus;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::jiff::Timestamp;
@@ -32,14 +33,7 @@ fn converged(controller: &MemcachedController, now: Timestamp) -> (Memcached, Wo
     meta.finalizers = Some(vec!["cache.example.com/finalizer".into()]);
     let mut deployment = build_deployment(&mc, 1, DEFAULT_IMAGE).expect("a valid Memcached");
     deployment.metadata.generation = Some(1);
-    deployment.status = Some(DeploymentStatus {
-        observed_generation: Some(1),
-        replicas: Some(1),
-        ready_replicas: Some(1),
-        available_replicas: Some(1),
-        updated_replicas: Some(1),
-        ..Default::default()
-    });
+    deployment.status = Some(fixtures::rolled_out());
     let pod = PartialObjectMeta::<Pod> {
         metadata: ObjectMeta {
             name: Some(format!(
