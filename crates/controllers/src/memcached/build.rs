@@ -156,6 +156,15 @@ pub fn status(
     }) && updated == size
         && total == size
         && ready == size;
+    // Size 0 with no Pod left, none reported and none asked of the cached Deployment: there is
+    // nothing to roll out, so the status need not wait for the Deployment controller to
+    // observe it (at thousands of new Deployments that is minutes). The Deployment is applied
+    // before this status is written.
+    let nothing_to_roll_out = size == 0
+        && pods.is_empty()
+        && total == 0
+        && deployment.is_none_or(|d| d.spec.as_ref().and_then(|s| s.replicas) == Some(0));
+    let rolled_out = rolled_out || nothing_to_roll_out;
     let progress = format!("{ready}/{size} replicas ready");
     let desired = [
         if ready >= size {
@@ -281,6 +290,37 @@ mod tests {
         assert!(!conditions::is_true(&s.conditions, condition::PROGRESSING));
         assert!(!conditions::is_true(&s.conditions, condition::DEGRADED));
         assert_eq!(s.observed_generation, Some(2));
+    }
+
+    #[test]
+    fn size_zero_is_complete_once_no_pod_is_left_without_waiting_for_the_deployment_controller() {
+        let mc = memcached("m", 0);
+        let complete = |s: &MemcachedStatus| {
+            conditions::is_true(&s.conditions, condition::AVAILABLE)
+                && !conditions::is_true(&s.conditions, condition::PROGRESSING)
+        };
+        // A new Memcached: its Deployment is not even cached yet.
+        assert!(complete(&status(&mc, 0, None, &[], &now())));
+        // Applied, not yet observed by the Deployment controller.
+        let mut d = build_deployment(&mc, 0, "img").unwrap();
+        d.metadata.generation = Some(1);
+        assert!(complete(&status(&mc, 0, Some(&d), &[], &now())));
+        // Scaling down to 0: a Pod is still there (even one being deleted).
+        assert!(!complete(&status(&mc, 0, Some(&d), &[pod("m-a", true)], &now())));
+        // The Pod is gone but the Deployment's last status still counts one replica.
+        d.status = Some(DeploymentStatus {
+            observed_generation: Some(1),
+            replicas: Some(1),
+            ..Default::default()
+        });
+        assert!(!complete(&status(&mc, 0, Some(&d), &[], &now())));
+        // The cached Deployment still asks for a Pod (the apply has not reached the cache).
+        let mut old = build_deployment(&mc, 1, "img").unwrap();
+        old.metadata.generation = Some(1);
+        assert!(!complete(&status(&mc, 0, Some(&old), &[], &now())));
+        // Size 1 always waits for the Deployment controller's counts.
+        let one = memcached("m", 1);
+        assert!(!complete(&status(&one, 1, None, &[], &now())));
     }
 
     #[test]
