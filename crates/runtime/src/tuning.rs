@@ -34,7 +34,9 @@ pub struct Tuning {
     /// How many such progress writes the controller makes per rollout (from the first object
     /// in progress until none is), over all its objects, plus one per `progress_delay` while
     /// the rollout lasts (0: no limit): a slow rollout of 10000 objects shows some of them
-    /// progressing rather than writing each one's progress; key `progress-budget`.
+    /// progressing rather than writing each one's progress. They are spent only once no
+    /// object has settled for a delay: a rollout that keeps advancing writes no progress, so
+    /// it costs the writes of a fast one; key `progress-budget`.
     pub progress_budget: u32,
     /// Requests wait in one line per namespace (or [`crate::Watch::fair_by`]'s key) and take
     /// turns, so a burst in one namespace does not hold the others up; `false`: one line in

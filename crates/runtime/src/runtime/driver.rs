@@ -253,7 +253,7 @@ impl<R: Reconciler> Runner<R> {
             .as_deref()
             .filter(|f| obj.finalizers().iter().any(|x| x == f));
         if deleting {
-            self.hold.settled(&hold_key(obj));
+            self.hold.settled(&hold_key(obj), std::time::Instant::now());
         }
         if deleting && ours.is_none() {
             // Going away, and nothing of ours holds it: no plan for a terminating object.
@@ -427,7 +427,7 @@ impl<R: Reconciler> Runner<R> {
                 self.hold.in_progress(&hold_key, std::time::Instant::now())
             }
         } else {
-            self.hold.settled(&hold_key);
+            self.hold.settled(&hold_key, std::time::Instant::now());
             None
         };
         let wrote = match (status, held) {

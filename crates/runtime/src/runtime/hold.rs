@@ -5,6 +5,12 @@
 //! first object held until none is) and one more write per delay while the rollout lasts: a
 //! slow rollout of thousands of objects costs about as many writes as a slow rollout of a
 //! few, the others showing their progress in `observedGeneration` until they settle.
+//!
+//! The budget is spent only while the rollout is stalled: when none of the objects held has
+//! settled for a whole delay. A rollout that keeps advancing (objects settling one after the
+//! other, as the Deployment controller or a database gets to them) writes no progress at all,
+//! so ten thousand objects that take minutes cost the writes of ten thousand that take
+//! seconds. An object stuck while others keep settling is shown once they stop.
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -18,12 +24,15 @@ pub(crate) struct Hold {
 }
 
 struct Inner {
-    since: HashMap<String, Instant>,
+    /// Per object: since when it is held, and when it was last looked at.
+    since: HashMap<String, (Instant, Instant)>,
     swept: Instant,
     /// Progress writes that may still be made: `budget` when a rollout starts, one more per
     /// delay while it lasts, never more than `budget`.
     tokens: f64,
     refilled: Instant,
+    /// When an object held last settled: the rollout is advancing until a delay after it.
+    last_settled: Option<Instant>,
 }
 
 impl Hold {
@@ -36,6 +45,7 @@ impl Hold {
                 swept: Instant::now(),
                 tokens: f64::from(budget),
                 refilled: Instant::now(),
+                last_settled: None,
             }),
         }
     }
@@ -44,20 +54,23 @@ impl Hold {
     /// again after `wait`, `None` to write it (the hold starts over from `now`).
     pub(crate) fn in_progress(&self, key: &str, now: Instant) -> Option<Duration> {
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        // An entry older than four delays is an object deleted while in progress, one whose
-        // shown progress has not changed since (the driver asks no more about those), or one
-        // the budget has turned away that long, which starts its hold over at its next look.
-        // With no entry left, the rollout is over. At most one sweep per four delays keeps
-        // this O(1) per call on average.
+        // An entry not looked at for four delays is an object deleted while in progress, or
+        // one whose shown progress has not changed since (the driver asks no more about
+        // those). With no entry left, the rollout is over. At most one sweep per four delays
+        // keeps this O(1) per call on average.
         if now.duration_since(inner.swept) > self.delay * 4 {
             let keep = self.delay * 4;
-            inner.since.retain(|_, t| now.duration_since(*t) <= keep);
+            inner
+                .since
+                .retain(|_, (_, seen)| now.saturating_duration_since(*seen) <= keep);
             inner.swept = now;
             if inner.since.is_empty() {
                 inner.tokens = f64::from(self.budget);
             }
         }
-        let since = *inner.since.entry(key.to_string()).or_insert(now);
+        let entry = inner.since.entry(key.to_string()).or_insert((now, now));
+        entry.1 = now;
+        let since = entry.0;
         let held = now.duration_since(since);
         if held < self.delay {
             return Some(self.delay - held);
@@ -68,22 +81,33 @@ impl Hold {
             let elapsed = now.saturating_duration_since(inner.refilled).as_secs_f64();
             inner.tokens = (inner.tokens + elapsed * per_second).min(budget);
             inner.refilled = now;
+            // Still advancing: look again when it would have stalled for a delay.
+            if let Some(settled) = inner.last_settled {
+                let quiet = now.saturating_duration_since(settled);
+                if quiet < self.delay {
+                    return Some(self.delay - quiet);
+                }
+            }
             if inner.tokens < 1.0 {
                 // Spent: shown later, or settled by then (written at once, unbudgeted).
                 return Some(self.delay);
             }
             inner.tokens -= 1.0;
         }
-        inner.since.insert(key.to_string(), now);
+        inner.since.insert(key.to_string(), (now, now));
         None
     }
 
-    /// `key` settled (or went away): its next in-progress status is held from scratch. When
-    /// it was the last object held, the rollout is over and the next one has the whole budget.
-    pub(crate) fn settled(&self, key: &str) {
+    /// `key` settled (or went away) at `now`: its next in-progress status is held from
+    /// scratch, and the rollout counts as advancing for a delay. When it was the last object
+    /// held, the rollout is over and the next one has the whole budget.
+    pub(crate) fn settled(&self, key: &str, now: Instant) {
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        if inner.since.remove(key).is_some() && inner.since.is_empty() {
-            inner.tokens = f64::from(self.budget);
+        if inner.since.remove(key).is_some() {
+            inner.last_settled = Some(now);
+            if inner.since.is_empty() {
+                inner.tokens = f64::from(self.budget);
+            }
         }
     }
 
@@ -123,7 +147,7 @@ mod tests {
         let t0 = Instant::now();
         assert!(h.in_progress("a", t0).is_some());
         assert!(h.in_progress("b", t0 + Duration::from_secs(20)).is_some());
-        h.settled("a");
+        h.settled("a", t0);
         assert_eq!(h.len(), 1);
         assert_eq!(h.in_progress("a", t0 + D), Some(D));
         assert_eq!(h.in_progress("b", t0 + D), Some(Duration::from_secs(20)));
@@ -157,7 +181,7 @@ mod tests {
         assert_eq!(h.in_progress("c", t0 + D * 2), None);
         assert_eq!(h.in_progress("d", t0 + D * 2), Some(D));
         // Settled statuses are not progress writes: settling costs nothing from the budget.
-        h.settled("a");
+        h.settled("a", t0 + D * 2);
         assert_eq!(h.len(), 3);
     }
 
@@ -172,20 +196,83 @@ mod tests {
         assert_eq!(h.in_progress("b", t0 + D), None);
         assert_eq!(h.in_progress("c", t0 + D), Some(D));
         // Two settle while "c" still rolls out: the rollout goes on, with its budget spent.
-        h.settled("a");
-        h.settled("b");
+        h.settled("a", t0 + D);
+        h.settled("b", t0 + D);
         assert!(h.in_progress("d", t0 + D).is_some());
         assert_eq!(h.in_progress("c", t0 + D * 2), None);
         assert_eq!(h.in_progress("d", t0 + D * 2), Some(D));
         // The last two settle: the next rollout has the whole budget at once.
-        h.settled("c");
-        h.settled("d");
+        h.settled("c", t0 + D * 3);
+        h.settled("d", t0 + D * 3);
         let t3 = t0 + D * 3;
         for k in ["e", "f", "g"] {
             assert!(h.in_progress(k, t3).is_some());
         }
+        // (They are due a delay later, when the last settle is a delay old too.)
         assert_eq!(h.in_progress("e", t3 + D), None);
         assert_eq!(h.in_progress("f", t3 + D), None);
         assert_eq!(h.in_progress("g", t3 + D), Some(D));
+    }
+
+    #[test]
+    fn a_rollout_advancing_for_longer_than_the_sweep_still_writes_no_progress() {
+        let h = Hold::new(D, 2);
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        for i in 0..30 {
+            assert!(h.in_progress(&format!("o{i}"), t0).is_some());
+        }
+        // One settles every 10 s for 250 s, past two sweeps; the others are looked at as
+        // often. Entries looked at are kept, so every settle counts and nothing is written.
+        for i in 0..25u64 {
+            let t = t0 + s(10 * (i + 1));
+            h.settled(&format!("o{i}"), t);
+            for j in (i + 1)..30 {
+                let wait = h.in_progress(&format!("o{j}"), t + s(1));
+                assert!(wait.is_some(), "o{j} written at {:?}", t + s(1) - t0);
+            }
+        }
+        assert_eq!(h.len(), 5);
+        // A delay after the last settle the rollout has stalled: the budget's two write.
+        let stalled = t0 + s(250) + D;
+        let written = (25..30)
+            .filter(|j| h.in_progress(&format!("o{j}"), stalled).is_none())
+            .count();
+        assert_eq!(written, 2);
+    }
+
+    #[test]
+    fn a_rollout_that_keeps_advancing_writes_no_progress_until_it_stalls() {
+        let h = Hold::new(D, 2);
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        for i in 0..10 {
+            assert!(h.in_progress(&format!("o{i}"), t0).is_some());
+        }
+        // One object settles every 10 s: every other one is due but held, until a delay after
+        // the last settle.
+        for i in 0..6u64 {
+            let t = t0 + s(10 * (i + 1));
+            h.settled(&format!("o{i}"), t);
+            for j in (i + 1)..10 {
+                let wait = h.in_progress(&format!("o{j}"), t + s(1));
+                assert!(wait.is_some(), "o{j} written at {:?}", t + s(1) - t0);
+            }
+            if i == 5 {
+                assert_eq!(h.in_progress("o9", t + s(1)), Some(D - s(1)));
+            }
+        }
+        // o5 settled at 60 s; from 90 s on the rollout has stalled: the budget is spent.
+        let stalled = t0 + s(90);
+        assert_eq!(h.in_progress("o6", stalled - s(1)), Some(s(1)));
+        assert_eq!(h.in_progress("o6", stalled), None);
+        assert_eq!(h.in_progress("o7", stalled), None);
+        assert_eq!(h.in_progress("o8", stalled), Some(D));
+        // Without a budget (0: every object once per delay) nothing waits for a stall.
+        let h = Hold::new(D, 0);
+        assert!(h.in_progress("a", t0).is_some());
+        assert!(h.in_progress("b", t0).is_some());
+        h.settled("a", t0 + D);
+        assert_eq!(h.in_progress("b", t0 + D), None);
     }
 }
