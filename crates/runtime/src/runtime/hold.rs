@@ -214,24 +214,31 @@ mod tests {
         assert_eq!(h.in_progress("g", t3 + D), Some(D));
     }
 
+    /// `objects` in progress from `t0`; `o0`, `o1`, ... settle every 10 s, `settles` of them,
+    /// and the others are looked at a second after each settle, held every time.
+    fn settle_one_every_10s(h: &Hold, t0: Instant, objects: u64, settles: u64) {
+        let s = Duration::from_secs;
+        for i in 0..objects {
+            assert!(h.in_progress(&format!("o{i}"), t0).is_some());
+        }
+        for i in 0..settles {
+            let t = t0 + s(10 * (i + 1));
+            h.settled(&format!("o{i}"), t);
+            for j in (i + 1)..objects {
+                let wait = h.in_progress(&format!("o{j}"), t + s(1));
+                assert!(wait.is_some(), "o{j} written at {:?}", t + s(1) - t0);
+            }
+        }
+    }
+
     #[test]
     fn a_rollout_advancing_for_longer_than_the_sweep_still_writes_no_progress() {
         let h = Hold::new(D, 2);
         let t0 = Instant::now();
         let s = Duration::from_secs;
-        for i in 0..30 {
-            assert!(h.in_progress(&format!("o{i}"), t0).is_some());
-        }
         // One settles every 10 s for 250 s, past two sweeps; the others are looked at as
         // often. Entries looked at are kept, so every settle counts and nothing is written.
-        for i in 0..25u64 {
-            let t = t0 + s(10 * (i + 1));
-            h.settled(&format!("o{i}"), t);
-            for j in (i + 1)..30 {
-                let wait = h.in_progress(&format!("o{j}"), t + s(1));
-                assert!(wait.is_some(), "o{j} written at {:?}", t + s(1) - t0);
-            }
-        }
+        settle_one_every_10s(&h, t0, 30, 25);
         assert_eq!(h.len(), 5);
         // A delay after the last settle the rollout has stalled: the budget's two write.
         let stalled = t0 + s(250) + D;
@@ -246,22 +253,10 @@ mod tests {
         let h = Hold::new(D, 2);
         let t0 = Instant::now();
         let s = Duration::from_secs;
-        for i in 0..10 {
-            assert!(h.in_progress(&format!("o{i}"), t0).is_some());
-        }
         // One object settles every 10 s: every other one is due but held, until a delay after
         // the last settle.
-        for i in 0..6u64 {
-            let t = t0 + s(10 * (i + 1));
-            h.settled(&format!("o{i}"), t);
-            for j in (i + 1)..10 {
-                let wait = h.in_progress(&format!("o{j}"), t + s(1));
-                assert!(wait.is_some(), "o{j} written at {:?}", t + s(1) - t0);
-            }
-            if i == 5 {
-                assert_eq!(h.in_progress("o9", t + s(1)), Some(D - s(1)));
-            }
-        }
+        settle_one_every_10s(&h, t0, 10, 6);
+        assert_eq!(h.in_progress("o9", t0 + s(61)), Some(D - s(1)));
         // o5 settled at 60 s; from 90 s on the rollout has stalled: the budget is spent.
         let stalled = t0 + s(90);
         assert_eq!(h.in_progress("o6", stalled - s(1)), Some(s(1)));
