@@ -150,7 +150,7 @@ pub fn status(
     let ready = ds.ready_replicas.unwrap_or(0);
     let updated = ds.updated_replicas.unwrap_or(0);
     let total = ds.replicas.unwrap_or(0);
-    let rolled_out = deployment.is_some_and(|d| {
+    let deployment_rolled_out = deployment.is_some_and(|d| {
         d.status.as_ref().and_then(|s| s.observed_generation) >= d.metadata.generation
             && d.spec.as_ref().and_then(|s| s.replicas) == Some(size)
     }) && updated == size
@@ -164,7 +164,7 @@ pub fn status(
         && pods.is_empty()
         && total == 0
         && deployment.is_none_or(|d| d.spec.as_ref().and_then(|s| s.replicas) == Some(0));
-    let rolled_out = rolled_out || nothing_to_roll_out;
+    let rolled_out = deployment_rolled_out || nothing_to_roll_out;
     let progress = format!("{ready}/{size} replicas ready");
     let desired = [
         if ready >= size {

@@ -23,9 +23,16 @@ pub(crate) struct Hold {
     inner: Mutex<Inner>,
 }
 
+/// One object held.
+struct Held {
+    /// Since when it is held (or when its progress was last written).
+    since: Instant,
+    /// When it was last looked at: entries not looked at for four delays are swept.
+    seen: Instant,
+}
+
 struct Inner {
-    /// Per object: since when it is held, and when it was last looked at.
-    since: HashMap<String, (Instant, Instant)>,
+    held: HashMap<String, Held>,
     swept: Instant,
     /// Progress writes that may still be made: `budget` when a rollout starts, one more per
     /// delay while it lasts, never more than `budget`.
@@ -41,7 +48,7 @@ impl Hold {
             delay,
             budget,
             inner: Mutex::new(Inner {
-                since: HashMap::new(),
+                held: HashMap::new(),
                 swept: Instant::now(),
                 tokens: f64::from(budget),
                 refilled: Instant::now(),
@@ -61,17 +68,19 @@ impl Hold {
         if now.duration_since(inner.swept) > self.delay * 4 {
             let keep = self.delay * 4;
             inner
-                .since
-                .retain(|_, (_, seen)| now.saturating_duration_since(*seen) <= keep);
+                .held
+                .retain(|_, h| now.saturating_duration_since(h.seen) <= keep);
             inner.swept = now;
-            if inner.since.is_empty() {
+            if inner.held.is_empty() {
                 inner.tokens = f64::from(self.budget);
             }
         }
-        let entry = inner.since.entry(key.to_string()).or_insert((now, now));
-        entry.1 = now;
-        let since = entry.0;
-        let held = now.duration_since(since);
+        let entry = inner.held.entry(key.to_string()).or_insert(Held {
+            since: now,
+            seen: now,
+        });
+        entry.seen = now;
+        let held = now.duration_since(entry.since);
         if held < self.delay {
             return Some(self.delay - held);
         }
@@ -94,7 +103,9 @@ impl Hold {
             }
             inner.tokens -= 1.0;
         }
-        inner.since.insert(key.to_string(), (now, now));
+        if let Some(entry) = inner.held.get_mut(key) {
+            entry.since = now;
+        }
         None
     }
 
@@ -103,9 +114,9 @@ impl Hold {
     /// held, the rollout is over and the next one has the whole budget.
     pub(crate) fn settled(&self, key: &str, now: Instant) {
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        if inner.since.remove(key).is_some() {
+        if inner.held.remove(key).is_some() {
             inner.last_settled = Some(now);
-            if inner.since.is_empty() {
+            if inner.held.is_empty() {
                 inner.tokens = f64::from(self.budget);
             }
         }
@@ -113,7 +124,7 @@ impl Hold {
 
     #[cfg(test)]
     fn len(&self) -> usize {
-        self.inner.lock().unwrap().since.len()
+        self.inner.lock().unwrap().held.len()
     }
 }
 
