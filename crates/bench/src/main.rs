@@ -409,6 +409,10 @@ struct Outcome {
     /// opkit's own view of its caches (`opkit_cache_*` at the end of the idle window; of
     /// several processes, each line after `shard-<i>: `).
     cache_metrics: Vec<String>,
+    /// CPU seconds of each control-plane component (kube-apiserver, etcd, the
+    /// controller-manager, ...) from the first create until the controller-manager caught up
+    /// with the update: what the contender costs the cluster, not only itself.
+    control_plane_cpu_s: BTreeMap<String, f64>,
 }
 
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
@@ -444,6 +448,14 @@ fn proc_stats(pid: u32) -> Option<(f64, u64, u64)> {
             .ok()
     };
     Some((ticks / 100.0, kb("VmRSS:")?, kb("VmHWM:")?))
+}
+
+/// CPU seconds of each control-plane component, by name.
+fn cluster_cpu(cp: &ControlPlane) -> BTreeMap<String, f64> {
+    cp.pids()
+        .into_iter()
+        .filter_map(|(name, pid)| Some((name, proc_stats(pid)?.0)))
+        .collect()
 }
 
 /// [`proc_stats`] of all the processes of a contender: their CPU seconds summed, and each
@@ -1034,6 +1046,7 @@ impl Run<'_> {
         // Create N objects (the floor also creates each Deployment right away, and writes the
         // status of a Memcached of size 0 at once: there is no Pod to wait for).
         let cpu0 = stats();
+        let cluster0 = cluster_cpu(cp);
         let t0 = Instant::now();
         in_parallel(n, |i| {
             let (objects, fd, fo) = (objects.clone(), floor_deploys.clone(), floor_objects.clone());
@@ -1162,6 +1175,11 @@ impl Run<'_> {
         // writes queues that Deployment once more, and a sync lists the namespace's ReplicaSets
         // and Pods): a Memcached created at the restart would wait behind that, for every lane.
         out.update_caught_up = Some(controller_manager_caught_up(cp, t1, self.limit).await?);
+        out.control_plane_cpu_s = cluster_cpu(cp)
+            .into_iter()
+            .filter_map(|(name, b)| Some((name.clone(), b - cluster0.get(&name)?)))
+            .collect();
+        println!("{lane}: control-plane CPU s {:?}", out.control_plane_cpu_s);
         println!(
             "{lane}: the controller-manager caught up {:.2}s into the update",
             out.update_caught_up.unwrap_or_default().as_secs_f64()
@@ -1421,6 +1439,7 @@ fn run_json(r: &Outcome, n: usize) -> Value {
         "restart_requests": r.restart_requests,
         "more_restarts": r.more_restarts.iter().map(|(ready, reacts)| json!({"ready_s": ready.map(secs), "reacts_s": secs(*reacts)})).collect::<Vec<_>>(),
         "cache_metrics": r.cache_metrics,
+        "control_plane_cpu_s": r.control_plane_cpu_s,
         "create_timeline": r.create.timeline,
         "update_timeline": r.update.timeline,
     });
