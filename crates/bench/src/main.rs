@@ -1177,7 +1177,10 @@ impl Run<'_> {
         out.update_caught_up = Some(controller_manager_caught_up(cp, t1, self.limit).await?);
         out.control_plane_cpu_s = cluster_cpu(cp)
             .into_iter()
-            .filter_map(|(name, b)| Some((name.clone(), b - cluster0.get(&name)?)))
+            .filter_map(|(name, b)| {
+                let a = *cluster0.get(&name)?;
+                Some((name, b - a))
+            })
             .collect();
         println!("{lane}: control-plane CPU s {:?}", out.control_plane_cpu_s);
         println!(
