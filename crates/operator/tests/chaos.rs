@@ -1044,6 +1044,7 @@ fn the_audit_check_finds_a_write_by_a_replica_that_lost_the_lease() {
         decision: "allow".into(),
         received: received.into(),
         done: done.into(),
+        streams_list: false,
     };
     let mut audit = vec![
         e(

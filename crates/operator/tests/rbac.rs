@@ -117,9 +117,12 @@ fn resource_of(a: &Audited) -> String {
 }
 
 /// Whether the allowed request `a` used `g`. A server-side apply that created its object
-/// (`patch` answered 201) was also authorized as a `create`.
+/// (`patch` answered 201) was also authorized as a `create`; a watch that streams its initial
+/// list stands for the list (which a server without streaming gets instead).
 fn uses(a: &Audited, g: &Grant) -> bool {
-    let verb = a.verb == g.verb || (g.verb == "create" && a.verb == "patch" && a.code == 201);
+    let verb = a.verb == g.verb
+        || (g.verb == "create" && a.verb == "patch" && a.code == 201)
+        || (g.verb == "list" && a.verb == "watch" && a.streams_list);
     a.decision == "allow"
         && verb
         && a.group == g.group
@@ -659,9 +662,11 @@ fn a_grant_no_allowed_request_used_is_reported() {
         decision: "allow".into(),
         received: String::new(),
         done: String::new(),
+        streams_list: false,
     };
     let granted = vec![
         grant("deployments", "list", None),
+        grant("replicasets", "list", None),
         grant("deployments", "create", None),
         grant("deployments/status", "patch", None),
         grant("deployments", "get", Some("a")),
@@ -671,6 +676,11 @@ fn a_grant_no_allowed_request_used_is_reported() {
     refused.decision = "forbid".into();
     let audit = vec![
         request("deployments", "", "list", "", 200),
+        // A watch that streams its initial list stands for the list.
+        Audited {
+            streams_list: true,
+            ..request("replicasets", "", "watch", "", 200)
+        },
         // A server-side apply that created its object was authorized as a create too.
         request("deployments", "", "patch", "x", 201),
         request("deployments", "status", "patch", "x", 200),

@@ -5,10 +5,10 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, anyhow, ensure};
-use opkit_testenv::{http_get, shared, wait_for};
+use opkit_testenv::{ControlPlane, Options, http_get, shared, wait_for};
 
 mod common;
-use common::{Running, free_port, install_crds, opkit, sigterm};
+use common::{Running, free_port, install_crds, install_crds_on, opkit, run_kubectl, sigterm};
 
 const STARTS: usize = 20;
 
@@ -102,4 +102,66 @@ async fn the_operator_raises_its_open_files_limit_to_the_hard_one() {
             Ok(())
         })
         .await;
+}
+
+/// A server that does not stream lists (before 1.27, or with the `WatchList` gate off) still
+/// gets an operator that becomes ready and reconciles: each watch lists in pages instead.
+#[tokio::test]
+async fn a_server_without_streaming_lists_gets_lists_in_pages() -> anyhow::Result<()> {
+    let cp = ControlPlane::start(Options {
+        nodes: 1,
+        apiserver_flags: vec!["--feature-gates=WatchList=false".into()],
+        ..Default::default()
+    })
+    .await?;
+    install_crds_on(&cp)?;
+    let kubectl = || {
+        let mut c = std::process::Command::new(cp.binaries().path("kubectl"));
+        c.env("KUBECONFIG", cp.kubeconfig_path());
+        c
+    };
+    let health = free_port()?;
+    let log = std::env::temp_dir().join(format!("opkit-paged-lists-{}.log", std::process::id()));
+    let mut op = Running(
+        std::process::Command::new(env!("CARGO_BIN_EXE_opkit"))
+            .args(["run", "--metrics-bind-address", "0", "--controllers", "memcached"])
+            .args(["--health-probe-bind-address", &format!("127.0.0.1:{health}")])
+            .env("KUBECONFIG", cp.kubeconfig_path())
+            .stdout(std::fs::File::create(&log)?)
+            .stderr(Stdio::null())
+            .spawn()?,
+    );
+    let addr = ([127, 0, 0, 1], health).into();
+    let logged = || std::fs::read_to_string(&log).unwrap_or_default();
+    wait_for("/readyz 200", Duration::from_secs(30), || async {
+        let (code, body) = http_get(addr, "/readyz").await?;
+        ensure!(code == 200, "{code} {body}");
+        Ok(())
+    })
+    .await
+    .with_context(logged)?;
+    ensure!(
+        logged().contains("the API server does not stream lists: listing in pages"),
+        "no watch fell back to pages:\n{}",
+        logged()
+    );
+    let memcached = "apiVersion: cache.example.com/v1alpha1\nkind: Memcached\nmetadata:\n  name: paged\n  namespace: default\nspec:\n  size: 1\n";
+    let mut apply = kubectl();
+    apply
+        .args(["apply", "-f", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null());
+    let mut child = apply.spawn()?;
+    std::io::Write::write_all(child.stdin.as_mut().context("stdin")?, memcached.as_bytes())?;
+    drop(child.stdin.take());
+    ensure!(child.wait()?.success(), "creating the Memcached failed");
+    wait_for("the Memcached's Deployment", Duration::from_secs(30), || async {
+        run_kubectl(kubectl(), &["get", "deployment", "paged", "-n", "default"]).map(drop)
+    })
+    .await
+    .with_context(logged)?;
+    sigterm(op.0.id());
+    let status = op.0.wait()?;
+    ensure!(status.success(), "exited with {status}");
+    Ok(())
 }

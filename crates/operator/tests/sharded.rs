@@ -682,6 +682,7 @@ fn the_audit_check_finds_an_object_written_by_a_replica_after_another() {
         decision: "allow".into(),
         received: at.into(),
         done: at.into(),
+        streams_list: false,
     };
     let users = vec![user("a"), user("b")];
     let handed_over = vec![

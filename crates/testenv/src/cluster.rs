@@ -34,6 +34,9 @@ pub struct Options {
     pub real_node: bool,
     /// With the real node, the registry's port on 127.0.0.1 (a free one when unset).
     pub registry_port: Option<u16>,
+    /// More kube-apiserver flags, after the defaults (a later flag wins): to test against a
+    /// server with a feature gate off, say.
+    pub apiserver_flags: Vec<String>,
 }
 
 impl Default for Options {
@@ -45,6 +48,7 @@ impl Default for Options {
             timeout: Duration::from_secs(90),
             real_node: false,
             registry_port: None,
+            apiserver_flags: Vec::new(),
         }
     }
 }
@@ -272,6 +276,7 @@ impl ControlPlane {
             // No rotation (the default rotates at 100 MB, which a large benchmark exceeds).
             args.push("--audit-log-maxsize=1000000".into());
         }
+        args.extend(opts.apiserver_flags.iter().cloned());
         self.launch("kube-apiserver", args)?;
 
         let kubeconfig = format!(

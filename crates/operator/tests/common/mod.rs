@@ -275,6 +275,8 @@ pub struct Audited {
     pub decision: String,
     pub received: String,
     pub done: String,
+    /// A watch that streams its initial list (`sendInitialEvents=true`): a list in effect.
+    pub streams_list: bool,
 }
 
 /// How many creates of the Pod `pod` in `audit` were answered with `code` (not the
@@ -318,6 +320,7 @@ pub fn read_audit(path: &Path) -> anyhow::Result<Vec<Audited>> {
             decision: s("/annotations/authorization.k8s.io~1decision"),
             received: s("/requestReceivedTimestamp"),
             done: s("/stageTimestamp"),
+            streams_list: s("/requestURI").contains("sendInitialEvents=true"),
         });
     }
     Ok(out)

@@ -329,11 +329,11 @@ where
                 let active = w.optional.then(|| Arc::new(AtomicBool::new(false)));
                 let events = match &active {
                     Some(active) => {
-                        let connect = move || watcher(api.clone(), cfg.clone()).boxed();
+                        let connect = move || streamed(api.clone(), cfg.clone());
                         let cached = cache.clone();
                         optional(connect, move || cached.all(), active.clone(), kind.clone(), false).boxed()
                     }
-                    None => watcher(api, cfg).default_backoff().boxed(),
+                    None => streamed(api, cfg).default_backoff().boxed(),
                 };
                 let driver = events
                     .modify(move |o| {
@@ -642,6 +642,40 @@ fn missing(e: &watcher::Error) -> bool {
         | watcher::Error::WatchStartFailed(kube::Error::Api(s)) => s.code == 404,
         _ => false,
     }
+}
+
+/// The events of a watch of `api` whose first list is streamed (a watch with
+/// `sendInitialEvents`): the client decodes objects while the server still sends them, where
+/// pages in a row would add the server's time and the client's, page after page. A server
+/// that refuses streaming (400 or 422: before 1.27, or with `WatchList` off) gets its lists in
+/// pages, from then on for this watch.
+pub(crate) fn streamed<C>(
+    api: kube::Api<C>,
+    cfg: watcher::Config,
+) -> BoxStream<'static, watcher::Result<watcher::Event<C>>>
+where
+    C: Resource + Clone + DeserializeOwned + Debug + Send + 'static,
+{
+    let events = watcher(api.clone(), cfg.clone().streaming_lists()).boxed();
+    futures::stream::unfold((events, Some((api, cfg))), |(mut events, mut paged)| async move {
+        loop {
+            match events.next().await? {
+                Err(watcher::Error::WatchStartFailed(kube::Error::Api(s)))
+                    if paged.is_some() && matches!(s.code, 400 | 422) =>
+                {
+                    let (api, cfg) = paged.take()?;
+                    tracing::info!(
+                        resource = api.resource_url(),
+                        reason = %s.message,
+                        "the API server does not stream lists: listing in pages"
+                    );
+                    events = watcher(api, cfg).boxed();
+                }
+                ev => return Some((ev, (events, paged))),
+            }
+        }
+    })
+    .boxed()
 }
 
 /// The state of an optional watch between two of its events.

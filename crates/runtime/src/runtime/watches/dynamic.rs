@@ -11,7 +11,7 @@ use kube::runtime::reflector::{self, ObjectRef};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, ResourceExt};
 
-use super::{Watches, optional, triggers};
+use super::{Watches, optional, streamed, triggers};
 use crate::cache::{DynamicCache, Watch, keep_applied, measure};
 use crate::kind::{DynamicKind, ResolvedKind, Watchable};
 
@@ -136,7 +136,7 @@ fn connect(
                         _ => Api::all_with(client, &found.resource),
                     };
                     cache.resolve(found);
-                    watcher(api, cfg.clone()).boxed()
+                    streamed(api, cfg.clone())
                 }
                 Err(e) => {
                     if matches!(&e, kube::Error::Api(s) if s.code == 404) {
