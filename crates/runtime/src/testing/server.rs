@@ -835,6 +835,7 @@ impl ApiServer {
                     t,
                     sel,
                     q.get("resourceVersion").cloned(),
+                    q.get("sendInitialEvents").is_some_and(|v| v == "true"),
                     metadata_only,
                 ),
                 Err(e) => {
@@ -1174,6 +1175,7 @@ impl ApiServer {
         t: Target,
         sel: Selector,
         rv: Option<String>,
+        initial_events: bool,
         metadata_only: bool,
     ) -> Response<Body> {
         let position = Arc::new(AtomicUsize::new(0));
@@ -1186,6 +1188,14 @@ impl ApiServer {
                 if *k == t.kind && t.namespace.as_ref().is_none_or(|ns| ns == n) && sel.matches(&s.value) {
                     initial.push(json!({"type": "ADDED", "object": s.value}));
                 }
+            }
+            if initial_events {
+                // A streamed list ends with a bookmark that says so, as the API server's.
+                let kind = &state.kinds[t.kind];
+                initial.push(json!({"type": "BOOKMARK", "object": {
+                    "apiVersion": kind.api_version(), "kind": kind.kind,
+                    "metadata": {"resourceVersion": state.rv.to_string(),
+                                 "annotations": {"k8s.io/initial-events-end": "true"}}}}));
             }
             state.changes.len()
         } else {
