@@ -647,8 +647,8 @@ fn missing(e: &watcher::Error) -> bool {
 /// The events of a watch of `api` whose first list is streamed (a watch with
 /// `sendInitialEvents`): the client decodes objects while the server still sends them, where
 /// pages in a row would add the server's time and the client's, page after page. A server
-/// that refuses streaming (400 or 422: before 1.27, or with `WatchList` off) gets its lists in
-/// pages, from then on for this watch.
+/// that refuses streaming (before 1.27, or with `WatchList` off) gets its lists in pages, from
+/// then on for this watch.
 pub(crate) fn streamed<C>(
     api: kube::Api<C>,
     cfg: watcher::Config,
@@ -661,7 +661,7 @@ where
         loop {
             match events.next().await? {
                 Err(watcher::Error::WatchStartFailed(kube::Error::Api(s)))
-                    if paged.is_some() && matches!(s.code, 400 | 422) =>
+                    if paged.is_some() && refuses_streaming(&s) =>
                 {
                     let (api, cfg) = paged.take()?;
                     tracing::info!(
@@ -676,6 +676,14 @@ where
         }
     })
     .boxed()
+}
+
+/// Whether a refused watch says the server cannot stream lists: 422 naming `sendInitialEvents`
+/// (the `WatchList` gate off) or `resourceVersionMatch` (before 1.27, which knew neither). A bad
+/// selector's 400 is no reason to list in pages.
+fn refuses_streaming(s: &kube::core::Status) -> bool {
+    matches!(s.code, 400 | 422)
+        && (s.message.contains("sendInitialEvents") || s.message.contains("resourceVersionMatch"))
 }
 
 /// The state of an optional watch between two of its events.
@@ -773,7 +781,8 @@ where
                 out
             }
             Some(Err(e)) => {
-                s.held = false;
+                // The `Init` stays held: a streamed list goes on after an object it could not
+                // decode, and what it sends next still belongs to that list.
                 s.wait = Some(s.failed_wait);
                 s.failed_wait = (s.failed_wait * 2).min(FAILED_MAX);
                 let mut out = vec![Err(e)];
@@ -976,5 +985,25 @@ mod tests {
         ]);
         c.metadata.labels = Some([(OWNER_LABEL.to_string(), "u2".to_string())].into());
         assert_eq!(owner_uids(&c), ["u1", "u2"]);
+    }
+
+    #[test]
+    fn only_a_refusal_of_streaming_lists_falls_back_to_pages() {
+        let refused =
+            |code: u16, message: &str| kube::core::Status::failure(message, "Invalid").with_code(code);
+        // kube-apiserver 1.35 with WatchList off, and a server from before 1.27.
+        assert!(refuses_streaming(&refused(
+            422,
+            "ListOptions.meta.k8s.io \"\" is invalid: sendInitialEvents: Forbidden: sendInitialEvents is forbidden for watch unless the WatchList feature gate is enabled"
+        )));
+        assert!(refuses_streaming(&refused(
+            422,
+            "resourceVersionMatch: Forbidden: resourceVersionMatch is forbidden for watch"
+        )));
+        assert!(!refuses_streaming(&refused(
+            400,
+            "unable to parse requirement: invalid label key"
+        )));
+        assert!(!refuses_streaming(&refused(422, "fieldSelector: Invalid value")));
     }
 }

@@ -829,15 +829,7 @@ impl ApiServer {
                 q.get("labelSelector").map(String::as_str),
                 q.get("fieldSelector").map(String::as_str),
             ) {
-                Ok(sel) => self.watch(
-                    &mut state,
-                    who,
-                    t,
-                    sel,
-                    q.get("resourceVersion").cloned(),
-                    q.get("sendInitialEvents").is_some_and(|v| v == "true"),
-                    metadata_only,
-                ),
+                Ok(sel) => self.watch(&mut state, who, t, sel, &q, metadata_only),
                 Err(e) => {
                     let (code, v) = status(StatusCode::BAD_REQUEST, "BadRequest", e);
                     full(code, &v)
@@ -1174,13 +1166,13 @@ impl ApiServer {
         who: &str,
         t: Target,
         sel: Selector,
-        rv: Option<String>,
-        initial_events: bool,
+        q: &BTreeMap<String, String>,
         metadata_only: bool,
     ) -> Response<Body> {
+        let initial_events = q.get("sendInitialEvents").is_some_and(|v| v == "true");
         let position = Arc::new(AtomicUsize::new(0));
         state.watches.push((Arc::downgrade(&position), who.into()));
-        let since: u64 = rv.as_deref().and_then(|r| r.parse().ok()).unwrap_or(0);
+        let since: u64 = q.get("resourceVersion").and_then(|r| r.parse().ok()).unwrap_or(0);
         let mut initial = Vec::new();
         let start = if since == 0 {
             // No version: the objects there are now, then what changes.
