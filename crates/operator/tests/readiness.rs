@@ -8,7 +8,9 @@ use anyhow::{Context, anyhow, ensure};
 use opkit_testenv::{ControlPlane, Options, http_get, shared, wait_for};
 
 mod common;
-use common::{Running, free_port, install_crds, install_crds_on, opkit, run_kubectl, sigterm};
+use common::{
+    Running, free_port, install_crds, install_crds_on, opkit, run_kubectl, run_kubectl_stdin, sigterm,
+};
 
 const STARTS: usize = 20;
 
@@ -146,15 +148,8 @@ async fn a_server_without_streaming_lists_gets_lists_in_pages() -> anyhow::Resul
         logged()
     );
     let memcached = "apiVersion: cache.example.com/v1alpha1\nkind: Memcached\nmetadata:\n  name: paged\n  namespace: default\nspec:\n  size: 1\n";
-    let mut apply = kubectl();
-    apply
-        .args(["apply", "-f", "-"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null());
-    let mut child = apply.spawn()?;
-    std::io::Write::write_all(child.stdin.as_mut().context("stdin")?, memcached.as_bytes())?;
-    drop(child.stdin.take());
-    ensure!(child.wait()?.success(), "creating the Memcached failed");
+    let (ok, out) = run_kubectl_stdin(kubectl(), &["apply", "-f", "-"], memcached.as_bytes())?;
+    ensure!(ok, "creating the Memcached failed: {out}");
     wait_for("the Memcached's Deployment", Duration::from_secs(30), || async {
         run_kubectl(kubectl(), &["get", "deployment", "paged", "-n", "default"]).map(drop)
     })

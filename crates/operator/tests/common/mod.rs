@@ -46,8 +46,17 @@ pub fn run_kubectl(mut kubectl: Command, args: &[&str]) -> anyhow::Result<String
 
 /// Runs kubectl with `input` on stdin: (succeeded, stdout + stderr).
 pub fn kubectl_stdin(args: &[&str], input: &[u8]) -> anyhow::Result<(bool, String)> {
-    let mut c = shared()
-        .kubectl()
+    run_kubectl_stdin(shared().kubectl(), args, input)
+}
+
+/// Runs `kubectl` (a kubectl command pointed at its cluster) with `args` and `input` on stdin:
+/// (succeeded, stdout + stderr).
+pub fn run_kubectl_stdin(
+    mut kubectl: Command,
+    args: &[&str],
+    input: &[u8],
+) -> anyhow::Result<(bool, String)> {
+    let mut c = kubectl
         .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
