@@ -754,14 +754,27 @@ impl<C> Watch<C> {
 
 /// Replaces `obj` by what `manager` applied to it ([`crate::diff::applied_by`]); leaves it
 /// whole when the manager applied nothing or the projection does not make a valid object.
-pub(crate) fn keep_applied<C: Serialize + DeserializeOwned>(obj: &mut C, manager: &str) {
-    let Ok(value) = serde_json::to_value(&*obj) else {
-        return;
-    };
-    if let Some(projected) = crate::diff::applied_by(&value, manager)
-        && let Ok(trimmed) = serde_json::from_value(projected)
-    {
-        *obj = trimmed;
+pub(crate) fn keep_applied<C: Resource + Serialize + DeserializeOwned>(obj: &mut C, manager: &str) {
+    // Read apart from the object, so that serialising it does not copy them into the tree.
+    let entries = obj.meta_mut().managed_fields.take();
+    let applied: Vec<&serde_json::Value> = entries
+        .iter()
+        .flatten()
+        .filter(|e| {
+            e.manager.as_deref() == Some(manager)
+                && e.operation.as_deref() == Some("Apply")
+                && e.subresource.as_deref().unwrap_or_default().is_empty()
+        })
+        .filter_map(|e| e.fields_v1.as_ref().map(|f| &f.0))
+        .collect();
+    let projected = (!applied.is_empty())
+        .then(|| serde_json::to_value(&*obj).ok())
+        .flatten()
+        .and_then(|value| crate::diff::applied_fields(&value, applied))
+        .and_then(|projected| serde_json::from_value(projected).ok());
+    match projected {
+        Some(trimmed) => *obj = trimmed,
+        None => obj.meta_mut().managed_fields = entries,
     }
 }
 
@@ -943,5 +956,37 @@ mod tests {
         let p = Index::new(Arc::new(owners));
         p.observe(&watcher::Event::Apply(pod("a", "m1")));
         assert_eq!(p.refs("m1")[0].namespace.as_deref(), Some("ns"));
+    }
+
+    #[test]
+    fn a_typed_object_keeps_what_its_manager_applied_as_its_json_would() {
+        use k8s_openapi::api::apps::v1::Deployment;
+        let json = serde_json::json!({
+            "apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": "m", "namespace": "ns", "uid": "u", "resourceVersion": "9",
+                "labels": {"app": "memcached", "other": "x"},
+                "managedFields": [
+                    {"manager": "opkit-memcached", "operation": "Apply", "fieldsType": "FieldsV1",
+                     "fieldsV1": {"f:metadata": {"f:labels": {"f:app": {}}}, "f:spec": {"f:replicas": {}}}},
+                    {"manager": "kubectl-edit", "operation": "Update", "fieldsType": "FieldsV1",
+                     "fieldsV1": {"f:metadata": {"f:labels": {"f:other": {}}}}}
+                ]},
+            "spec": {"replicas": 2, "progressDeadlineSeconds": 600,
+                "selector": {"matchLabels": {"app": "memcached"}}, "template": {}},
+            "status": {"replicas": 2}
+        });
+        let whole: Deployment = serde_json::from_value(json.clone()).unwrap();
+        let mut d = whole.clone();
+        keep_applied(&mut d, "opkit-memcached");
+        let projected = crate::diff::applied_by(&serde_json::to_value(&whole).unwrap(), "opkit-memcached");
+        let expected: Deployment = serde_json::from_value(projected.unwrap()).unwrap();
+        assert_eq!(d, expected);
+        assert_eq!(d.spec.as_ref().map(|s| s.replicas), Some(Some(2)));
+        assert_eq!(d.spec.as_ref().and_then(|s| s.progress_deadline_seconds), None);
+        assert_eq!(d.labels().get("other"), None);
+        // Nothing applied by this manager: the object stays whole, managed fields and all.
+        let mut untouched = whole.clone();
+        keep_applied(&mut untouched, "someone-else");
+        assert_eq!(untouched, whole);
     }
 }

@@ -65,21 +65,29 @@ pub fn needs_apply<K: serde::Serialize>(desired: &K, live: Option<&K>) -> bool {
 /// not kept: for a Deployment that is most of the object.
 pub fn applied_by(obj: &Value, manager: &str) -> Option<Value> {
     let entries = obj["metadata"]["managedFields"].as_array()?;
-    let mut owned: Option<Value> = None;
-    for e in entries {
+    let applied = entries.iter().filter_map(|e| {
         let applied = e["manager"] == manager
             && e["operation"] == "Apply"
             && e["subresource"].as_str().unwrap_or_default().is_empty();
-        if applied && let Some(fields) = e.get("fieldsV1") {
-            let projected = project(obj, fields)?;
-            owned = Some(match owned {
-                Some(mut o) => {
-                    merge(&mut o, projected);
-                    o
-                }
-                None => projected,
-            });
-        }
+        e.get("fieldsV1").filter(|_| applied)
+    });
+    applied_fields(obj, applied)
+}
+
+/// [`applied_by`] with the `fieldsV1` of the manager's `Apply` entries given apart from
+/// `obj`, which need not hold its `managedFields`: a cache projects each object it lists
+/// without turning those (for a Deployment about 40% of it) into a tree first.
+pub(crate) fn applied_fields<'a>(obj: &Value, applied: impl IntoIterator<Item = &'a Value>) -> Option<Value> {
+    let mut owned: Option<Value> = None;
+    for fields in applied {
+        let projected = project(obj, fields)?;
+        owned = Some(match owned {
+            Some(mut o) => {
+                merge(&mut o, projected);
+                o
+            }
+            None => projected,
+        });
     }
     let mut owned = owned?;
     for key in ["apiVersion", "kind", "status"] {

@@ -335,6 +335,8 @@ where
                     }
                     None => streamed(api, cfg).default_backoff().boxed(),
                 };
+                // When the first list is complete, say how long it took: what a restart waits for.
+                let (started, mut synced) = (std::time::Instant::now(), false);
                 let driver = events
                     .modify(move |o| {
                         if let Some(manager) = &applied {
@@ -352,6 +354,11 @@ where
                                 // The indexes are complete before any subscriber counts the
                                 // watch as synced.
                                 observe_all(&indexes, &ev);
+                                if !synced && matches!(ev, watcher::Event::InitDone) {
+                                    synced = true;
+                                    let seconds = started.elapsed().as_millis() as f64 / 1000.0;
+                                    tracing::info!(kind, objects = listed.len(), seconds, "cache synced");
+                                }
                                 subs.lock().unwrap_or_else(|p| p.into_inner()).send(ev, &listed);
                             }
                             Err(e) => tracing::warn!(kind, error = %e, "watch failed; retrying with backoff"),
