@@ -755,7 +755,8 @@ impl<C> Watch<C> {
 /// Replaces `obj` by what `manager` applied to it ([`crate::diff::applied_by`]); leaves it
 /// whole when the manager applied nothing or the projection does not make a valid object.
 pub(crate) fn keep_applied<C: Resource + Serialize + DeserializeOwned>(obj: &mut C, manager: &str) {
-    // Read apart from the object, so that serialising it does not copy them into the tree.
+    // The managed fields are read apart from the object, so that serialising it does not copy
+    // them into the tree it is projected from.
     let entries = obj.meta_mut().managed_fields.take();
     let applied: Vec<&serde_json::Value> = entries
         .iter()
@@ -969,7 +970,9 @@ mod tests {
                     {"manager": "opkit-memcached", "operation": "Apply", "fieldsType": "FieldsV1",
                      "fieldsV1": {"f:metadata": {"f:labels": {"f:app": {}}}, "f:spec": {"f:replicas": {}}}},
                     {"manager": "kubectl-edit", "operation": "Update", "fieldsType": "FieldsV1",
-                     "fieldsV1": {"f:metadata": {"f:labels": {"f:other": {}}}}}
+                     "fieldsV1": {"f:metadata": {"f:labels": {"f:other": {}}}}},
+                    {"manager": "opkit-memcached", "operation": "Apply", "subresource": "status",
+                     "fieldsType": "FieldsV1", "fieldsV1": {"f:spec": {"f:progressDeadlineSeconds": {}}}}
                 ]},
             "spec": {"replicas": 2, "progressDeadlineSeconds": 600,
                 "selector": {"matchLabels": {"app": "memcached"}}, "template": {}},

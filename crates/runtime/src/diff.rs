@@ -75,8 +75,8 @@ pub fn applied_by(obj: &Value, manager: &str) -> Option<Value> {
 }
 
 /// [`applied_by`] with the `fieldsV1` of the manager's `Apply` entries given apart from
-/// `obj`, which need not hold its `managedFields`: a cache projects each object it lists
-/// without turning those (for a Deployment about 40% of it) into a tree first.
+/// `obj`, which need not hold its `managedFields`: a cache projects each object it lists or
+/// is told changed without turning those (43% of a memcached Deployment's JSON) into a tree.
 pub(crate) fn applied_fields<'a>(obj: &Value, applied: impl IntoIterator<Item = &'a Value>) -> Option<Value> {
     let mut owned: Option<Value> = None;
     for fields in applied {

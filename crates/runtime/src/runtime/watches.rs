@@ -335,10 +335,13 @@ where
                     }
                     None => streamed(api, cfg).default_backoff().boxed(),
                 };
-                // When the first list is complete, say how long it took: what a restart waits for.
-                let (started, mut synced) = (std::time::Instant::now(), false);
-                let driver = events
-                    .modify(move |o| {
+                // When the first list of a served kind is complete, say how long it took since
+                // the watch began to run: what a start waits for. An optional watch's "not served,
+                // empty" is not that list.
+                let serving = active.clone();
+                let driver = async move {
+                    let (started, mut synced) = (Instant::now(), false);
+                    let events = events.modify(move |o| {
                         if let Some(manager) = &applied {
                             keep_applied(o, manager);
                         }
@@ -346,26 +349,30 @@ where
                         if let Some(t) = &trim {
                             (t.apply)(o);
                         }
-                    })
-                    .for_each(move |ev| {
-                        match ev {
-                            Ok(ev) => {
-                                writer.apply(&ev);
-                                // The indexes are complete before any subscriber counts the
-                                // watch as synced.
-                                observe_all(&indexes, &ev);
-                                if !synced && matches!(ev, watcher::Event::InitDone) {
-                                    synced = true;
-                                    let seconds = started.elapsed().as_millis() as f64 / 1000.0;
-                                    tracing::info!(kind, objects = listed.len(), seconds, "cache synced");
-                                }
-                                subs.lock().unwrap_or_else(|p| p.into_inner()).send(ev, &listed);
+                    });
+                    let mut events = std::pin::pin!(events);
+                    while let Some(ev) = events.next().await {
+                        let ev = match ev {
+                            Ok(ev) => ev,
+                            Err(e) => {
+                                tracing::warn!(kind, error = %e, "watch failed; retrying with backoff");
+                                continue;
                             }
-                            Err(e) => tracing::warn!(kind, error = %e, "watch failed; retrying with backoff"),
+                        };
+                        writer.apply(&ev);
+                        // The indexes are complete before any subscriber counts the watch as
+                        // synced.
+                        observe_all(&indexes, &ev);
+                        let served = serving.as_ref().is_none_or(|a| a.load(Ordering::SeqCst));
+                        if !synced && served && matches!(ev, watcher::Event::InitDone) {
+                            synced = true;
+                            let seconds = started.elapsed().as_secs_f64();
+                            tracing::info!(kind, objects = listed.len(), seconds, "cache synced");
                         }
-                        futures::future::ready(())
-                    })
-                    .boxed();
+                        subs.lock().unwrap_or_else(|p| p.into_inner()).send(ev, &listed);
+                    }
+                }
+                .boxed();
                 // Reported under the controller that declared it first.
                 let measured = cache.clone();
                 self.metrics.cache(&C::kind(&()), move || measured.measure());
