@@ -363,8 +363,8 @@ where
                         // The indexes are complete before any subscriber counts the watch as
                         // synced.
                         observe_all(&indexes, &ev);
-                        let served = serving.as_ref().is_none_or(|a| a.load(Ordering::SeqCst));
-                        if !synced && served && matches!(ev, watcher::Event::InitDone) {
+                        let served = || serving.as_ref().is_none_or(|a| a.load(Ordering::SeqCst));
+                        if !synced && matches!(ev, watcher::Event::InitDone) && served() {
                             synced = true;
                             let seconds = started.elapsed().as_secs_f64();
                             tracing::info!(kind, objects = listed.len(), seconds, "cache synced");
