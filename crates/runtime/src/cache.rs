@@ -762,9 +762,8 @@ pub(crate) fn keep_applied<C: Resource + Serialize + DeserializeOwned>(obj: &mut
         .iter()
         .flatten()
         .filter(|e| {
-            e.manager.as_deref() == Some(manager)
-                && e.operation.as_deref() == Some("Apply")
-                && e.subresource.as_deref().unwrap_or_default().is_empty()
+            let (by, operation) = (e.manager.as_deref(), e.operation.as_deref());
+            crate::diff::is_apply_of(manager, by, operation, e.subresource.as_deref())
         })
         .filter_map(|e| e.fields_v1.as_ref().map(|f| &f.0))
         .collect();

@@ -66,12 +66,27 @@ pub fn needs_apply<K: serde::Serialize>(desired: &K, live: Option<&K>) -> bool {
 pub fn applied_by(obj: &Value, manager: &str) -> Option<Value> {
     let entries = obj["metadata"]["managedFields"].as_array()?;
     let applied = entries.iter().filter_map(|e| {
-        let applied = e["manager"] == manager
-            && e["operation"] == "Apply"
-            && e["subresource"].as_str().unwrap_or_default().is_empty();
+        let field = |k: &str| e[k].as_str();
+        let applied = is_apply_of(
+            manager,
+            field("manager"),
+            field("operation"),
+            field("subresource"),
+        );
         e.get("fieldsV1").filter(|_| applied)
     });
     applied_fields(obj, applied)
+}
+
+/// Whether a `managedFields` entry (its manager, operation and subresource) is one of
+/// `manager`'s applies to the object itself: a status apply owns no field of the object.
+pub(crate) fn is_apply_of(
+    manager: &str,
+    by: Option<&str>,
+    operation: Option<&str>,
+    subresource: Option<&str>,
+) -> bool {
+    by == Some(manager) && operation == Some("Apply") && subresource.unwrap_or_default().is_empty()
 }
 
 /// [`applied_by`] with the `fieldsV1` of the manager's `Apply` entries given apart from
