@@ -1,7 +1,8 @@
 //! Two replicas on one Lease, in one process: a warm standby fills its caches but neither
 //! reconciles nor writes until it leads, and then starts from them; a Lease deleted under a
 //! leader closes its gate, and a standby waits out the deleted Lease's duration; a leader that
-//! loses the Lease stands by in the same process and leads again once it can.
+//! loses the Lease stands by in the same process and leads again once it can; a renewal is one
+//! write, so a leader whose reads fail goes on leading.
 
 use std::time::{Duration, Instant};
 
@@ -313,8 +314,45 @@ async fn a_leader_whose_renewals_failed_waits_out_its_own_lease_like_any_standby
             let through = Client::try_from(proxy.config())?;
             let op = common::start(&through, &ns, memcached::NAME, opts).await?;
             wait_status(&op, 1.0, "the replica to lead").await?;
-            // Its reads fail (each renewal reads the Lease first) until it has given up.
+            // A renewal is one write while nobody else changes the Lease: every read failing
+            // for longer than the renew deadline (4 s) ends nothing, and renewals go on.
+            let leases: Api<k8s_openapi::api::coordination::v1::Lease> = Api::namespaced(client.clone(), &ns);
+            let stamp = || async {
+                let l = leases.get("standby-test").await?;
+                anyhow::Ok(l.spec.and_then(|s| s.renew_time).map(|t| t.0))
+            };
+            // Leads through a window of `secs` seconds, renewing at least `least` times.
+            let leads_through = |secs: u64, least: u32, what: &'static str| {
+                let stamp = &stamp;
+                let op = &op;
+                async move {
+                    let since = Instant::now();
+                    let (mut renewals, mut last) = (0, stamp().await?);
+                    while since.elapsed() < Duration::from_secs(secs) {
+                        ensure!(
+                            op.sample(LEADS) == 1.0,
+                            "stood down {:?} after {what}",
+                            since.elapsed()
+                        );
+                        let now = stamp().await?;
+                        if now != last {
+                            (renewals, last) = (renewals + 1, now);
+                        }
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                    ensure!(renewals >= least, "{renewals} renewals in {secs} s after {what}");
+                    anyhow::Ok(())
+                }
+            };
             proxy.set(Fault::Pass, Fault::Status(500));
+            leads_through(6, 3, "its reads started failing").await?;
+            // Each write answered 1.5 s late: the next renewal starts a period (1 s) after the
+            // last one started, not after its answer, so each ends 3 s after the one before
+            // began, within the 4 s deadline (counting from the answer, 4 s: lost).
+            proxy.set(Fault::Delay(Duration::from_millis(1500)), Fault::Pass);
+            leads_through(8, 3, "its writes became slow").await?;
+            // Its writes fail too until it has given up.
+            proxy.set(Fault::Status(500), Fault::Status(500));
             wait_status(&op, 0.0, "the replica to stand down").await?;
             let stood_down = Instant::now();
             proxy.set(Fault::Pass, Fault::Pass);

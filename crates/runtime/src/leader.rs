@@ -260,6 +260,10 @@ pub struct LeaderElector {
     /// a replica whose renewals keep failing cannot keep taking the Lease back from a
     /// healthy standby.
     lost_once: Arc<AtomicBool>,
+    /// The Lease as this replica last wrote it (the apiserver's answer, with its
+    /// resourceVersion): a renewal writes it again without reading first, and the
+    /// resourceVersion makes that write fail if anyone changed the Lease since.
+    written: Arc<std::sync::Mutex<Option<Lease>>>,
 }
 
 fn now() -> MicroTime {
@@ -300,6 +304,7 @@ impl LeaderElector {
             gate,
             seen: Default::default(),
             lost_once: Default::default(),
+            written: Default::default(),
         }
     }
 
@@ -370,10 +375,22 @@ impl LeaderElector {
                     .await
             }
         };
+        let mut written = self.written.lock().unwrap_or_else(|p| p.into_inner());
         match result {
-            Ok(_) => Ok(true),
-            Err(kube::Error::Api(s)) if s.code == 409 => Ok(false),
-            Err(e) => Err(self.err(e)),
+            Ok(lease) => {
+                *written = Some(lease);
+                Ok(true)
+            }
+            Err(kube::Error::Api(s)) if s.code == 409 => {
+                *written = None;
+                Ok(false)
+            }
+            Err(e) => {
+                if matches!(&e, kube::Error::Api(s) if s.code == 404) {
+                    *written = None;
+                }
+                Err(self.err(e))
+            }
         }
     }
 
@@ -503,7 +520,29 @@ impl LeaderElector {
     /// One renewal: read the Lease, give up if someone else holds it (or nobody: a deleted
     /// Lease or an emptied holder may already have been claimed by a standby that saw it),
     /// write a new stamp.
+    ///
+    /// While nobody else has written the Lease since this replica did, one write does: the
+    /// Lease as last written goes back with a new stamp, and its resourceVersion makes the
+    /// apiserver refuse it (409, or 404 if it was deleted) once anyone else has changed it;
+    /// only then is it read. One round trip instead of two is what lets a renewal meet its
+    /// deadline on a loaded apiserver (as client-go's optimistic renewal does).
     async fn renew_once(&self) -> Result<Renewal, LeaderError> {
+        let mine = self.written.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let ours = |l: &Lease| {
+            l.spec.as_ref().and_then(|s| s.holder_identity.as_deref()) == Some(self.cfg.identity.as_str())
+        };
+        if let Some(mine) = mine.filter(ours) {
+            match self.write(Some(mine)).await {
+                Ok(true) => return Ok(Renewal::Held),
+                // Changed (409) or deleted (404) by someone: read what it says now.
+                Ok(false) => {}
+                Err(LeaderError::Api {
+                    source: kube::Error::Api(s),
+                    ..
+                }) if s.code == 404 => {}
+                Err(e) => return Err(e),
+            }
+        }
         let live = self.api.get_opt(&self.cfg.name).await.map_err(|e| self.err(e))?;
         let holder = live
             .as_ref()
@@ -522,11 +561,19 @@ impl LeaderElector {
     /// Renews every `retry_period` until `cancel` fires (`Ok`) or the Lease could not be
     /// renewed before the deadline or was taken by another replica (`Err`; the gate is then
     /// closed). Each attempt may only use the time left to the deadline.
+    ///
+    /// Renewals start a `retry_period` after the last successful one *started*, not after its
+    /// answer came: the deadline counts from the start, so a slow answer does not also delay
+    /// the next attempt and shorten the time it has.
     pub async fn renew(&self, cancel: &CancellationToken, mut deadline: Instant) -> Result<(), LeaderError> {
+        let mut next = deadline
+            .checked_sub(self.cfg.renew_deadline)
+            .unwrap_or_else(Instant::now)
+            + self.cfg.retry_period;
         loop {
             tokio::select! {
                 _ = cancel.cancelled() => return Ok(()),
-                _ = tokio::time::sleep(self.cfg.retry_period) => {}
+                _ = tokio::time::sleep_until(next.into()) => {}
             }
             loop {
                 let sent = Instant::now();
@@ -538,6 +585,7 @@ impl LeaderElector {
                 match tokio::time::timeout(left, self.renew_once()).await {
                     Ok(Ok(Renewal::Held)) => {
                         deadline = sent + self.cfg.renew_deadline;
+                        next = sent + self.cfg.retry_period;
                         self.gate.open_until(deadline);
                         break;
                     }
