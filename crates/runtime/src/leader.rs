@@ -261,8 +261,8 @@ pub struct LeaderElector {
     /// healthy standby.
     lost_once: Arc<AtomicBool>,
     /// The Lease as this replica last wrote it (the apiserver's answer, with its
-    /// resourceVersion): a renewal writes it again without reading first, and the
-    /// resourceVersion makes that write fail if anyone changed the Lease since.
+    /// resourceVersion and uid): a renewal writes it again without reading first, and the
+    /// apiserver refuses that write if anyone changed or deleted the Lease since.
     written: Arc<std::sync::Mutex<Option<Lease>>>,
 }
 
@@ -368,8 +368,9 @@ impl LeaderElector {
                 }
                 spec.lease_duration_seconds = Some(duration);
                 spec.renew_time = Some(t);
-                // `replace` carries the resourceVersion we read: a concurrent writer makes it
-                // fail with 409 instead of two replicas both believing they lead.
+                // `replace` carries the resourceVersion (and uid) we read or last wrote: a
+                // concurrent writer makes it fail with 409 instead of two replicas both
+                // believing they lead.
                 self.api
                     .replace(&self.cfg.name, &PostParams::default(), &lease)
                     .await
@@ -517,15 +518,16 @@ impl LeaderElector {
         }
     }
 
-    /// One renewal: read the Lease, give up if someone else holds it (or nobody: a deleted
-    /// Lease or an emptied holder may already have been claimed by a standby that saw it),
-    /// write a new stamp.
+    /// One renewal: write the Lease as this replica last wrote it, with a new stamp; only if
+    /// that is refused, read it, give up if someone else holds it (or nobody: a deleted Lease
+    /// or an emptied holder may already have been claimed by a standby that saw it), and
+    /// write the live one.
     ///
-    /// While nobody else has written the Lease since this replica did, one write does: the
-    /// Lease as last written goes back with a new stamp, and its resourceVersion makes the
-    /// apiserver refuse it (409, or 404 if it was deleted) once anyone else has changed it;
-    /// only then is it read. One round trip instead of two is what lets a renewal meet its
-    /// deadline on a loaded apiserver (as client-go's optimistic renewal does).
+    /// The first write carries the resourceVersion and uid of our last write, so the apiserver
+    /// refuses it (409) once anyone else has changed the Lease, or deleted it (even if it was
+    /// made again since: the uid differs). One round trip instead of two while nobody else
+    /// writes is what lets a renewal meet its deadline on a loaded apiserver (client-go renews
+    /// the same way).
     async fn renew_once(&self) -> Result<Renewal, LeaderError> {
         let mine = self.written.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let ours = |l: &Lease| {
@@ -534,7 +536,8 @@ impl LeaderElector {
         if let Some(mine) = mine.filter(ours) {
             match self.write(Some(mine)).await {
                 Ok(true) => return Ok(Renewal::Held),
-                // Changed (409) or deleted (404) by someone: read what it says now.
+                // Changed or deleted by someone (409; 404 is not what an apiserver answers,
+                // but would mean the same): read what it says now.
                 Ok(false) => {}
                 Err(LeaderError::Api {
                     source: kube::Error::Api(s),
@@ -564,14 +567,18 @@ impl LeaderElector {
     ///
     /// Renewals start a `retry_period` after the last successful one *started*, not after its
     /// answer came: the deadline counts from the start, so a slow answer does not also delay
-    /// the next attempt and shorten the time it has.
+    /// the next attempt and shorten the time it has. `deadline` is the one
+    /// [`LeaderElector::acquire`] returned (a renew deadline after its write started).
     pub async fn renew(&self, cancel: &CancellationToken, mut deadline: Instant) -> Result<(), LeaderError> {
         let mut next = deadline
             .checked_sub(self.cfg.renew_deadline)
             .unwrap_or_else(Instant::now)
             + self.cfg.retry_period;
         loop {
+            // A renewal already due (the last answer took a period or more) never wins over
+            // a stop: renewals end at shutdown, and the gate closes a deadline later at most.
             tokio::select! {
+                biased;
                 _ = cancel.cancelled() => return Ok(()),
                 _ = tokio::time::sleep_until(next.into()) => {}
             }
@@ -602,6 +609,7 @@ impl LeaderElector {
                         let pause = (self.cfg.retry_period / 4)
                             .min(deadline.saturating_duration_since(Instant::now()));
                         tokio::select! {
+                            biased;
                             _ = cancel.cancelled() => return Ok(()),
                             _ = tokio::time::sleep(pause) => {}
                         }
