@@ -406,7 +406,7 @@ impl Server {
         let Some(acceptor) = self.acceptor.clone() else {
             // Plain HTTP: the first request's headers are due as a TLS handshake would be.
             return self
-                .serve_io(stream, false, activity, closing, registered.as_ref())
+                .serve_io(stream, false, true, activity, closing, registered.as_ref())
                 .await;
         };
         let handshake = tokio::time::timeout(limits.handshake, acceptor.accept(stream));
@@ -428,16 +428,25 @@ impl Server {
             }
         };
         let http2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
-        self.serve_io(tls, http2, activity, closing, registered.as_ref())
+        self.serve_io(tls, http2, false, activity, closing, registered.as_ref())
             .await
     }
 
     /// Serves the HTTP of one connection (after its TLS handshake, if any); see
     /// [`Server::connection`].
+    ///
+    /// With `first_due`, the first request's headers are due within the header timeout from
+    /// now; without, the connection waits for its first request as a kept-alive one waits for
+    /// its next (until the idle timeout, or until all slots are taken: it has proven nothing).
+    /// A TLS connection waits: Go's HTTP client (the apiserver's) pools a connection it dialed
+    /// for a request that another connection served meanwhile, and may send its first request
+    /// on it much later; had the server cut it, that request would fail (Go retries a request
+    /// only on a connection that has carried one before), as an admission did.
     async fn serve_io<IO>(
         self,
         io: IO,
         http2: bool,
+        first_due: bool,
         activity: Arc<Activity>,
         closing: Option<CancellationToken>,
         registered: Option<&Registered>,
@@ -445,9 +454,8 @@ impl Server {
         IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
         let (what, limits) = (self.what, self.limits);
-        // The first request is on its way: its headers must come within the header timeout.
         activity.set_since(Instant::now());
-        activity.reading.store(true, Ordering::Release);
+        activity.reading.store(first_due, Ordering::Release);
 
         let svc = {
             let (app, activity, stopping) = (self.app.clone(), activity.clone(), self.stopping.clone());
@@ -710,9 +718,46 @@ pub(crate) mod tests {
             took >= limits().headers - Duration::from_millis(300),
             "closed after {took:?}"
         );
-        // A new connection that sends nothing after its handshake is cut the same way.
+        // A new connection that sends nothing after its handshake is not: as the apiserver's
+        // pooled connections that have not carried a request yet, it is served later, and
+        // closed only once idle for the idle timeout.
+        let mut fresh = connect_tls(port, &ca).await.unwrap();
+        tokio::time::sleep(limits().headers + Duration::from_millis(700)).await;
+        let first = get(&mut fresh).await.expect("the fresh connection was kept");
+        assert!(first.starts_with("HTTP/1.1 200"), "{first}");
         let mut silent = connect_tls(port, &ca).await.unwrap();
-        closed(&mut silent, limits().headers * 3).await;
+        let took = closed(&mut silent, limits().idle * 2).await;
+        assert!(
+            took >= limits().idle - Duration::from_millis(300),
+            "closed after {took:?}"
+        );
+        shutdown.cancel();
+    }
+
+    #[tokio::test]
+    async fn connections_silent_since_their_handshake_give_their_slots_up_to_a_new_client() {
+        let limits = Limits {
+            idle: Duration::from_secs(60),
+            ..limits()
+        };
+        let (ca, port, shutdown) = server(limits).await;
+        // Every slot held by a connection that completed its handshake and sent nothing (kept
+        // until the idle timeout while slots are free, see above).
+        let mut held = Vec::new();
+        for _ in 0..limits.connections {
+            held.push(connect_tls(port, &ca).await.unwrap());
+        }
+        let started = Instant::now();
+        let answered = tokio::time::timeout(UNPROVEN * 5, async {
+            let mut tls = connect_tls(port, &ca).await?;
+            get(&mut tls).await
+        })
+        .await
+        .expect("answered long before the idle timeout")
+        .unwrap();
+        assert!(answered.starts_with("HTTP/1.1 200"), "{answered}");
+        println!("answered after {:?}", started.elapsed());
+        closed(&mut held[0], Duration::from_secs(5)).await;
         shutdown.cancel();
     }
 
