@@ -294,7 +294,7 @@ async fn every_verb_the_generated_roles_grant_is_used_by_the_operator() -> anyho
             std::fs::read_to_string(&operator.1).unwrap_or_default()
         )
     };
-    // Leader election: the Lease created, then renewed (get, update).
+    // Leader election: the Lease created, then renewed (update).
     let leases: Api<Lease> = Api::namespaced(client.clone(), NS);
     wait_for("the operator to take the Lease", T, || async {
         let holder = leases
@@ -358,6 +358,21 @@ async fn every_verb_the_generated_roles_grant_is_used_by_the_operator() -> anyho
             std::fs::read_to_string(&standby.1).unwrap_or_default()
         )
     })?;
+
+    // A graceful stop: the leader reads its Lease to release it (a renewal writes without
+    // reading while nobody else has changed the Lease), and the standby takes it over.
+    common::sigterm(operator.0.0.id());
+    wait_for("the standby to take the Lease", T, || async {
+        let holder = leases
+            .get_opt("opkit-leader")
+            .await?
+            .and_then(|l| l.spec?.holder_identity)
+            .unwrap_or_default();
+        ensure!(holder.starts_with("opkit-rbac-standby_"), "holder {holder:?}");
+        Ok(())
+    })
+    .await
+    .with_context(logs)?;
 
     // The audit log is written before each request is answered (blocking mode): complete.
     let audit = read_audit(&audit_log)?;

@@ -60,9 +60,10 @@ pub(crate) const IDLE: Duration = Duration::from_secs(120);
 pub(crate) const RECLAIM: Duration = Duration::from_secs(30);
 
 /// A connection that has not had a request answered yet (its TLS handshake or first request
-/// still under way) this long gives its slot up when all are taken: a real client's takes
-/// milliseconds, and silent or trickling connections would otherwise hold every slot for the
-/// handshake or header timeout.
+/// still under way, or silent since its handshake) this long gives its slot up when all are
+/// taken: a real client's handshake and request take milliseconds, and silent or trickling
+/// connections would otherwise hold every slot for the handshake or idle timeout. A
+/// connection the apiserver dialed and pooled unused is such a one too, and goes first.
 pub(crate) const UNPROVEN: Duration = Duration::from_secs(1);
 
 /// [`UNPROVEN`] without TLS (the probe port, plain `/metrics`): a real client's request
@@ -428,7 +429,10 @@ impl Server {
             }
         };
         let http2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
-        self.serve_io(tls, http2, false, activity, closing, registered.as_ref())
+        // Accepted while the server stops, it is promised one answer and then closes: its
+        // request is due within the header timeout, so a silent one cannot hold the stop up.
+        let first_due = closing.is_none();
+        self.serve_io(tls, http2, first_due, activity, closing, registered.as_ref())
             .await
     }
 
@@ -438,10 +442,12 @@ impl Server {
     /// With `first_due`, the first request's headers are due within the header timeout from
     /// now; without, the connection waits for its first request as a kept-alive one waits for
     /// its next (until the idle timeout, or until all slots are taken: it has proven nothing).
-    /// A TLS connection waits: Go's HTTP client (the apiserver's) pools a connection it dialed
-    /// for a request that another connection served meanwhile, and may send its first request
-    /// on it much later; had the server cut it, that request would fail (Go retries a request
-    /// only on a connection that has carried one before), as an admission did.
+    /// A TLS connection waits (unless accepted while the server stops): Go's HTTP client (the
+    /// apiserver's) pools a connection it dialed for a request that another connection served
+    /// meanwhile, and may send its first request on it much later. A server that cuts it on
+    /// its own schedule races that request, which fails (a POST half written is not retried:
+    /// `write: broken pipe`), as an admission did; the client's own idle timeout (90 s) ends
+    /// such a connection before the server's (120 s).
     async fn serve_io<IO>(
         self,
         io: IO,
@@ -736,8 +742,12 @@ pub(crate) mod tests {
 
     #[tokio::test]
     async fn connections_silent_since_their_handshake_give_their_slots_up_to_a_new_client() {
+        // Neither the header, idle nor reclaim time frees a slot within the test: only their
+        // having answered nothing does.
         let limits = Limits {
+            headers: Duration::from_secs(30),
             idle: Duration::from_secs(60),
+            reclaim: Duration::from_secs(60),
             ..limits()
         };
         let (ca, port, shutdown) = server(limits).await;
@@ -756,7 +766,8 @@ pub(crate) mod tests {
         .expect("answered long before the idle timeout")
         .unwrap();
         assert!(answered.starts_with("HTTP/1.1 200"), "{answered}");
-        println!("answered after {:?}", started.elapsed());
+        let waited = started.elapsed();
+        assert!(waited < UNPROVEN * 3, "answered after {waited:?}");
         closed(&mut held[0], Duration::from_secs(5)).await;
         shutdown.cancel();
     }

@@ -393,8 +393,9 @@ async fn bind(what: &'static str, addr: SocketAddr) -> Result<tokio::net::TcpLis
 /// What one client may cost the manager's endpoints: any Pod can connect to them (the
 /// NetworkPolicy admits the probe port from anywhere), and the kubelet, Prometheus and the
 /// webhooks' apiserver share the process. At most 64 connections; a silent one is dropped
-/// after 10 s, an idle one after [`crate::https::IDLE`], and an idle one gives its slot up to
-/// a new one when all are taken.
+/// after 10 s (over TLS, one silent since its handshake counts as idle), an idle one after
+/// [`crate::https::IDLE`], and an idle or silent one gives its slot up to a new one when all
+/// are taken.
 fn limits() -> crate::https::Limits {
     crate::https::Limits {
         connections: 64,
