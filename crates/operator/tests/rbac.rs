@@ -296,17 +296,25 @@ async fn every_verb_the_generated_roles_grant_is_used_by_the_operator() -> anyho
     };
     // Leader election: the Lease created, then renewed (update).
     let leases: Api<Lease> = Api::namespaced(client.clone(), NS);
-    wait_for("the operator to take the Lease", T, || async {
-        let holder = leases
-            .get_opt("opkit-leader")
-            .await?
-            .and_then(|l| l.spec?.holder_identity)
-            .unwrap_or_default();
-        ensure!(holder.starts_with("opkit-rbac_"), "holder {holder:?}");
-        Ok(())
-    })
-    .await
-    .with_context(logs)?;
+    // Whether the Lease is held by a replica of the POD_NAME `replica`.
+    let held_by = |replica: &'static str| {
+        let leases = leases.clone();
+        move || {
+            let leases = leases.clone();
+            async move {
+                let holder = leases
+                    .get_opt("opkit-leader")
+                    .await?
+                    .and_then(|l| l.spec?.holder_identity)
+                    .unwrap_or_default();
+                ensure!(holder.starts_with(&format!("{replica}_")), "holder {holder:?}");
+                anyhow::Ok(())
+            }
+        }
+    };
+    wait_for("the operator to take the Lease", T, held_by("opkit-rbac"))
+        .await
+        .with_context(logs)?;
     // A standby replica lists and watches the Lease while it waits (no webhooks nor metrics:
     // those are the leader's here).
     let standby = opkit(
@@ -362,17 +370,9 @@ async fn every_verb_the_generated_roles_grant_is_used_by_the_operator() -> anyho
     // A graceful stop: the leader reads its Lease to release it (a renewal writes without
     // reading while nobody else has changed the Lease), and the standby takes it over.
     common::sigterm(operator.0.0.id());
-    wait_for("the standby to take the Lease", T, || async {
-        let holder = leases
-            .get_opt("opkit-leader")
-            .await?
-            .and_then(|l| l.spec?.holder_identity)
-            .unwrap_or_default();
-        ensure!(holder.starts_with("opkit-rbac-standby_"), "holder {holder:?}");
-        Ok(())
-    })
-    .await
-    .with_context(logs)?;
+    wait_for("the standby to take the Lease", T, held_by("opkit-rbac-standby"))
+        .await
+        .with_context(logs)?;
 
     // The audit log is written before each request is answered (blocking mode): complete.
     let audit = read_audit(&audit_log)?;

@@ -697,20 +697,25 @@ pub(crate) mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn a_keep_alive_connection_idle_past_the_header_timeout_is_still_served() {
-        let (_, _, shutdown, mut tls) = kept_alive(limits()).await;
-        // Idle longer than the header timeout, as the apiserver's pooled connections are
-        // between admissions: the next request on it is answered.
+    /// After longer than the header timeout a request on `tls` is answered, and the server
+    /// closes `tls` only once idle for the idle timeout.
+    async fn served_late_and_closed_when_idle(tls: &mut Tls) {
         tokio::time::sleep(limits().headers + Duration::from_millis(700)).await;
-        let again = get(&mut tls).await.expect("the idle connection was kept");
+        let again = get(tls).await.expect("the connection was kept");
         assert!(again.starts_with("HTTP/1.1 200"), "{again}");
-        // It is closed only once idle for the idle timeout.
-        let took = closed(&mut tls, limits().idle * 2).await;
+        let took = closed(tls, limits().idle * 2).await;
         assert!(
             took >= limits().idle - Duration::from_millis(300),
             "closed after {took:?}"
         );
+    }
+
+    #[tokio::test]
+    async fn a_keep_alive_connection_idle_past_the_header_timeout_is_still_served() {
+        let (_, _, shutdown, mut tls) = kept_alive(limits()).await;
+        // Idle longer than the header timeout, as the apiserver's pooled connections are
+        // between admissions.
+        served_late_and_closed_when_idle(&mut tls).await;
         shutdown.cancel();
     }
 
@@ -728,15 +733,7 @@ pub(crate) mod tests {
         // pooled connections that have not carried a request yet, it is served later, and
         // closed only once idle for the idle timeout.
         let mut fresh = connect_tls(port, &ca).await.unwrap();
-        tokio::time::sleep(limits().headers + Duration::from_millis(700)).await;
-        let first = get(&mut fresh).await.expect("the fresh connection was kept");
-        assert!(first.starts_with("HTTP/1.1 200"), "{first}");
-        let mut silent = connect_tls(port, &ca).await.unwrap();
-        let took = closed(&mut silent, limits().idle * 2).await;
-        assert!(
-            took >= limits().idle - Duration::from_millis(300),
-            "closed after {took:?}"
-        );
+        served_late_and_closed_when_idle(&mut fresh).await;
         shutdown.cancel();
     }
 
