@@ -697,6 +697,20 @@ pub(crate) mod tests {
         }
     }
 
+    /// A new client's request is answered within `within`; how long that took.
+    async fn answered_within(port: u16, ca: &str, within: Duration) -> Duration {
+        let started = Instant::now();
+        let answered = tokio::time::timeout(within, async {
+            let mut tls = connect_tls(port, ca).await?;
+            get(&mut tls).await
+        })
+        .await
+        .expect("answered long before the idle timeout")
+        .unwrap();
+        assert!(answered.starts_with("HTTP/1.1 200"), "{answered}");
+        started.elapsed()
+    }
+
     /// After longer than the header timeout a request on `tls` is answered, and the server
     /// closes `tls` only once idle for the idle timeout.
     async fn served_late_and_closed_when_idle(tls: &mut Tls) {
@@ -754,16 +768,7 @@ pub(crate) mod tests {
         for _ in 0..limits.connections {
             held.push(connect_tls(port, &ca).await.unwrap());
         }
-        let started = Instant::now();
-        let answered = tokio::time::timeout(UNPROVEN * 5, async {
-            let mut tls = connect_tls(port, &ca).await?;
-            get(&mut tls).await
-        })
-        .await
-        .expect("answered long before the idle timeout")
-        .unwrap();
-        assert!(answered.starts_with("HTTP/1.1 200"), "{answered}");
-        let waited = started.elapsed();
+        let waited = answered_within(port, &ca, UNPROVEN * 5).await;
         assert!(waited < UNPROVEN * 3, "answered after {waited:?}");
         closed(&mut held[0], Duration::from_secs(5)).await;
         shutdown.cancel();
@@ -784,18 +789,9 @@ pub(crate) mod tests {
             held.push(tls);
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        let started = Instant::now();
-        let answered = tokio::time::timeout(limits.reclaim * 3, async {
-            let mut tls = connect_tls(port, &ca).await?;
-            get(&mut tls).await
-        })
-        .await
-        .expect("answered long before the idle timeout")
-        .unwrap();
-        assert!(answered.starts_with("HTTP/1.1 200"), "{answered}");
+        let waited = answered_within(port, &ca, limits.reclaim * 3).await;
         // Not before the oldest had been idle for the reclaim time: a connection its client
         // is using is not taken from it.
-        let waited = started.elapsed();
         assert!(
             waited >= limits.reclaim - Duration::from_millis(400),
             "{waited:?}"
