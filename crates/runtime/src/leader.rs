@@ -386,12 +386,7 @@ impl LeaderElector {
                 *written = None;
                 Ok(false)
             }
-            Err(e) => {
-                if matches!(&e, kube::Error::Api(s) if s.code == 404) {
-                    *written = None;
-                }
-                Err(self.err(e))
-            }
+            Err(e) => Err(self.err(e)),
         }
     }
 
@@ -529,20 +524,13 @@ impl LeaderElector {
     /// writes is what lets a renewal meet its deadline on a loaded apiserver (client-go renews
     /// the same way).
     async fn renew_once(&self) -> Result<Renewal, LeaderError> {
+        // Our own last write always names us as the holder.
         let mine = self.written.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let ours = |l: &Lease| {
-            l.spec.as_ref().and_then(|s| s.holder_identity.as_deref()) == Some(self.cfg.identity.as_str())
-        };
-        if let Some(mine) = mine.filter(ours) {
+        if let Some(mine) = mine {
             match self.write(Some(mine)).await {
                 Ok(true) => return Ok(Renewal::Held),
-                // Changed or deleted by someone (409; 404 is not what an apiserver answers,
-                // but would mean the same): read what it says now.
+                // Changed or deleted by someone (409): read what it says now.
                 Ok(false) => {}
-                Err(LeaderError::Api {
-                    source: kube::Error::Api(s),
-                    ..
-                }) if s.code == 404 => {}
                 Err(e) => return Err(e),
             }
         }
