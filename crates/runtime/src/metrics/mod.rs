@@ -206,7 +206,7 @@ impl Default for Metrics {
         );
         registry.register(
             "cache_bytes_estimate",
-            "Estimated size of the cached objects, by kind: their JSON size, from a sample",
+            "Estimated size of the cached objects, by kind: their JSON size, from a sample (a compact cache: the bytes it stores, compressed)",
             cache_bytes.clone(),
         );
         let optional_active = Family::<CacheLabels, Gauge>::default();
