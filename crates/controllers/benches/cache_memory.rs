@@ -1,7 +1,8 @@
 //! Memory per cached object of the Memcached controller's caches, decoded and compact
 //! ([`opkit::Watch::compact`]), with and without their index. Each case runs in a process of
 //! its own and reports the growth of its resident set over 20000 objects made as the
-//! apiserver would send them. Run with `cargo bench -p opkit-controllers --bench cache_memory`.
+//! apiserver would send them, and the time a read of each object takes ([`Cache::all`]).
+//! Run with `cargo bench -p opkit-controllers --bench cache_memory`.
 //!
 //! The objects are built here, not read from a cluster: the benchmark (`make bench`) is where
 //! the operator's memory is measured; this says which part of it a cache form moves.
@@ -99,7 +100,11 @@ where
     // One object at a time, as a watch hands them over.
     let cache = Cache::from_objects(&watch, (0..N).map(make));
     let grown = rss().saturating_sub(before);
-    println!("{what:<44} {:>8.0}", grown as f64 / N as f64);
+    // What a read costs: a decoded cache hands out its object, a compact one decodes a copy.
+    let start = std::time::Instant::now();
+    let read = std::hint::black_box(cache.all()).len();
+    let each = start.elapsed().as_secs_f64() * 1e6 / read.max(1) as f64;
+    println!("{what:<44} {:>8.0} {each:>8.2}", grown as f64 / N as f64);
     std::hint::black_box(cache);
 }
 
@@ -116,7 +121,10 @@ const CASES: [&str; 7] = [
 fn main() {
     let case = std::env::args().nth(1).filter(|c| CASES.contains(&c.as_str()));
     let Some(case) = case else {
-        println!("{:<44} {:>8}", "cache (20000 objects)", "B/object");
+        println!(
+            "{:<44} {:>8} {:>8}",
+            "cache (20000 objects)", "B/object", "µs/read"
+        );
         let exe = std::env::current_exe().expect("this benchmark's path");
         for case in CASES {
             let out = std::process::Command::new(&exe)
