@@ -69,8 +69,9 @@ pub(crate) struct Encoded {
 }
 
 impl Encoded {
-    fn insert<C: Serialize>(&mut self, key: Box<str>, o: &C) {
-        let json = serde_json::to_vec(o).unwrap_or_default();
+    /// Stores an object's JSON (serialised before the lock is taken: readers wait only for
+    /// the compression).
+    fn insert(&mut self, key: Box<str>, json: Vec<u8>) {
         if self.objects.is_empty() {
             // No stored object depends on the old dictionary.
             self.dict = json.clone().into_boxed_slice();
@@ -125,13 +126,17 @@ impl<C: Resource<DynamicType = ()> + Clone + Serialize + 'static> CacheWriter<C>
             CacheWriter::Compact { objects, relist } => (objects, relist),
         };
         let write = || objects.write().unwrap_or_else(|p| p.into_inner());
+        let json = |o: &C| serde_json::to_vec(o).unwrap_or_default();
         match ev {
-            watcher::Event::Apply(o) => write().insert(encoded_key_of(o), o),
+            watcher::Event::Apply(o) => {
+                let json = json(o);
+                write().insert(encoded_key_of(o), json);
+            }
             watcher::Event::Delete(o) => {
                 write().objects.remove(&*encoded_key_of(o));
             }
             watcher::Event::Init => *relist = Some(Encoded::default()),
-            watcher::Event::InitApply(o) => relist.get_or_insert_default().insert(encoded_key_of(o), o),
+            watcher::Event::InitApply(o) => relist.get_or_insert_default().insert(encoded_key_of(o), json(o)),
             watcher::Event::InitDone => {
                 let mut next = relist.take().unwrap_or_default();
                 next.objects.shrink_to_fit();
