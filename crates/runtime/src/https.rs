@@ -748,6 +748,13 @@ pub(crate) mod tests {
         // closed only once idle for the idle timeout.
         let mut fresh = connect_tls(port, &ca).await.unwrap();
         served_late_and_closed_when_idle(&mut fresh).await;
+        // One that never sends a request lasts the idle timeout too.
+        let mut silent = connect_tls(port, &ca).await.unwrap();
+        let took = closed(&mut silent, limits().idle * 2).await;
+        assert!(
+            took >= limits().idle - Duration::from_millis(300),
+            "closed after {took:?}"
+        );
         shutdown.cancel();
     }
 
