@@ -17,6 +17,8 @@ struct Mirror {
     name: &'static str,
     /// The defect: the copy records when it was made.
     stamp: bool,
+    /// Reconciles again this long after each reconcile (none: on a change only).
+    every: Option<std::time::Duration>,
 }
 
 impl Reconciler for Mirror {
@@ -57,7 +59,10 @@ impl Reconciler for Mirror {
         copy.metadata.namespace = cm.namespace();
         copy.metadata.labels = Some(BTreeMap::from([("mirror-of".into(), cm.name_any())]));
         copy.metadata.owner_references = cm.controller_owner_ref(&()).map(|o| vec![o]);
-        Ok(Plan::nothing(Requeue::OnChange).child(Child::apply(&copy, live.as_deref())))
+        // Labelled `once`, it asks for no requeue.
+        let every = self.every.filter(|_| !cm.labels().contains_key("once"));
+        let requeue = every.map_or(Requeue::OnChange, Requeue::After);
+        Ok(Plan::nothing(requeue).child(Child::apply(&copy, live.as_deref())))
     }
 }
 
@@ -71,22 +76,31 @@ fn operator() -> Operator<()> {
                 m.add(Mirror {
                     name: "mirror",
                     stamp: false,
+                    every: None,
                 });
             }),
             common::entry("stamped", |m, _| {
                 m.add(Mirror {
                     name: "stamped",
                     stamp: true,
+                    every: None,
+                });
+            }),
+            common::entry("hourly", |m, _| {
+                m.add(Mirror {
+                    name: "hourly",
+                    stamp: true,
+                    every: Some(HOUR),
                 });
             }),
         ]),
     }
 }
 
-/// Runs `controller`, makes one ConfigMap to copy and returns the writes of the resync
-/// after its copy was made.
-async fn resync_of(controller: &str) -> anyhow::Result<opkit_runtime::testing::Writes> {
-    let mut h = Harness::start(operator(), &[controller], ()).await?;
+const HOUR: std::time::Duration = std::time::Duration::from_secs(3600);
+
+/// Makes one ConfigMap for the controllers of `h` to copy.
+async fn settings(h: &Harness) -> anyhow::Result<Api<ConfigMap>> {
     let cms: Api<ConfigMap> = Api::namespaced(h.client(), "default");
     let mut cm = ConfigMap {
         data: Some(BTreeMap::from([("colour".into(), "blue".into())])),
@@ -95,6 +109,14 @@ async fn resync_of(controller: &str) -> anyhow::Result<opkit_runtime::testing::W
     cm.metadata.name = Some("settings".into());
     cm.metadata.labels = Some(BTreeMap::from([("mirror".into(), "yes".into())]));
     cms.create(&PostParams::default(), &cm).await?;
+    Ok(cms)
+}
+
+/// Runs `controller`, makes one ConfigMap to copy and returns the writes of the resync
+/// after its copy was made.
+async fn resync_of(controller: &str) -> anyhow::Result<opkit_runtime::testing::Writes> {
+    let mut h = Harness::start(operator(), &[controller], ()).await?;
+    let cms = settings(&h).await?;
     let writes = h.settle().await?;
     ensure!(
         writes.applied("ConfigMap").len() == 1 && writes.failures() == 0,
@@ -122,6 +144,70 @@ async fn a_plan_that_writes_on_every_reconcile_is_caught() -> anyhow::Result<()>
         applied.len() == 1 && applied[0].name.as_deref() == Some("settings-copy"),
         "the stamped copy should be written again on the resync: {resync}"
     );
+    Ok(())
+}
+
+/// A requeue an hour away (the usual safety net) brings the object back after the hour, and
+/// only then; without one, nothing does. Time is the test's: it passes the hours at once.
+#[tokio::test(start_paused = true)]
+async fn a_requeue_an_hour_away_reconciles_after_the_hour_and_only_then() -> anyhow::Result<()> {
+    for (controller, every) in [("hourly", Some(HOUR)), ("stamped", None)] {
+        let mut h = Harness::start(operator(), &[controller], ()).await?;
+        settings(&h).await?;
+        let made = h.settle().await?;
+        ensure!(made.applied("ConfigMap").len() == 1, "{controller}: {made}");
+        let start = tokio::time::Instant::now();
+        tokio::time::sleep(HOUR - std::time::Duration::from_secs(60)).await;
+        let early = h.settle().await?;
+        ensure!(
+            early.is_empty(),
+            "{controller}: reconciled before the hour was up: {early}"
+        );
+        tokio::time::sleep_until(start + HOUR + std::time::Duration::from_secs(2)).await;
+        let after = h.settle().await?;
+        let woken = after.applied("ConfigMap").len();
+        ensure!(woken == usize::from(every.is_some()), "{controller}: {after}");
+        ensure!(
+            after.reconciles() == u64::from(every.is_some()),
+            "{controller}: woken twice? {after}"
+        );
+        if every.is_some() {
+            // And again an hour after that reconcile: each one sets the next.
+            tokio::time::sleep(HOUR + std::time::Duration::from_secs(2)).await;
+            let again = h.settle().await?;
+            ensure!(
+                again.applied("ConfigMap").len() == 1,
+                "{controller}, second hour: {again}"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Each reconcile decides the next wake-up: one that asks for none after a change takes the
+/// hour's wake-up of the reconcile before it away.
+#[tokio::test(start_paused = true)]
+async fn a_reconcile_that_asks_for_no_requeue_cancels_the_one_before_it() -> anyhow::Result<()> {
+    use kube::api::{Patch, PatchParams};
+
+    let mut h = Harness::start(operator(), &["hourly"], ()).await?;
+    let cms = settings(&h).await?;
+    ensure!(h.settle().await?.applied("ConfigMap").len() == 1);
+    let start = tokio::time::Instant::now();
+    tokio::time::sleep(HOUR / 2).await;
+    let once = serde_json::json!({"metadata": {"labels": {"once": "yes"}}});
+    cms.patch("settings", &PatchParams::default(), &Patch::Merge(&once))
+        .await?;
+    let changed = h.settle().await?;
+    ensure!(changed.applied("ConfigMap").len() == 1, "{changed}");
+    for at in [HOUR, HOUR / 2 + HOUR] {
+        tokio::time::sleep_until(start + at + std::time::Duration::from_secs(2)).await;
+        let later = h.settle().await?;
+        ensure!(
+            later.is_empty() && later.reconciles() == 0,
+            "woken {at:?} after the start: {later}"
+        );
+    }
     Ok(())
 }
 

@@ -65,6 +65,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "runtime/context",
             "runtime/admission",
             "runtime/resync",
+            "runtime/wakeups",
             "runtime/watches",
             "runtime/watches/dynamic",
             "reconciler",

@@ -62,6 +62,7 @@ struct Runner<R: Reconciler> {
     queue: crate::metrics::Queue,
     resync: Arc<super::resync::Resync<R::Object>>,
     admission: Arc<super::admission::Admission<R::Object>>,
+    wakeups: Arc<super::wakeups::Wakeups<R::Object>>,
     /// The outside sources the plans' acts go to.
     actors: crate::outside::Actors,
 }
@@ -101,6 +102,7 @@ pub(crate) fn run<R: Reconciler>(
             background,
             resync,
             admission,
+            wakeups,
             actors,
             ..
         } = w;
@@ -119,6 +121,7 @@ pub(crate) fn run<R: Reconciler>(
             queue: ctx.metrics().queue(),
             resync,
             admission,
+            wakeups,
             actors,
         });
         let shutdown = ctx.shutdown_signal();
@@ -177,6 +180,8 @@ impl<R: Reconciler> Runner<R> {
         // event announced it) counts from here.
         let key = super::shared::queue_key(obj.namespace().as_deref(), &obj.name_any());
         self.queue.add(key.clone(), Box::new(|| true));
+        // This reconcile decides the object's next wake-up.
+        self.wakeups.clear(&key);
         let _permit = match &self.limit {
             Some(s) => s.clone().acquire_owned().await.ok(),
             None => None,
@@ -461,15 +466,26 @@ impl<R: Reconciler> Runner<R> {
             return Ok(Action::requeue(super::watches::ACTED));
         }
         Ok(match (plan.requeue, held) {
-            (Requeue::After(d), Some(wait)) => Action::requeue(d.min(wait)),
+            (Requeue::After(d), Some(wait)) => self.after(obj, d.min(wait)),
             (Requeue::OnChange, Some(wait)) => Action::requeue(wait),
             (Requeue::OnChange, None) if late => Action::requeue(LATE_CHILD),
             (Requeue::OnChange, None) => Action::await_change(),
             (Requeue::After(d), None) if late => Action::requeue(d.min(LATE_CHILD)),
-            (Requeue::After(d), None) => Action::requeue(d),
+            (Requeue::After(d), None) => self.after(obj, d),
             // The stored status's watch event brings the object back.
             (Requeue::Again, _) => Action::await_change(),
         })
+    }
+
+    /// Reconciles `obj` again `after` from now: a far wake-up waits in opkit's small store
+    /// ([`super::wakeups`]), a near one in kube-runtime's scheduler.
+    fn after(&self, obj: &R::Object, after: Duration) -> Action {
+        if after < super::wakeups::FAR {
+            return Action::requeue(after);
+        }
+        let key = super::shared::queue_key(obj.namespace().as_deref(), &obj.name_any());
+        self.wakeups.set(&key, tokio::time::Instant::now(), after);
+        Action::await_change()
     }
 
     /// Carries a cleanup out: deletions, then the acts outside the cluster in order, then — when the

@@ -8,6 +8,7 @@
 //!   the write gate;
 //! - `admission`: the fair line requests wait in before kube-runtime's queue;
 //! - `resync`: the listed objects that wait behind new work;
+//! - `wakeups`: the far requeues (an hourly resync), one small entry per object;
 //! - `hold`: statuses of work still under way, held back until it settles or takes long.
 //!
 //! kube-runtime's `Controller` waits only for the primary store, and `Store::wait_until_ready`
@@ -19,6 +20,7 @@ mod driver;
 mod hold;
 mod resync;
 mod shared;
+mod wakeups;
 pub mod watches;
 mod write;
 

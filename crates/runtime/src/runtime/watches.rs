@@ -21,6 +21,7 @@ use serde::de::DeserializeOwned;
 use super::admission::Admission;
 use super::resync::{Resync, settled};
 use super::shared::{Echoes, ShareKey, Shared, SharedWatches, Subscribers, Synced, queue_key};
+use super::wakeups::Wakeups;
 use crate::OWNER_LABEL;
 use crate::cache::{Cache, Filter, KeyFn, OWNER_INDEX, Watch, keep_applied, observe_all};
 use crate::kind::{Watchable, api, namespaced};
@@ -118,6 +119,8 @@ where
     pub(crate) resync: Arc<Resync<K>>,
     /// The fair line every other request waits in.
     pub(crate) admission: Arc<Admission<K>>,
+    /// The primary objects' far requeues.
+    pub(crate) wakeups: Arc<Wakeups<K>>,
     /// The outside sources declared, which carry out the plans' acts.
     pub(crate) actors: crate::outside::Actors,
 }
@@ -177,6 +180,7 @@ where
                 store: reflector::store().0,
             },
             resync: Resync::new(concurrency, ctx.metrics().resync_gauge()),
+            wakeups: Wakeups::new(),
             admission: Admission::new(0, false, None, reflector::store().0, true),
             actors: Default::default(),
         };
@@ -211,8 +215,16 @@ where
             })
         };
         let listing = w.admission.clone();
+        let wakeups = w.wakeups.clone();
         let stream = events
             .inspect(w.synced.track())
+            .inspect(move |ev| {
+                // A deleted object wakes no more (one deleted while the watch was down goes
+                // when its wake-up falls due and finds it gone).
+                if let Ok(watcher::Event::Delete(o)) = ev {
+                    wakeups.clear(&queue_key(o.namespace().as_deref(), &o.name_any()));
+                }
+            })
             .inspect(move |ev| listing.follow(ev))
             .filter(triggers(watch.filter, w.echoes.clone(), kind_of::<K>()))
             .filter(move |ev| {
@@ -251,6 +263,7 @@ where
             Controller::for_stream(stream, store)
                 .with_config(ControllerConfig::default().concurrency(concurrency))
                 .reconcile_on(resync)
+                .reconcile_on(w.wakeups.clone().feed())
                 .reconcile_on(w.admission.clone().feed({
                     let ctx = ctx.clone();
                     move || ctx.is_leading()
