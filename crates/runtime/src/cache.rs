@@ -257,8 +257,9 @@ fn id_of<C: Resource>(o: &C) -> Id {
     encoded_key_of(o).into()
 }
 
-/// The reference of an object an index holds.
-fn object_ref<C: Resource<DynamicType = ()>>(id: &str) -> ObjectRef<C> {
+/// The reference of the object of `id` (`namespace/name`; an empty namespace: none), as an
+/// index or a list of wake-ups holds it.
+pub(crate) fn object_ref<C: Resource<DynamicType = ()>>(id: &str) -> ObjectRef<C> {
     let (namespace, name) = id.split_once('/').unwrap_or(("", id));
     let r = ObjectRef::new(name);
     if namespace.is_empty() {

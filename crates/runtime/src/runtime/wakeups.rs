@@ -22,6 +22,8 @@ use kube::runtime::reflector::ObjectRef;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use crate::cache::object_ref;
+
 /// Requeues this far away or further wait here; nearer ones stay kube-runtime's.
 pub(crate) const FAR: Duration = Duration::from_secs(60);
 
@@ -153,17 +155,6 @@ impl<K: Resource<DynamicType = ()>> Wakeups<K> {
             }
         })
         .flatten()
-    }
-}
-
-/// The reference of the object of `key` (`namespace/name`; an empty namespace: none).
-fn object_ref<K: Resource<DynamicType = ()>>(key: &str) -> ObjectRef<K> {
-    let (namespace, name) = key.split_once('/').unwrap_or(("", key));
-    let r = ObjectRef::new(name);
-    if namespace.is_empty() {
-        r
-    } else {
-        r.within(namespace)
     }
 }
 
