@@ -17,7 +17,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use futures::{Stream, StreamExt};
+use futures::Stream;
 use kube::Resource;
 use kube::runtime::reflector::{ObjectRef, Store};
 use tokio::sync::Notify;
@@ -262,22 +262,7 @@ impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Admission<K>
         self: Arc<Self>,
         leading: impl Fn() -> bool + Send + Sync + 'static,
     ) -> impl Stream<Item = ObjectRef<K>> + Send + 'static {
-        let leading = Arc::new(leading);
-        futures::stream::unfold(self, move |this| {
-            let leading = leading.clone();
-            async move {
-                loop {
-                    match this.take(Instant::now(), leading()) {
-                        Ok(refs) => return Some((futures::stream::iter(refs), this)),
-                        Err(None) => this.wake.notified().await,
-                        Err(Some(after)) => {
-                            let _ = tokio::time::timeout(after, this.wake.notified()).await;
-                        }
-                    }
-                }
-            }
-        })
-        .flatten()
+        super::shared::due(self, |a| &a.wake, move |a| a.take(Instant::now(), leading()))
     }
 }
 

@@ -18,6 +18,37 @@ pub(crate) fn queue_key(namespace: Option<&str>, name: &str) -> String {
     format!("{}/{name}", namespace.unwrap_or(""))
 }
 
+/// What a line of requests (the fair line, the far wake-ups) hands over as it falls due:
+/// `take` gives the requests due now, or how long until one may be (none: until one is added,
+/// which notifies `wake`); a notification looks again before that.
+pub(crate) fn due<S, T>(
+    line: Arc<S>,
+    wake: fn(&S) -> &tokio::sync::Notify,
+    take: impl Fn(&S) -> Result<Vec<T>, Option<Duration>> + Send + Sync + 'static,
+) -> impl futures::Stream<Item = T> + Send + 'static
+where
+    S: Send + Sync + 'static,
+    T: Send + 'static,
+{
+    use futures::StreamExt;
+    let take = Arc::new(take);
+    futures::stream::unfold(line, move |line| {
+        let take = take.clone();
+        async move {
+            loop {
+                match take(&line) {
+                    Ok(due) => return Some((futures::stream::iter(due), line)),
+                    Err(None) => wake(&line).notified().await,
+                    Err(Some(after)) => {
+                        let _ = tokio::time::timeout(after, wake(&line).notified()).await;
+                    }
+                }
+            }
+        }
+    })
+    .flatten()
+}
+
 /// Counts the watch streams of one controller that have not yet delivered their initial list.
 #[derive(Clone)]
 pub(crate) struct Synced {

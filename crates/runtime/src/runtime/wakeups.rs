@@ -142,19 +142,7 @@ impl<K: Resource<DynamicType = ()>> Wakeups<K> {
     where
         K: 'static,
     {
-        use futures::StreamExt;
-        futures::stream::unfold(self, |this| async move {
-            loop {
-                match this.take(Instant::now()) {
-                    Ok(refs) => return Some((futures::stream::iter(refs), this)),
-                    Err(None) => this.wake.notified().await,
-                    Err(Some(after)) => {
-                        let _ = tokio::time::timeout(after, this.wake.notified()).await;
-                    }
-                }
-            }
-        })
-        .flatten()
+        super::shared::due(self, |w| &w.wake, |w| w.take(Instant::now()))
     }
 }
 
