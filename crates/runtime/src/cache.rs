@@ -343,15 +343,6 @@ impl<C: Resource<DynamicType = ()> + Clone + 'static> Cache<C> {
         (cache, writer)
     }
 
-    /// The kube store behind a cache that keeps its objects decoded (the primary's, which
-    /// kube's controller reads); `None` for a compact one.
-    pub(crate) fn typed_store(&self) -> Option<Store<C>> {
-        match &self.storage {
-            Storage::Typed(s) => Some(s.clone()),
-            Storage::Compact(_) => None,
-        }
-    }
-
     pub(crate) fn indexes(&self) -> &Indexes<C> {
         &self.indexes
     }
@@ -416,7 +407,7 @@ impl<C: Resource<DynamicType = ()> + Clone + 'static> Cache<C> {
             .collect()
     }
 
-    fn get_ref(&self, r: &ObjectRef<C>) -> Option<Arc<C>>
+    pub(crate) fn get_ref(&self, r: &ObjectRef<C>) -> Option<Arc<C>>
     where
         C: DeserializeOwned,
     {
@@ -425,6 +416,46 @@ impl<C: Resource<DynamicType = ()> + Clone + 'static> Cache<C> {
             Storage::Compact(m) => {
                 let m = m.read().unwrap_or_else(|p| p.into_inner());
                 m.get(&encoded_key(r.namespace.as_deref(), &r.name))
+            }
+        }
+    }
+
+    /// The object of `key` (`namespace/name`), if cached: what the work queue hands a run.
+    pub(crate) fn get_key(&self, key: &str) -> Option<Arc<C>>
+    where
+        C: DeserializeOwned,
+    {
+        match &self.storage {
+            Storage::Typed(s) => s.get(&object_ref(key)),
+            Storage::Compact(m) => m.read().unwrap_or_else(|p| p.into_inner()).get(key),
+        }
+    }
+
+    /// Whether `r`'s object is cached, without decoding it.
+    pub(crate) fn contains(&self, r: &ObjectRef<C>) -> bool {
+        match &self.storage {
+            Storage::Typed(s) => s.get(r).is_some(),
+            Storage::Compact(m) => {
+                let key = encoded_key(r.namespace.as_deref(), &r.name);
+                m.read()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .objects
+                    .contains_key(&key)
+            }
+        }
+    }
+
+    /// The `namespace/name` of every cached object, without decoding them.
+    pub(crate) fn keys(&self) -> Vec<String> {
+        match &self.storage {
+            Storage::Typed(s) => s
+                .state()
+                .iter()
+                .map(|o| encoded_key_of(o.as_ref()).into())
+                .collect(),
+            Storage::Compact(m) => {
+                let m = m.read().unwrap_or_else(|p| p.into_inner());
+                m.objects.keys().map(|k| k.to_string()).collect()
             }
         }
     }
@@ -731,7 +762,8 @@ impl<C> Watch<C> {
     /// it on every read: a thirtieth of the memory of a decoded Deployment, a quarter of a
     /// Pod's metadata, for a few microseconds a read. For caches the plans read an object or
     /// an index at a time ([`Cache::get`], [`Cache::indexed`]); [`Cache::all`] and
-    /// [`Cache::filter`] decode every object. The primary cache is always kept decoded.
+    /// [`Cache::filter`] decode every object. On the primary watch ([`crate::Reconciler::primary`])
+    /// each reconcile decodes its object once.
     pub fn compact(mut self) -> Self {
         self.compact = true;
         self
@@ -931,7 +963,10 @@ mod tests {
         let objects = || [pod("a", "m1"), pod("b", "m1.m2")];
         let typed = Cache::from_objects(&Watch::all().index("owner", owners), objects());
         let compact = Cache::from_objects(&Watch::all().index("owner", owners).compact(), objects());
-        assert!(compact.typed_store().is_none(), "nothing decoded is kept");
+        assert!(
+            matches!(compact.storage, Storage::Compact(_)),
+            "nothing decoded is kept"
+        );
         assert_eq!(compact.len(), typed.len());
         assert_eq!(compact.get("ns", "a"), typed.get("ns", "a"));
         assert_eq!(compact.get("other", "a"), None);

@@ -102,6 +102,11 @@ impl Reconciler for AtController {
         NAME
     }
 
+    /// Compact: a reconcile reads its own At only, decoded for it.
+    fn primary(&self) -> Watch<At> {
+        Watch::all().compact()
+    }
+
     fn watch(&self, w: &mut Watches<At>) -> Cache<Pod> {
         w.owns(Watch::labels(&selector()).trim(trim_pod))
     }

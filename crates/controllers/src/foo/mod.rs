@@ -161,6 +161,11 @@ impl Reconciler for FooController {
         NAME
     }
 
+    /// Compact: a reconcile reads its own Foo only, decoded for it.
+    fn primary(&self) -> Watch<Foo> {
+        Watch::all().compact()
+    }
+
     fn watch(&self, w: &mut Watches<Foo>) -> Cache<Deployment> {
         // Upstream's Deployments carry `app=nginx` and `controller`; so do ours, on the object too.
         w.owns(

@@ -145,6 +145,11 @@ impl Reconciler for MemcachedController {
         NAME
     }
 
+    /// Compact: a reconcile reads its own Memcached only, decoded for it.
+    fn primary(&self) -> Watch<Memcached> {
+        Watch::all().compact()
+    }
+
     fn watch(&self, w: &mut Watches<Memcached>) -> Caches {
         Caches {
             // Compact: each reconcile reads one Deployment and one Memcached's Pods.

@@ -19,7 +19,10 @@ use std::time::{Duration, Instant};
 
 use futures::Stream;
 use kube::Resource;
-use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::reflector::ObjectRef;
+use serde::de::DeserializeOwned;
+
+use crate::cache::Cache;
 use tokio::sync::Notify;
 
 use super::shared::queue_key;
@@ -81,14 +84,14 @@ impl<K: Resource<DynamicType = ()>> Handed<K> {
 }
 
 /// One watch scope's fair line.
-pub(crate) struct Admission<K: Resource<DynamicType = ()> + 'static> {
+pub(crate) struct Admission<K: Resource<DynamicType = ()> + Clone + 'static> {
     inner: Mutex<Lines<K>>,
     wake: Notify,
     batch: usize,
     /// `false`: every request goes straight on, in arrival order (`fair-queue=false`).
     fair: bool,
     group: Option<GroupFn<K>>,
-    primary: Store<K>,
+    primary: Cache<K>,
     /// Whether the primary kind is namespaced (a mapper may name a namespace for one that
     /// is not; the reconcile's key has none).
     namespaced: bool,
@@ -106,7 +109,7 @@ struct Lines<K: Resource<DynamicType = ()>> {
     handed: Handed<K>,
 }
 
-impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Admission<K> {
+impl<K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Send + Sync + 'static> Admission<K> {
     /// `concurrency` is the controller's limit of reconciles at once (0: none, and then
     /// nothing waits here: there is no queue to be fair in); `group` keys the lines (`None`:
     /// by namespace); `primary` is the primary cache, of a kind `namespaced` or not.
@@ -114,7 +117,7 @@ impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Admission<K>
         concurrency: u16,
         fair: bool,
         group: Option<GroupFn<K>>,
-        primary: Store<K>,
+        primary: Cache<K>,
         namespaced: bool,
     ) -> Arc<Self> {
         Arc::new(Admission {
@@ -164,7 +167,7 @@ impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Admission<K>
         }
         // The author's key (of the cached object) is read before the lock: the other requests
         // do not wait on it. Without one, or for an object not cached, the namespace.
-        let keyed = (self.group.as_ref()).and_then(|key| self.primary.get(&r).map(|o| key(&o)));
+        let keyed = (self.group.as_ref()).and_then(|key| self.primary.get_ref(&r).map(|o| key(&o)));
         let mut inner = self.lock();
         if inner.waiting.contains(&r) {
             return None;
@@ -217,7 +220,7 @@ impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Admission<K>
     /// Lease, not for a turn, and those handed on before will not start until it leads.
     fn take(&self, now: Instant, leading: bool) -> Result<Vec<ObjectRef<K>>, Option<Duration>> {
         let listing = self.listing.load(std::sync::atomic::Ordering::SeqCst);
-        let cached = |r: &ObjectRef<K>| listing || self.primary.get(r).is_some();
+        let cached = |r: &ObjectRef<K>| listing || self.primary.contains(r);
         let mut inner = self.lock();
         if !leading {
             inner.handed = Handed::default();
@@ -270,7 +273,6 @@ impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Admission<K>
 mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::ConfigMap;
-    use kube::runtime::reflector;
 
     fn cm(ns: &str, name: &str) -> ConfigMap {
         let mut c = ConfigMap::default();
@@ -285,9 +287,9 @@ mod tests {
         group: Option<GroupFn<ConfigMap>>,
         objects: &[ConfigMap],
     ) -> Arc<Admission<ConfigMap>> {
-        let (store, mut writer) = reflector::store();
+        let (store, mut writer) = Cache::empty(false);
         for o in objects {
-            writer.apply_watcher_event(&kube::runtime::watcher::Event::Apply(o.clone()));
+            writer.apply(&kube::runtime::watcher::Event::Apply(o.clone()));
         }
         let a = Admission::new(concurrency, true, group, store, true);
         a.follow::<()>(&Ok(kube::runtime::watcher::Event::InitDone));
@@ -403,7 +405,7 @@ mod tests {
             a.admit(ObjectRef::from_obj(&cm("b", "x")), false).is_some(),
             "a standby passes on"
         );
-        let (store, _) = reflector::store();
+        let (store, _) = Cache::empty(false);
         let fifo: Arc<Admission<ConfigMap>> = Admission::new(2, false, None, store, true);
         for i in 0..10 {
             assert!(
@@ -411,7 +413,7 @@ mod tests {
                     .is_some()
             );
         }
-        let (store, _) = reflector::store();
+        let (store, _) = Cache::empty(false);
         let unlimited: Arc<Admission<ConfigMap>> = Admission::new(0, true, None, store, true);
         assert!(
             unlimited.admit(ObjectRef::new("o").within("a"), true).is_some(),
@@ -422,7 +424,7 @@ mod tests {
     #[test]
     fn while_the_primary_lists_nothing_waiting_is_dropped_or_taken_for_lost() {
         // The store holds the listed objects only once the list ends.
-        let (store, mut writer) = reflector::store();
+        let (store, mut writer) = Cache::empty(false);
         let a: Arc<Admission<ConfigMap>> = Admission::new(2, true, None, store, true);
         a.follow::<()>(&Ok(kube::runtime::watcher::Event::Init));
         let objects: Vec<ConfigMap> = (0..4).map(|i| cm("a", &format!("o{i}"))).collect();
@@ -436,11 +438,11 @@ mod tests {
         assert_eq!(a.take(now + STALE, true), Err(Some(POLL)));
         // Counted as lost after LOST: what waits goes on, not dropped, though not cached yet.
         assert_eq!(a.take(now + LOST, true).map(|r| r.len()), Ok(2));
-        writer.apply_watcher_event(&kube::runtime::watcher::Event::Init);
+        writer.apply(&kube::runtime::watcher::Event::Init);
         for o in &objects {
-            writer.apply_watcher_event(&kube::runtime::watcher::Event::InitApply(o.clone()));
+            writer.apply(&kube::runtime::watcher::Event::InitApply(o.clone()));
         }
-        writer.apply_watcher_event(&kube::runtime::watcher::Event::InitDone);
+        writer.apply(&kube::runtime::watcher::Event::InitDone);
         a.follow::<()>(&Ok(kube::runtime::watcher::Event::InitDone));
         a.started("a/o1");
         a.started("a/o2");
@@ -469,7 +471,7 @@ mod tests {
     #[test]
     fn a_cluster_scoped_kind_is_keyed_without_a_namespace() {
         use k8s_openapi::api::core::v1::Namespace;
-        let (store, _) = reflector::store();
+        let (store, _) = Cache::empty(false);
         let a: Arc<Admission<Namespace>> = Admission::new(2, true, None, store, false);
         a.follow::<()>(&Ok(kube::runtime::watcher::Event::InitDone));
         assert!(a.admit(ObjectRef::new("x").within("mapped"), true).is_some());

@@ -1,7 +1,7 @@
 //! What the runtime keeps per controller: client, field manager, metrics, Events, backoff.
 use std::fmt::Debug;
 
-use kube::runtime::controller::Action;
+use crate::runtime::queue::Action;
 use kube::runtime::events::{Event as KubeEvent, Recorder, Reporter};
 use kube::{Client, Resource};
 use tokio_util::sync::CancellationToken;

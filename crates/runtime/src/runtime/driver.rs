@@ -5,16 +5,16 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::FutureExt;
 use futures::future::BoxFuture;
-use futures::{FutureExt, StreamExt};
 use k8s_openapi::jiff::Timestamp;
-use kube::runtime::controller::Action;
 use kube::{Resource, ResourceExt};
 use tokio::sync::{Semaphore, watch};
 use tracing::Instrument;
 
 use super::Error;
 use super::hold::Hold;
+use super::queue::Action;
 use super::shared::Synced;
 use super::watches::{Adopter, Pruner, Watches};
 use super::write::Writer;
@@ -62,7 +62,6 @@ struct Runner<R: Reconciler> {
     queue: crate::metrics::Queue,
     resync: Arc<super::resync::Resync<R::Object>>,
     admission: Arc<super::admission::Admission<R::Object>>,
-    wakeups: Arc<super::wakeups::Wakeups<R::Object>>,
     /// The outside sources the plans' acts go to.
     actors: crate::outside::Actors,
 }
@@ -102,7 +101,6 @@ pub(crate) fn run<R: Reconciler>(
             background,
             resync,
             admission,
-            wakeups,
             actors,
             ..
         } = w;
@@ -121,7 +119,6 @@ pub(crate) fn run<R: Reconciler>(
             queue: ctx.metrics().queue(),
             resync,
             admission,
-            wakeups,
             actors,
         });
         let shutdown = ctx.shutdown_signal();
@@ -131,14 +128,16 @@ pub(crate) fn run<R: Reconciler>(
                 _ = shutdown => {},
             }
         };
-        let controller = controller
-            .graceful_shutdown_on(ctx.shutdown_signal())
-            .run(
-                |obj, runner: Arc<Runner<R>>| async move { runner.reconcile(obj).await },
-                |obj, err, runner| runner.ctx.error_policy(obj.as_ref(), err),
-                runner,
-            )
-            .for_each(|_| futures::future::ready(()));
+        let controller = controller.graceful_shutdown_on(ctx.shutdown_signal()).run(
+            move |obj| {
+                let runner = runner.clone();
+                async move { runner.reconcile(obj).await }
+            },
+            {
+                let ctx = ctx.clone();
+                move |obj, err| ctx.error_policy(obj, err)
+            },
+        );
         runs.push(async move { futures::join!(controller, background) }.boxed());
     }
     futures::future::join_all(runs).map(|_| ()).boxed()
@@ -180,8 +179,6 @@ impl<R: Reconciler> Runner<R> {
         // event announced it) counts from here.
         let key = super::shared::queue_key(obj.namespace().as_deref(), &obj.name_any());
         self.queue.add(key.clone(), Box::new(|| true));
-        // This reconcile decides the object's next wake-up.
-        self.wakeups.clear(&key);
         let _permit = match &self.limit {
             Some(s) => s.clone().acquire_owned().await.ok(),
             None => None,
@@ -466,26 +463,15 @@ impl<R: Reconciler> Runner<R> {
             return Ok(Action::requeue(super::watches::ACTED));
         }
         Ok(match (plan.requeue, held) {
-            (Requeue::After(d), Some(wait)) => self.after(obj, d.min(wait)),
+            (Requeue::After(d), Some(wait)) => Action::requeue(d.min(wait)),
             (Requeue::OnChange, Some(wait)) => Action::requeue(wait),
             (Requeue::OnChange, None) if late => Action::requeue(LATE_CHILD),
             (Requeue::OnChange, None) => Action::await_change(),
             (Requeue::After(d), None) if late => Action::requeue(d.min(LATE_CHILD)),
-            (Requeue::After(d), None) => self.after(obj, d),
+            (Requeue::After(d), None) => Action::requeue(d),
             // The stored status's watch event brings the object back.
             (Requeue::Again, _) => Action::await_change(),
         })
-    }
-
-    /// Reconciles `obj` again `after` from now: a far wake-up waits in opkit's small store
-    /// ([`super::wakeups`]), a near one in kube-runtime's scheduler.
-    fn after(&self, obj: &R::Object, after: Duration) -> Action {
-        if after < super::wakeups::FAR {
-            return Action::requeue(after);
-        }
-        let key = super::shared::queue_key(obj.namespace().as_deref(), &obj.name_any());
-        self.wakeups.set(&key, tokio::time::Instant::now(), after);
-        Action::await_change()
     }
 
     /// Carries a cleanup out: deletions, then the acts outside the cluster in order, then — when the

@@ -6,9 +6,10 @@
 //! - `driver`: one reconcile, from the sync gate through observe and plan to the outcome;
 //! - `write`: every write a plan asks for (apply, create, prune, status, delete), each through
 //!   the write gate;
-//! - `admission`: the fair line requests wait in before kube-runtime's queue;
+//! - `admission`: the fair line requests wait in before the work queue;
 //! - `resync`: the listed objects that wait behind new work;
-//! - `wakeups`: the far requeues (an hourly resync), one small entry per object;
+//! - `queue`: the work queue and the loop that runs the reconciles (opkit's own, as the
+//!   primary cache may be compact; a waiting request is one small entry per object);
 //! - `hold`: statuses of work still under way, held back until it settles or takes long.
 //!
 //! kube-runtime's `Controller` waits only for the primary store, and `Store::wait_until_ready`
@@ -18,9 +19,9 @@ mod admission;
 pub(crate) mod context;
 mod driver;
 mod hold;
+mod queue;
 mod resync;
 mod shared;
-mod wakeups;
 pub mod watches;
 mod write;
 

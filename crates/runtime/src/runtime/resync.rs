@@ -17,11 +17,12 @@ use std::time::{Duration, Instant};
 
 use futures::{Stream, StreamExt};
 use kube::Resource;
-use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::reflector::ObjectRef;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{Notify, watch};
 
 use super::admission::{Handed, POLL};
+use crate::cache::Cache;
 use crate::runtime::context::ControllerContext;
 
 /// The settled objects of one controller's watch scope, waiting for the queue to run short.
@@ -138,14 +139,14 @@ impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Resync<K> {
         self: Arc<Self>,
         ctx: ControllerContext,
         synced: watch::Receiver<bool>,
-        primary: Store<K>,
+        primary: Cache<K>,
     ) -> impl Stream<Item = ObjectRef<K>> + Send + 'static {
         let state = (self, ctx, synced, primary);
         futures::stream::unfold(state, |(this, ctx, mut synced, primary)| async move {
             let _ = synced.wait_for(|s| *s).await;
             loop {
                 ctx.leading().await;
-                match this.take(Instant::now(), |r| primary.get(r).is_some()) {
+                match this.take(Instant::now(), |r| primary.contains(r)) {
                     Ok(refs) => return Some((futures::stream::iter(refs), (this, ctx, synced, primary))),
                     Err(None) => this.wake.notified().await,
                     Err(Some(after)) => {

@@ -12,16 +12,15 @@ use std::time::{Duration, Instant};
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 use futures::{FutureExt, Stream, StreamExt};
-use kube::runtime::controller::{Config as ControllerConfig, Controller};
-use kube::runtime::reflector::{self, ObjectRef};
+use kube::runtime::reflector::ObjectRef;
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 
 use super::admission::Admission;
+use super::queue::{Controller, Queue};
 use super::resync::{Resync, settled};
 use super::shared::{Echoes, ShareKey, Shared, SharedWatches, Subscribers, Synced, queue_key};
-use super::wakeups::Wakeups;
 use crate::OWNER_LABEL;
 use crate::cache::{Cache, Filter, KeyFn, OWNER_INDEX, Watch, keep_applied, observe_all};
 use crate::kind::{Watchable, api, namespaced};
@@ -119,8 +118,8 @@ where
     pub(crate) resync: Arc<Resync<K>>,
     /// The fair line every other request waits in.
     pub(crate) admission: Arc<Admission<K>>,
-    /// The primary objects' far requeues.
-    pub(crate) wakeups: Arc<Wakeups<K>>,
+    /// The primary objects' requests, waiting or running.
+    pub(crate) queue: Arc<Queue>,
     /// The outside sources declared, which carry out the plans' acts.
     pub(crate) actors: crate::outside::Actors,
 }
@@ -131,7 +130,7 @@ where
 struct Enqueue<K: Resource<DynamicType = ()> + Clone + 'static> {
     queue: crate::metrics::Queue,
     ctx: crate::runtime::context::ControllerContext,
-    store: reflector::Store<K>,
+    primary: Cache<K>,
 }
 
 impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Enqueue<K> {
@@ -140,8 +139,8 @@ impl<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static> Enqueue<K> {
         if !self.ctx.is_leading() || self.queue.is_pending(&key) {
             return;
         }
-        let (store, r2) = (self.store.clone(), r.clone());
-        let exists: crate::metrics::Exists = Box::new(move || store.get(&r2).is_some());
+        let (primary, r2) = (self.primary.clone(), r.clone());
+        let exists: crate::metrics::Exists = Box::new(move || primary.contains(&r2));
         if exists() {
             self.queue.add(key, exists);
         }
@@ -177,32 +176,27 @@ where
             enqueue: Enqueue {
                 queue: ctx.metrics().queue(),
                 ctx: ctx.clone(),
-                store: reflector::store().0,
+                primary: Cache::empty(false).0,
             },
             resync: Resync::new(concurrency, ctx.metrics().resync_gauge()),
-            wakeups: Wakeups::new(),
-            admission: Admission::new(0, false, None, reflector::store().0, true),
+            queue: Queue::new(),
+            admission: Admission::new(0, false, None, Cache::empty(false).0, true),
             actors: Default::default(),
         };
         // A controller of a kind that is not there has nothing to do: it waits for it.
         watch.optional = false;
-        // kube's controller reads the primary objects from a store of its own type.
-        watch.compact = false;
         if let Some(shard) = ctx.shard() {
             // A member watches, caches and reconciles only the objects placed on it.
             watch.labels = Some(mine(watch.labels.take(), shard));
         }
         let (primary, events) = w.subscribe(&watch);
-        let store = primary
-            .typed_store()
-            .expect("the primary cache keeps its objects decoded");
         primary.add_index(UID_INDEX, Arc::new(|o: &K| o.uid().into_iter().collect()));
-        w.enqueue.store = store.clone();
+        w.enqueue.primary = primary.clone();
         w.admission = Admission::new(
             concurrency,
             ctx.tuning().fair_queue,
             watch.fair_by.take(),
-            store.clone(),
+            primary.clone(),
             namespaced::<K>(),
         );
         let enqueue = w.enqueue.clone();
@@ -215,14 +209,14 @@ where
             })
         };
         let listing = w.admission.clone();
-        let wakeups = w.wakeups.clone();
+        let queue = w.queue.clone();
         let stream = events
             .inspect(w.synced.track())
             .inspect(move |ev| {
-                // A deleted object wakes no more (one deleted while the watch was down goes
-                // when its wake-up falls due and finds it gone).
+                // A deleted object's request goes with it (one deleted while the watch was
+                // down goes when its request falls due and finds it gone).
                 if let Ok(watcher::Event::Delete(o)) = ev {
-                    wakeups.clear(&queue_key(o.namespace().as_deref(), &o.name_any()));
+                    queue.clear(&queue_key(o.namespace().as_deref(), &o.name_any()));
                 }
             })
             .inspect(move |ev| listing.follow(ev))
@@ -247,23 +241,21 @@ where
             .filter_map({
                 let (admission, ctx) = (w.admission.clone(), ctx.clone());
                 move |o| {
-                    futures::future::ready(match o {
-                        Ok(o) => admission
-                            .admit(ObjectRef::from_obj(&o), ctx.is_leading())
-                            .map(|_| Ok(o)),
-                        Err(e) => Some(Err(e)),
-                    })
+                    // A failed watch is logged and retried where it runs.
+                    futures::future::ready(
+                        o.ok()
+                            .and_then(|o| admission.admit(ObjectRef::from_obj(&o), ctx.is_leading())),
+                    )
                 }
             });
         let resync = w
             .resync
             .clone()
-            .feed(ctx.clone(), w.synced.subscribe(), store.clone());
+            .feed(ctx.clone(), w.synced.subscribe(), primary.clone());
         w.controller = Some(
-            Controller::for_stream(stream, store)
-                .with_config(ControllerConfig::default().concurrency(concurrency))
+            Controller::new(primary.clone(), w.queue.clone(), concurrency)
+                .reconcile_on(stream)
                 .reconcile_on(resync)
-                .reconcile_on(w.wakeups.clone().feed())
                 .reconcile_on(w.admission.clone().feed({
                     let ctx = ctx.clone();
                     move || ctx.is_leading()
