@@ -8,7 +8,7 @@
 //! kube-controller-manager, whose own queue holds the burst's Deployments); for the burst,
 //! until all N Deployments exist and all N statuses are Available (not starved). Lanes:
 //! `opkit` (the fair queue, the default) and `opkit-fifo` (`--tune memcached.fair-queue=false`:
-//! kube-runtime's queue as it is). `BENCH_REPEAT=K` runs each lane K times, alternating.
+//! the work queue alone, first come, first served). `BENCH_REPEAT=K` runs each lane K times, alternating.
 //! Writes `target/bench/fairness-n<N>.{md,json}`.
 use std::time::{Duration, Instant};
 

@@ -307,7 +307,7 @@ impl Scenario {
                             .split_whitespace(),
                     );
                 if lane == "opkit-fifo" {
-                    // The fairness run's baseline: kube-runtime's queue as it is.
+                    // The fairness run's baseline: the work queue alone, first come, first served.
                     c.args(["--tune", "memcached.fair-queue=false"]);
                 }
                 if lane == "opkit-sharded" {

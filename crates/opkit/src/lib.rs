@@ -6,8 +6,8 @@
 //! which the command line (`cli::main`), RBAC, the `config/` manifests and the OLM bundle are
 //! generated.
 //!
-//! Watching, caching, queueing and the reconcile loop itself are kube-runtime's `Controller`;
-//! opkit only wires them together the way an operator in production needs.
+//! Watching is kube-runtime's watcher; the caches, the work queue and the reconcile loop are
+//! opkit's, built for the memory and the guarantees an operator in production needs.
 //!
 //! # Features
 //! - `cli` (default): the operator's command line ([`cli`]: `run`, `crd`, `manifests`, `helm`,

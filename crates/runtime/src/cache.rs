@@ -258,7 +258,7 @@ fn id_of<C: Resource>(o: &C) -> Id {
 }
 
 /// The reference of the object of `id` (`namespace/name`; an empty namespace: none), as an
-/// index or a list of wake-ups holds it.
+/// index or the work queue holds it.
 pub(crate) fn object_ref<C: Resource<DynamicType = ()>>(id: &str) -> ObjectRef<C> {
     let (namespace, name) = id.split_once('/').unwrap_or(("", id));
     let r = ObjectRef::new(name);

@@ -6,8 +6,9 @@
 //! RBAC, the `config/` manifests, the Helm chart and the OLM bundle.
 //!
 //! Authors use it through the `opkit` crate, which adds the command line and generation as
-//! features. Watching, caching, queueing and the reconcile loop itself are kube-runtime's
-//! `Controller`; opkit only wires them together the way an operator in production needs.
+//! features. Watching is kube-runtime's watcher; the caches, the work queue and the
+//! reconcile loop are opkit's, built for the memory and the guarantees an operator in
+//! production needs.
 
 #![deny(missing_docs)]
 

@@ -266,8 +266,8 @@ impl<S> Plan<S> {
 pub enum Requeue {
     /// Only when something watched changes.
     OnChange,
-    /// After this long (also earlier, on a change). A wait of a minute or more is kept in
-    /// about a hundred bytes per object: an hourly safety-net resync of every object costs
+    /// After this long (also earlier, on a change). A wait is kept in about a hundred
+    /// bytes per object: an hourly safety-net resync of every object costs
     /// next to nothing while it waits.
     After(Duration),
     /// As soon as the status this plan writes is stored: a step that must be recorded before

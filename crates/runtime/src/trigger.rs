@@ -53,7 +53,7 @@ impl<K: Resource<DynamicType = ()>> Trigger<K> {
     }
 
     /// Reconciles the object `name` in `namespace` (`None` for a cluster-scoped kind). An
-    /// object no subscribed controller caches is ignored, as kube-runtime ignores a request
+    /// object no subscribed controller caches is ignored, as the work queue ignores a request
     /// for an object that is gone.
     pub fn reconcile(&self, namespace: Option<&str>, name: &str) {
         let r = match namespace {

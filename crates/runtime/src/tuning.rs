@@ -40,7 +40,7 @@ pub struct Tuning {
     pub progress_budget: u32,
     /// Requests wait in one line per namespace (or [`crate::Watch::fair_by`]'s key) and take
     /// turns, so a burst in one namespace does not hold the others up; `false`: one line in
-    /// arrival order, as kube-runtime keeps it; key `fair-queue`.
+    /// arrival order, as client-go's work queue keeps it; key `fair-queue`.
     pub fair_queue: bool,
 }
 

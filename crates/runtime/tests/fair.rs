@@ -3,8 +3,8 @@
 //! log of the order in which objects were reconciled. The first reconcile waits until a burst
 //! of 200 ConfigMaps in one namespace and then one in each of ten quiet namespaces are all
 //! queued: with `fair-queue` (the default) the quiet ones are reconciled within the first
-//! rounds; without it they are spread through the burst (kube-runtime's queue serves requests
-//! queued at the same time in no particular order).
+//! rounds; without it they are spread through the burst (the work queue serves requests
+//! first come, first served).
 mod common;
 
 use std::sync::{Arc, Mutex};

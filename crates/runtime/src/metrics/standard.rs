@@ -1,7 +1,7 @@
 //! controller-runtime's metric families, under controller-runtime's own names and labels, so
 //! that the dashboards and alerts an SRE already runs for Kubebuilder operators work on opkit
-//! unchanged. They count what opkit does (no family is faked): the work queue is kube-runtime's
-//! scheduler, observed at its edges (see [`Queue`]).
+//! unchanged. They count what opkit does (no family is faked): the work queue is observed at
+//! its edges (see [`Queue`]).
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -256,7 +256,7 @@ impl Standard {
         let now = Instant::now();
         for q in self.queues.lock().unwrap_or_else(|p| p.into_inner()).iter() {
             let mut inner = q.inner.lock().unwrap_or_else(|p| p.into_inner());
-            // An object deleted while it waited is never reconciled (kube-runtime drops it).
+            // An object deleted while it waited is never reconciled (the work queue drops it).
             inner.pending.retain(|_, (_, exists)| exists());
             let depth = inner.pending.len();
             let running: Vec<f64> = inner
@@ -323,12 +323,11 @@ struct QueueInner {
     purge_at: usize,
 }
 
-/// A controller's work queue as client-go's metrics see one. kube-runtime's scheduler holds
-/// the queue itself; opkit observes it at its edges: an object is added when a watch event
-/// (of the primary kind, or mapped from a child or related object) asks for its reconcile, and
-/// leaves when a worker starts reconciling it. As in client-go, an object already waiting is
-/// not added twice, and a reconcile requeued after a delay is added when kube-runtime hands it
-/// over (its timer has fired and one of kube-runtime's slots is free).
+/// A controller's work queue as client-go's metrics see one, observed at its edges: an object
+/// is added when a watch event (of the primary kind, or mapped from a child or related object)
+/// asks for its reconcile, and leaves when a worker starts reconciling it. As in client-go, an
+/// object already waiting is not added twice, and a reconcile requeued after a delay is added
+/// when the queue hands it over (it has fallen due and a slot of its watch scope is free).
 #[derive(Clone)]
 pub(crate) struct Queue {
     controller: String,
@@ -384,6 +383,15 @@ impl Queue {
             id,
             start: now,
         }
+    }
+
+    /// The request for `key` was dropped (its object is gone): it no longer waits.
+    pub(crate) fn dropped(&self, key: &str) {
+        self.inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pending
+            .remove(key);
     }
 
     /// Whether `key` waits already (adding it again would change nothing).
@@ -474,7 +482,7 @@ mod tests {
             .expect("the longest running reconcile");
         assert!(longest > 0.0, "a reconcile is running: {text}");
         drop(work);
-        // b was deleted while it waited: kube-runtime will never reconcile it.
+        // b was deleted while it waited: it will never be reconciled.
         gone.store(true, Ordering::SeqCst);
         let text = m.encode();
         has(

@@ -1,16 +1,16 @@
-//! A fair line in front of kube-runtime's queue.
+//! A fair line in front of the work queue.
 //!
-//! kube-runtime serves reconcile requests in the order they came: 10000 changes in one
+//! A work queue serves reconcile requests in the order they came: 10000 changes in one
 //! namespace put a single change in another namespace behind all of them. Here requests wait
 //! in one line per group (the namespace, unless the primary watch names another key with
-//! [`crate::Watch::fair_by`]) and go on to kube-runtime's queue in turns — one request from
+//! [`crate::Watch::fair_by`]) and go on to the work queue in turns — one request from
 //! each waiting group per round — a batch at a time and only while fewer than half a batch
 //! handed over have not started. So a request of a quiet group waits behind at most that
 //! batch and one request of each busy group, and a burst still gets a turn every round: it is
 //! slowed by the other groups' share, never starved.
 //!
-//! While nothing waits here and kube-runtime's queue is short, a request goes straight on: a
-//! quiet operator pays nothing. What stays kube-runtime's: one reconcile per object at a time
+//! While nothing waits here and the work queue is short, a request goes straight on: a
+//! quiet operator pays nothing. What stays the work queue's: one reconcile per object at a time
 //! (repeated requests merge), requeues and backoff after a reconcile (they do not come through
 //! here) and the concurrency limit.
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -40,7 +40,7 @@ pub(crate) const POLL: Duration = Duration::from_secs(1);
 
 pub(crate) use crate::cache::GroupFn;
 
-/// Requests handed over to kube-runtime's queue that have not started: by queue key, since
+/// Requests handed over to the work queue that have not started: by queue key, since
 /// when. Shared by the fair line and the resync, which each keep their own.
 pub(crate) struct Handed<K: Resource<DynamicType = ()>>(HashMap<String, (ObjectRef<K>, Instant)>);
 
@@ -155,7 +155,7 @@ impl<K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Send + Sync + 's
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A reconcile request for `r`: `Some` if it goes on to kube-runtime's queue now, `None`
+    /// A reconcile request for `r`: `Some` if it goes on to the work queue now, `None`
     /// if it waits here (or already does). A standby passes everything on: its reconciles
     /// wait for the Lease, not for a turn.
     pub(crate) fn admit(&self, mut r: ObjectRef<K>, leading: bool) -> Option<ObjectRef<K>> {
@@ -173,7 +173,7 @@ impl<K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Send + Sync + 's
             return None;
         }
         if inner.handed.contains(&queue_key(r.namespace.as_deref(), &r.name)) {
-            // Already in kube-runtime's queue: the two merge there.
+            // Already in the work queue: the two merge there.
             return Some(r);
         }
         if inner.turns.is_empty() && inner.handed.has_room(self.batch) {
@@ -197,7 +197,7 @@ impl<K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Send + Sync + 's
     }
 
     /// A reconcile of `key` takes a worker: if it was handed over from here, it no longer
-    /// waits in kube-runtime's queue.
+    /// waits in the work queue.
     pub(crate) fn started(&self, key: &str) {
         let mut inner = self.lock();
         if inner.handed.started(key) && inner.handed.has_room(self.batch) && !inner.turns.is_empty() {
@@ -212,7 +212,7 @@ impl<K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Send + Sync + 's
         self.lock().waiting.len()
     }
 
-    /// The next batch, one request per group in turn, if kube-runtime's queue has room; else
+    /// The next batch, one request per group in turn, if the work queue has room; else
     /// when to look again (`None`: when woken). A request for an object the primary cache
     /// does not have (deleted since) is dropped, as it would not start; not while the
     /// primary is listing, when the cache holds the listed objects only at the end. While
@@ -260,7 +260,7 @@ impl<K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Send + Sync + 's
         }
     }
 
-    /// The requests that waited here, for kube-runtime's queue as their turns come.
+    /// The requests that waited here, for the work queue as their turns come.
     pub(crate) fn feed(
         self: Arc<Self>,
         leading: impl Fn() -> bool + Send + Sync + 'static,
@@ -308,7 +308,7 @@ mod tests {
         assert!(a.admit(ObjectRef::from_obj(&cm("a", "x")), true).is_some());
         assert!(
             a.admit(ObjectRef::from_obj(&cm("a", "x")), true).is_some(),
-            "handed over, not started: merges in kube-runtime's queue"
+            "handed over, not started: merges in the work queue"
         );
         assert!(a.admit(ObjectRef::from_obj(&cm("a", "y")), true).is_some());
         assert!(

@@ -150,7 +150,7 @@ impl<R: Reconciler> Runner<R> {
         let _ = synced.wait_for(|s| *s).await;
         // A standby (warm, or one that lost the Lease) holds its caches, not its reconciles,
         // until it leads; at shutdown it has nothing to finish. The object it was handed may
-        // be long out of date by then: it goes back to kube-runtime, which hands over the
+        // be long out of date by then: it goes back to the work queue, which hands over the
         // current one (or nothing, if it is gone).
         if !self.ctx.is_leading() {
             tokio::select! {

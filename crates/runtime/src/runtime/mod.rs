@@ -12,9 +12,10 @@
 //!   primary cache may be compact; a waiting request is one small entry per object);
 //! - `hold`: statuses of work still under way, held back until it settles or takes long.
 //!
-//! kube-runtime's `Controller` waits only for the primary store, and `Store::wait_until_ready`
-//! wakes just one of several concurrent waiters. So opkit never waits on a store: it watches
-//! every stream it builds for the watcher's `InitDone` and keeps its own count.
+//! `Store::wait_until_ready` wakes just one of several concurrent waiters, and a compact cache
+//! has no store. So opkit never waits on a store: it watches every stream it builds for the
+//! watcher's `InitDone` and keeps its own count; the work queue hands nothing out before
+//! then.
 mod admission;
 pub(crate) mod context;
 mod driver;

@@ -13,7 +13,7 @@
 //! ask for an hourly safety net. Here a waiting request is the object's `namespace/name`,
 //! shared by a map and an ordered set, and the millisecond it falls due: never early, at most a
 //! millisecond late (a schedule that starts a job at its minute must not slip a second).
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -45,12 +45,18 @@ impl Action {
     }
 }
 
-/// The requests of one watch scope: those waiting, by the millisecond (since `start`) each
-/// falls due, and the objects being reconciled.
+/// When a waiting request falls due: the millisecond (since the queue's start), then the
+/// order it came in (requests due at one millisecond are served first come, first served).
+type Due = (u64, u64);
+
+/// The requests of one watch scope: those waiting, by when each falls due, and the objects
+/// being reconciled.
 struct Line {
-    due: HashMap<Arc<str>, u64>,
+    due: HashMap<Arc<str>, Due>,
     /// The same requests, earliest first.
-    order: BTreeSet<(u64, Arc<str>)>,
+    order: BTreeMap<Due, Arc<str>>,
+    /// Requests so far: the next one's place among those due at its millisecond.
+    count: u64,
     /// The objects being reconciled, each with the earliest request that came meanwhile.
     running: HashMap<Arc<str>, Option<u64>>,
 }
@@ -66,25 +72,28 @@ impl Line {
             *next = Some(next.map_or(at, |n| n.min(at)));
             return;
         }
-        if self.due.get(&key).is_some_and(|old| *old <= at) {
+        if self.due.get(&key).is_some_and(|old| old.0 <= at) {
             return;
         }
-        let key = match self.due.remove_entry(&key) {
-            Some((key, old)) => {
-                self.order.remove(&(old, key.clone()));
-                key
-            }
-            None => key,
-        };
-        self.due.insert(key.clone(), at);
-        self.order.insert((at, key));
+        if let Some(old) = self.due.remove(&key) {
+            self.order.remove(&old);
+        }
+        self.count += 1;
+        let due = (at, self.count);
+        self.due.insert(key.clone(), due);
+        self.order.insert(due, key);
     }
 
     /// The requests due by `passed`, at most `room` of them; each object taken counts as
     /// being reconciled until [`Line::done`].
     fn take(&mut self, passed: u64, room: usize) -> Vec<Arc<str>> {
         let mut keys = Vec::new();
-        while keys.len() < room && self.order.first().is_some_and(|(at, _)| *at <= passed) {
+        while keys.len() < room
+            && self
+                .order
+                .first_key_value()
+                .is_some_and(|((at, _), _)| *at <= passed)
+        {
             if let Some((_, key)) = self.order.pop_first() {
                 self.due.remove(&key);
                 self.running.insert(key.clone(), None);
@@ -120,7 +129,8 @@ impl Queue {
         Arc::new(Queue {
             line: Mutex::new(Line {
                 due: HashMap::new(),
-                order: BTreeSet::new(),
+                order: BTreeMap::new(),
+                count: 0,
                 running: HashMap::new(),
             }),
             start: Instant::now(),
@@ -131,8 +141,17 @@ impl Queue {
         self.line.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The millisecond (since `start`) at or after `at`: when a request for `at` falls due
-    /// (none: later than an `Instant` can say).
+    /// The millisecond (since `start`) when a request `after` from `now` falls due: the one
+    /// under way for a request for now, else the first at or after it (never early; `u64::MAX`:
+    /// later than an `Instant` can say).
+    fn due_after(&self, now: Instant, after: Duration) -> u64 {
+        match after.is_zero() {
+            true => self.passed(now),
+            false => self.due_at(now.checked_add(after)),
+        }
+    }
+
+    /// The millisecond (since `start`) at or after `at` (none: later than an `Instant` can say).
     fn due_at(&self, at: Option<Instant>) -> u64 {
         let Some(at) = at else { return u64::MAX };
         let d = at.saturating_duration_since(self.start);
@@ -156,15 +175,15 @@ impl Queue {
 
     /// Asks for a reconcile of `key` (`namespace/name`) `after` from `now`.
     pub(crate) fn request(&self, key: &str, now: Instant, after: Duration) {
-        let at = self.due_at(now.checked_add(after));
+        let at = self.due_after(now, after);
         self.lock().request(key.into(), at);
     }
 
     /// Forgets the waiting request of `key`, if it has one (its object was deleted).
     pub(crate) fn clear(&self, key: &str) {
         let mut line = self.lock();
-        if let Some((key, at)) = line.due.remove_entry(key) {
-            line.order.remove(&(at, key));
+        if let Some(due) = line.due.remove(key) {
+            line.order.remove(&due);
         }
         if let Some(meanwhile) = line.running.get_mut(key) {
             *meanwhile = None;
@@ -178,7 +197,10 @@ impl Queue {
         let mut line = self.lock();
         let keys = line.take(passed, room);
         let wait = match room > keys.len() {
-            true => line.order.first().and_then(|(at, _)| self.until(*at, now)),
+            true => line
+                .order
+                .first_key_value()
+                .and_then(|((at, _), _)| self.until(*at, now)),
             false => None,
         };
         (keys, wait)
@@ -186,7 +208,7 @@ impl Queue {
 
     /// The end of `key`'s run at `now`, and what it asked for.
     fn done(&self, key: &str, now: Instant, action: Action) {
-        let again = action.after.map(|after| self.due_at(now.checked_add(after)));
+        let again = action.after.map(|after| self.due_after(now, after));
         self.lock().done(key, again);
     }
 
@@ -215,6 +237,8 @@ pub(crate) struct Controller<K: kube::Resource<DynamicType = ()> + Clone + 'stat
     requests: Vec<BoxStream<'static, ObjectRef<K>>>,
     all: Vec<BoxStream<'static, ()>>,
     shutdown: Option<BoxFuture<'static, ()>>,
+    ready: Option<BoxFuture<'static, ()>>,
+    metrics: Option<crate::metrics::Queue>,
 }
 
 impl<K: Watchable> Controller<K> {
@@ -227,7 +251,24 @@ impl<K: Watchable> Controller<K> {
             requests: Vec::new(),
             all: Vec::new(),
             shutdown: None,
+            ready: None,
+            metrics: None,
         }
+    }
+
+    /// Tells the work-queue metrics of the requests dropped for an object that is gone (a
+    /// worker never takes them).
+    pub(crate) fn with_metrics(mut self, metrics: crate::metrics::Queue) -> Self {
+        self.metrics = Some(metrics);
+        self
+    }
+
+    /// Hands nothing out until `ready` (the caches' first lists) completes: until then the
+    /// primary cache may not hold an object a request names, which would drop the request.
+    /// Requests are taken in and merged meanwhile.
+    pub(crate) fn ready_on(mut self, ready: impl Future<Output = ()> + Send + 'static) -> Self {
+        self.ready = Some(ready.boxed());
+        self
     }
 
     /// Reconciles each object `requests` names, now.
@@ -265,7 +306,10 @@ impl<K: Watchable> Controller<K> {
             requests,
             all,
             shutdown,
+            ready,
+            metrics,
         } = self;
+        let mut ready = ready;
         let mut requests = futures::stream::select_all(requests);
         let mut all = futures::stream::select_all(all);
         let (mut requests_open, mut all_open) = (!requests.is_empty(), !all.is_empty());
@@ -282,7 +326,7 @@ impl<K: Watchable> Controller<K> {
         let mut running = FuturesUnordered::new();
         loop {
             let wait = loop {
-                if stopping {
+                if stopping || ready.is_some() {
                     break None;
                 }
                 let room = match concurrency {
@@ -297,7 +341,12 @@ impl<K: Watchable> Controller<K> {
                     match cache.get_key(&key) {
                         Some(obj) => running.push(run_one(key, obj)),
                         // Deleted since it was asked for.
-                        None => queue.done(&key, Instant::now(), Action::await_change()),
+                        None => {
+                            queue.done(&key, Instant::now(), Action::await_change());
+                            if let Some(m) = &metrics {
+                                m.dropped(&key);
+                            }
+                        }
                     }
                 }
             };
@@ -307,6 +356,11 @@ impl<K: Watchable> Controller<K> {
             tokio::select! {
                 Some((key, action)) = running.next(), if !running.is_empty() => {
                     queue.done(&key, Instant::now(), action);
+                    // A request that came during the run (often a watch event of one of the
+                    // run's own writes) runs again once every task ready now has had its
+                    // turn: the caches then hold the events of the run's other writes too, and
+                    // the next run does not redo what they show done.
+                    tokio::task::yield_now().await;
                 }
                 r = requests.next(), if requests_open && !stopping => {
                     // Every request ready now, before any is handed out: those for one
@@ -328,6 +382,11 @@ impl<K: Watchable> Controller<K> {
                     None => all_open = false,
                 },
                 _ = tokio::time::sleep(wait.unwrap_or_default()), if wait.is_some() => {}
+                _ = async {
+                    if let Some(r) = ready.as_mut() {
+                        r.await;
+                    }
+                }, if ready.is_some() => ready = None,
                 _ = &mut shutdown, if !stopping => stopping = true,
             }
         }
@@ -377,9 +436,15 @@ mod tests {
             keys(&q.take(t0 + Duration::from_millis(760_301), 10).0),
             ["a/late"]
         );
+        // Due at one millisecond: first come, first served.
+        for name in ["b/3", "b/1", "b/2"] {
+            q.request(name, t0, Duration::ZERO);
+        }
+        let (due, _) = q.take(t0 + Duration::from_secs(800), 2);
+        assert_eq!(due.iter().map(|k| &**k).collect::<Vec<_>>(), ["b/3", "b/1"]);
         // A wait longer than time can say never falls due, and nothing overflows.
         q.request("a/never", t0, Duration::MAX);
-        assert_eq!(q.len(), 0);
+        assert_eq!(q.len(), 1, "b/2 waits");
     }
 
     #[test]
@@ -489,5 +554,50 @@ mod tests {
             runs.iter().all(|(n, _)| n != "gone"),
             "an object not cached is not run"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn nothing_is_handed_out_before_the_first_list_ends_so_no_listed_object_is_dropped() {
+        // The cache holds a listed object only once the list ends; its request came before.
+        let (cache, mut writer) = Cache::<ConfigMap>::empty(true);
+        let (tx, rx) = futures::channel::mpsc::unbounded();
+        let (listed, ready) = futures::channel::oneshot::channel::<()>();
+        let (stop, stopped) = futures::channel::oneshot::channel::<()>();
+        let runs = Arc::new(Mutex::new(Vec::<String>::new()));
+        let controller = Controller::new(cache, Queue::new(), 2)
+            .ready_on(ready.map(|_| ()))
+            .reconcile_on(rx)
+            .graceful_shutdown_on(stopped.map(|_| ()));
+        let log = runs.clone();
+        let run = tokio::spawn(controller.run(
+            move |obj: Arc<ConfigMap>| {
+                log.lock()
+                    .unwrap()
+                    .push(obj.metadata.name.clone().unwrap_or_default());
+                async { Ok::<_, ()>(Action::await_change()) }
+            },
+            |_: &ConfigMap, _: &()| Action::await_change(),
+        ));
+        writer.apply(&kube::runtime::watcher::Event::Init);
+        writer.apply(&kube::runtime::watcher::Event::InitApply(cm(
+            "a",
+            "changed-while-down",
+        )));
+        tx.unbounded_send(ObjectRef::new("changed-while-down").within("a"))
+            .unwrap();
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert!(
+            runs.lock().unwrap().is_empty(),
+            "nothing runs before the list ends"
+        );
+        writer.apply(&kube::runtime::watcher::Event::InitDone);
+        let _ = listed.send(());
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(*runs.lock().unwrap(), ["changed-while-down"]);
+        let _ = stop.send(());
+        tokio::time::timeout(Duration::from_secs(5), run)
+            .await
+            .unwrap()
+            .unwrap();
     }
 }

@@ -18,7 +18,7 @@ pub(crate) fn queue_key(namespace: Option<&str>, name: &str) -> String {
     format!("{}/{name}", namespace.unwrap_or(""))
 }
 
-/// What a line of requests (the fair line, the far wake-ups) hands over as it falls due:
+/// What a line of requests (the fair line) hands over as it falls due:
 /// `take` gives the requests due now, or how long until one may be (none: until one is added,
 /// which notifies `wake`); a notification looks again before that.
 pub(crate) fn due<S, T>(

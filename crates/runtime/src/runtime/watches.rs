@@ -254,6 +254,13 @@ where
             .feed(ctx.clone(), w.synced.subscribe(), primary.clone());
         w.controller = Some(
             Controller::new(primary.clone(), w.queue.clone(), concurrency)
+                .with_metrics(w.enqueue.queue.clone())
+                .ready_on({
+                    let mut synced = w.synced.subscribe();
+                    async move {
+                        let _ = synced.wait_for(|s| *s).await;
+                    }
+                })
                 .reconcile_on(stream)
                 .reconcile_on(resync)
                 .reconcile_on(w.admission.clone().feed({
