@@ -94,6 +94,13 @@ impl Encoded {
         self.decode(self.objects.get(key)?)
     }
 
+    /// The block of `r`'s object; as kube's `Store` does, one of a cluster-scoped kind is
+    /// found by a reference that names a namespace too (a mapper's, say).
+    fn find<C: Resource<DynamicType = ()>>(&self, r: &ObjectRef<C>) -> Option<&[u8]> {
+        let at = |namespace| self.objects.get(&encoded_key(namespace, &r.name)).map(|b| &**b);
+        at(r.namespace.as_deref()).or_else(|| r.namespace.as_ref().and_then(|_| at(None)))
+    }
+
     /// Bytes held: keys, blocks and the dictionary.
     fn bytes(&self) -> usize {
         let each: usize = self.objects.iter().map(|(k, v)| k.len() + v.len()).sum();
@@ -415,7 +422,7 @@ impl<C: Resource<DynamicType = ()> + Clone + 'static> Cache<C> {
             Storage::Typed(s) => s.get(r),
             Storage::Compact(m) => {
                 let m = m.read().unwrap_or_else(|p| p.into_inner());
-                m.get(&encoded_key(r.namespace.as_deref(), &r.name))
+                m.decode(m.find(r)?)
             }
         }
     }
@@ -435,13 +442,7 @@ impl<C: Resource<DynamicType = ()> + Clone + 'static> Cache<C> {
     pub(crate) fn contains(&self, r: &ObjectRef<C>) -> bool {
         match &self.storage {
             Storage::Typed(s) => s.get(r).is_some(),
-            Storage::Compact(m) => {
-                let key = encoded_key(r.namespace.as_deref(), &r.name);
-                m.read()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .objects
-                    .contains_key(&key)
-            }
+            Storage::Compact(m) => m.read().unwrap_or_else(|p| p.into_inner()).find(r).is_some(),
         }
     }
 

@@ -18,6 +18,7 @@ use super::queue::Action;
 use super::shared::Synced;
 use super::watches::{Adopter, Pruner, Watches};
 use super::write::Writer;
+use crate::cache::Cache;
 use crate::conditions::Desired;
 use crate::conditions::{CLEANUP_FAILED, DELETING};
 use crate::plan::{Act, Cleanup, Deletion, Event, Invalid, Plan, Requeue, Retry, finalizer_name};
@@ -49,6 +50,8 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 /// One watch scope (namespace) of one controller.
 struct Runner<R: Reconciler> {
     reconciler: Arc<R>,
+    /// The primary objects, as the work queue hands them out.
+    primary: Cache<R::Object>,
     cache: R::Caches,
     pruners: Vec<Pruner>,
     adopters: Vec<Adopter>,
@@ -94,6 +97,7 @@ pub(crate) fn run<R: Reconciler>(
     for ns in namespaces {
         let mut w = Watches::new(reconciler.primary(), &ctx, ns, synced.clone(), concurrency);
         let cache = reconciler.watch(&mut w);
+        let primary = w.primary();
         let Watches {
             controller,
             pruners,
@@ -107,6 +111,7 @@ pub(crate) fn run<R: Reconciler>(
         let Some(controller) = controller else { continue };
         let runner = Arc::new(Runner {
             reconciler: reconciler.clone(),
+            primary,
             cache,
             pruners,
             adopters,
@@ -179,13 +184,30 @@ impl<R: Reconciler> Runner<R> {
         // event announced it) counts from here.
         let key = super::shared::queue_key(obj.namespace().as_deref(), &obj.name_any());
         self.queue.add(key.clone(), Box::new(|| true));
-        let _permit = match &self.limit {
-            Some(s) => s.clone().acquire_owned().await.ok(),
-            None => None,
+        let (_permit, waited) = match &self.limit {
+            Some(s) => match s.clone().try_acquire_owned() {
+                Ok(p) => (Some(p), false),
+                Err(_) => (s.clone().acquire_owned().await.ok(), true),
+            },
+            None => (None, false),
         };
         let _work = self.queue.start(&key);
         self.resync.started(&key);
         self.admission.started(&key);
+        // After a wait for a slot (the controller's namespaces share them), the object as the
+        // cache holds it now: the copy handed out before may have changed since, and a plan
+        // from it would be refused as stale.
+        let current;
+        let obj = match waited {
+            false => obj,
+            true => match self.primary.get_key(&key) {
+                Some(o) => {
+                    current = o;
+                    &current
+                }
+                None => return Ok(Action::await_change()),
+            },
+        };
         let timer = self.ctx.metrics().reconcile_started();
         let timeout = self.ctx.tuning().timeout;
         // A panic (in a plan, an observe, a mapper) fails this object's reconcile only: it is

@@ -2,7 +2,8 @@
 //! requests for one object merge (the earliest wins), an object is reconciled once at a time
 //! (a request that comes meanwhile waits for the end of the run), at most `concurrency` at
 //! once, each handed the object as the primary cache holds it when its run starts (a request
-//! for an object the cache no longer has is dropped).
+//! for an object the cache no longer has is dropped; one for an object the cache does not hold
+//! while the primary watch lists again waits for the end of that list, which may bring it).
 //!
 //! This is what kube-runtime's `Controller` does, kept here for two costs. Its controller reads
 //! the primary objects from a `Store` of decoded objects (it hands out `Arc<K>`), so a compact
@@ -22,6 +23,7 @@ use futures::future::BoxFuture;
 use futures::stream::{BoxStream, FuturesUnordered};
 use futures::{FutureExt, Stream, StreamExt};
 use kube::runtime::reflector::ObjectRef;
+use kube::runtime::watcher;
 use tokio::time::Instant;
 
 use crate::cache::Cache;
@@ -59,6 +61,11 @@ struct Line {
     count: u64,
     /// The objects being reconciled, each with the earliest request that came meanwhile.
     running: HashMap<Arc<str>, Option<u64>>,
+    /// Whether the primary watch lists again (the cache swaps the list in at its end).
+    listing: bool,
+    /// Requests for objects not cached while the primary watch lists: asked for again at
+    /// the end of the list.
+    parked: Vec<Arc<str>>,
 }
 
 impl Line {
@@ -122,6 +129,8 @@ impl Line {
 pub(crate) struct Queue {
     line: Mutex<Line>,
     start: Instant,
+    /// Wakes the loop when requests come from outside it (parked ones at the end of a list).
+    woken: tokio::sync::Notify,
 }
 
 impl Queue {
@@ -132,8 +141,11 @@ impl Queue {
                 order: BTreeMap::new(),
                 count: 0,
                 running: HashMap::new(),
+                listing: false,
+                parked: Vec::new(),
             }),
             start: Instant::now(),
+            woken: tokio::sync::Notify::new(),
         })
     }
 
@@ -188,6 +200,43 @@ impl Queue {
         if let Some(meanwhile) = line.running.get_mut(key) {
             *meanwhile = None;
         }
+    }
+
+    /// Follows the primary watch's events: a deleted object's request goes with it, and the
+    /// requests parked while the watch lists again are asked for at the end of the list (the
+    /// cache holds the listed objects from then on).
+    pub(crate) fn follow<K: kube::Resource, E>(&self, ev: &Result<watcher::Event<K>, E>) {
+        match ev {
+            Ok(watcher::Event::Delete(o)) => {
+                let meta = o.meta();
+                self.clear(&super::shared::queue_key(
+                    meta.namespace.as_deref(),
+                    meta.name.as_deref().unwrap_or_default(),
+                ));
+            }
+            Ok(watcher::Event::Init) => self.lock().listing = true,
+            Ok(watcher::Event::InitDone) => {
+                let now = self.passed(Instant::now());
+                let mut line = self.lock();
+                line.listing = false;
+                for key in std::mem::take(&mut line.parked) {
+                    line.request(key, now);
+                }
+                drop(line);
+                self.woken.notify_one();
+            }
+            _ => {}
+        }
+    }
+
+    /// Sets aside the request of `key`, whose object the cache does not hold, if the primary
+    /// watch lists again: the list may bring it. False: the object is gone.
+    fn park(&self, key: Arc<str>) -> bool {
+        let mut line = self.lock();
+        if line.listing {
+            line.parked.push(key);
+        }
+        line.listing
     }
 
     /// Takes up to `room` requests due at `now`, and says how long until the next one falls
@@ -340,10 +389,11 @@ impl<K: Watchable> Controller<K> {
                 for key in keys {
                     match cache.get_key(&key) {
                         Some(obj) => running.push(run_one(key, obj)),
-                        // Deleted since it was asked for.
+                        // Deleted since it was asked for, or not yet in a list under way.
                         None => {
                             queue.done(&key, Instant::now(), Action::await_change());
-                            if let Some(m) = &metrics {
+                            let parked = queue.park(key.clone());
+                            if let Some(m) = metrics.as_ref().filter(|_| !parked) {
                                 m.dropped(&key);
                             }
                         }
@@ -382,6 +432,7 @@ impl<K: Watchable> Controller<K> {
                     None => all_open = false,
                 },
                 _ = tokio::time::sleep(wait.unwrap_or_default()), if wait.is_some() => {}
+                _ = queue.woken.notified(), if !stopping => {}
                 _ = async {
                     if let Some(r) = ready.as_mut() {
                         r.await;
@@ -594,6 +645,57 @@ mod tests {
         let _ = listed.send(());
         tokio::time::sleep(Duration::from_secs(1)).await;
         assert_eq!(*runs.lock().unwrap(), ["changed-while-down"]);
+        let _ = stop.send(());
+        tokio::time::timeout(Duration::from_secs(5), run)
+            .await
+            .unwrap()
+            .unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_for_an_object_that_a_relist_brings_waits_for_the_list_and_runs() {
+        use kube::runtime::watcher::Event;
+        let (cache, mut writer) = Cache::<ConfigMap>::empty(true);
+        writer.apply(&Event::Init);
+        writer.apply(&Event::InitApply(cm("a", "old")));
+        writer.apply(&Event::InitDone);
+        let queue = Queue::new();
+        let (tx, rx) = futures::channel::mpsc::unbounded();
+        let (stop, stopped) = futures::channel::oneshot::channel::<()>();
+        let runs = Arc::new(Mutex::new(Vec::<String>::new()));
+        let controller = Controller::new(cache, queue.clone(), 2)
+            .reconcile_on(rx)
+            .graceful_shutdown_on(stopped.map(|_| ()));
+        let log = runs.clone();
+        let run = tokio::spawn(controller.run(
+            move |obj: Arc<ConfigMap>| {
+                log.lock()
+                    .unwrap()
+                    .push(obj.metadata.name.clone().unwrap_or_default());
+                async { Ok::<_, ()>(Action::await_change()) }
+            },
+            |_: &ConfigMap, _: &()| Action::await_change(),
+        ));
+        // The watch lists again (its connection was down past the server's history): the
+        // cache swaps the list in at its end, and a listed object's request comes before.
+        let follow = |ev: Event<ConfigMap>| queue.follow::<ConfigMap, ()>(&Ok(ev));
+        follow(Event::Init);
+        writer.apply(&Event::Init);
+        writer.apply(&Event::InitApply(cm("a", "created-while-down")));
+        for name in ["created-while-down", "deleted-while-down"] {
+            tx.unbounded_send(ObjectRef::new(name).within("a")).unwrap();
+        }
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert!(runs.lock().unwrap().is_empty(), "not cached yet: nothing runs");
+        writer.apply(&Event::InitDone);
+        follow(Event::InitDone);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(
+            *runs.lock().unwrap(),
+            ["created-while-down"],
+            "the listed object runs once the list is in; the one it lacks is dropped"
+        );
+        assert_eq!(queue.len(), 0);
         let _ = stop.send(());
         tokio::time::timeout(Duration::from_secs(5), run)
             .await

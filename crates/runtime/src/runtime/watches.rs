@@ -212,13 +212,9 @@ where
         let queue = w.queue.clone();
         let stream = events
             .inspect(w.synced.track())
-            .inspect(move |ev| {
-                // A deleted object's request goes with it (one deleted while the watch was
-                // down goes when its request falls due and finds it gone).
-                if let Ok(watcher::Event::Delete(o)) = ev {
-                    queue.clear(&queue_key(o.namespace().as_deref(), &o.name_any()));
-                }
-            })
+            // A deleted object's request goes with it (one deleted while the watch was down
+            // goes when its request falls due and finds it gone); a list waits to be swapped in.
+            .inspect(move |ev| queue.follow(ev))
             .inspect(move |ev| listing.follow(ev))
             .filter(triggers(watch.filter, w.echoes.clone(), kind_of::<K>()))
             .filter(move |ev| {
