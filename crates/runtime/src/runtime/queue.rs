@@ -607,18 +607,11 @@ mod tests {
         );
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn nothing_is_handed_out_before_the_first_list_ends_so_no_listed_object_is_dropped() {
-        // The cache holds a listed object only once the list ends; its request came before.
-        let (cache, mut writer) = Cache::<ConfigMap>::empty(true);
-        let (tx, rx) = futures::channel::mpsc::unbounded();
-        let (listed, ready) = futures::channel::oneshot::channel::<()>();
-        let (stop, stopped) = futures::channel::oneshot::channel::<()>();
+    /// Runs `controller` with a reconcile that logs the names it is handed.
+    fn spawn_logged(
+        controller: Controller<ConfigMap>,
+    ) -> (Arc<Mutex<Vec<String>>>, tokio::task::JoinHandle<()>) {
         let runs = Arc::new(Mutex::new(Vec::<String>::new()));
-        let controller = Controller::new(cache, Queue::new(), 2)
-            .ready_on(ready.map(|_| ()))
-            .reconcile_on(rx)
-            .graceful_shutdown_on(stopped.map(|_| ()));
         let log = runs.clone();
         let run = tokio::spawn(controller.run(
             move |obj: Arc<ConfigMap>| {
@@ -629,6 +622,21 @@ mod tests {
             },
             |_: &ConfigMap, _: &()| Action::await_change(),
         ));
+        (runs, run)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn nothing_is_handed_out_before_the_first_list_ends_so_no_listed_object_is_dropped() {
+        // The cache holds a listed object only once the list ends; its request came before.
+        let (cache, mut writer) = Cache::<ConfigMap>::empty(true);
+        let (tx, rx) = futures::channel::mpsc::unbounded();
+        let (listed, ready) = futures::channel::oneshot::channel::<()>();
+        let (stop, stopped) = futures::channel::oneshot::channel::<()>();
+        let controller = Controller::new(cache, Queue::new(), 2)
+            .ready_on(ready.map(|_| ()))
+            .reconcile_on(rx)
+            .graceful_shutdown_on(stopped.map(|_| ()));
+        let (runs, run) = spawn_logged(controller);
         writer.apply(&kube::runtime::watcher::Event::Init);
         writer.apply(&kube::runtime::watcher::Event::InitApply(cm(
             "a",
@@ -662,20 +670,10 @@ mod tests {
         let queue = Queue::new();
         let (tx, rx) = futures::channel::mpsc::unbounded();
         let (stop, stopped) = futures::channel::oneshot::channel::<()>();
-        let runs = Arc::new(Mutex::new(Vec::<String>::new()));
         let controller = Controller::new(cache, queue.clone(), 2)
             .reconcile_on(rx)
             .graceful_shutdown_on(stopped.map(|_| ()));
-        let log = runs.clone();
-        let run = tokio::spawn(controller.run(
-            move |obj: Arc<ConfigMap>| {
-                log.lock()
-                    .unwrap()
-                    .push(obj.metadata.name.clone().unwrap_or_default());
-                async { Ok::<_, ()>(Action::await_change()) }
-            },
-            |_: &ConfigMap, _: &()| Action::await_change(),
-        ));
+        let (runs, run) = spawn_logged(controller);
         // The watch lists again (its connection was down past the server's history): the
         // cache swaps the list in at its end, and a listed object's request comes before.
         let follow = |ev: Event<ConfigMap>| queue.follow::<ConfigMap, ()>(&Ok(ev));
