@@ -22,6 +22,7 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use futures::stream::{BoxStream, FuturesUnordered};
 use futures::{FutureExt, Stream, StreamExt};
+use kube::ResourceExt;
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use tokio::time::Instant;
@@ -208,11 +209,7 @@ impl Queue {
     pub(crate) fn follow<K: kube::Resource, E>(&self, ev: &Result<watcher::Event<K>, E>) {
         match ev {
             Ok(watcher::Event::Delete(o)) => {
-                let meta = o.meta();
-                self.clear(&super::shared::queue_key(
-                    meta.namespace.as_deref(),
-                    meta.name.as_deref().unwrap_or_default(),
-                ));
+                self.clear(&super::shared::queue_key(o.namespace().as_deref(), &o.name_any()))
             }
             Ok(watcher::Event::Init) => self.lock().listing = true,
             Ok(watcher::Event::InitDone) => {
