@@ -29,7 +29,9 @@
 //! restart the contender with N converged objects. Measured: time until (a) every Deployment
 //! has the right replicas and (b) every object shows a converged status; API requests by verb
 //! (apiserver audit log); writes per object; peak and steady RSS; CPU seconds; writes during
-//! the idle window; time to ready, time to react and writes after the restart. Writes
+//! the idle window; time to ready, time to react and writes after the restart, and the floor
+//! under that ready: the lists the restart's caches hold, received by a client that does not
+//! decode them (as JSON, and with protobuf for the built-in kinds). Writes
 //! `target/bench/<scenario>-n<N>.{md,json,svg}`. It prints numbers and never fails on a
 //! threshold.
 //!
@@ -406,6 +408,9 @@ struct Outcome {
     restart_requests: BTreeMap<String, u64>,
     /// `BENCH_RESTARTS`: (ready, reacts) of the restarts after the first.
     more_restarts: Vec<(Option<Duration>, Duration)>,
+    /// What the restart's caches list, received by a client that only receives, all at once
+    /// (the fastest of three tries): as JSON, and with the built-in kinds as protobuf.
+    restart_floor: Option<(Duration, Duration)>,
     /// opkit's own view of its caches (`opkit_cache_*` at the end of the idle window; of
     /// several processes, each line after `shard-<i>: `).
     cache_metrics: Vec<String>,
@@ -707,6 +712,53 @@ fn is_write(verb: &str) -> bool {
         verb,
         "create" | "update" | "patch" | "delete" | "deletecollection"
     )
+}
+
+/// The floor under "restart ready": how long a client that decodes nothing takes to receive,
+/// all at once, the lists opkit's caches of the lane hold after a restart (the objects, their
+/// Deployments and, for Memcached, their Pods' metadata), from the apiserver's watch cache
+/// as its streamed lists are. (JSON, protobuf for the built-in kinds): each the fastest of
+/// three tries. A custom resource is JSON either way.
+async fn list_floor(admin: &Client, scenario: Scenario, ns: &str) -> anyhow::Result<(Duration, Duration)> {
+    const PB: &str = "application/vnd.kubernetes.protobuf";
+    const META: &str = ";as=PartialObjectMetadataList;g=meta.k8s.io;v=v1";
+    let r = scenario.resource();
+    let primary = format!(
+        "/apis/{}/namespaces/{ns}/{}?resourceVersion=0",
+        r.api_version, r.plural
+    );
+    let deployments = format!("/apis/apps/v1/namespaces/{ns}/deployments?resourceVersion=0");
+    let pods = format!("/api/v1/namespaces/{ns}/pods?resourceVersion=0");
+    let receive = |path: String, accept: String| async move {
+        let req = http::Request::get(path)
+            .header(http::header::ACCEPT, accept)
+            // As a watch asks: the apiserver would otherwise spend CPU compressing it.
+            .header(http::header::ACCEPT_ENCODING, "identity")
+            .body(kube::client::Body::empty())?;
+        let res = admin.send(req).await?;
+        anyhow::ensure!(
+            res.status().is_success(),
+            "listing for the floor: {}",
+            res.status()
+        );
+        anyhow::Ok(res.into_body().collect_bytes().await?.len())
+    };
+    let mut best = [Duration::MAX; 2];
+    for _ in 0..3 {
+        for (i, built_in) in ["application/json", PB].into_iter().enumerate() {
+            let mut lists = vec![
+                receive(primary.clone(), "application/json".into()),
+                receive(deployments.clone(), built_in.into()),
+            ];
+            if scenario == Scenario::Memcached {
+                lists.push(receive(pods.clone(), format!("{built_in}{META}")));
+            }
+            let t = Instant::now();
+            futures::future::try_join_all(lists).await?;
+            best[i] = best[i].min(t.elapsed());
+        }
+    }
+    Ok((best[0], best[1]))
 }
 
 async fn create_namespace(admin: &Client, ns: &str) -> anyhow::Result<()> {
@@ -1189,6 +1241,14 @@ impl Run<'_> {
         );
         stop(&mut children);
         let stopped = Timestamp::now();
+        out.restart_floor = Some(list_floor(admin, scenario, &ns).await?);
+        if let Some((json, pb)) = out.restart_floor {
+            println!(
+                "{lane}: the restart's lists at once, received only: {:.2}s as JSON, {:.2}s with protobuf for the built-in kinds",
+                json.as_secs_f64(),
+                pb.as_secs_f64()
+            );
+        }
 
         // Restart with N converged objects: time to ready, time until a new object (created
         // the moment it starts, in a namespace of its own) converges, and what the resync
@@ -1384,6 +1444,17 @@ fn table(doc: &Value, scenario: Scenario, idle: Duration) -> String {
             ));
         }
     }
+    for (lane, r) in &lanes {
+        let secs_of =
+            |r: &Value, k: &str| format!("{}{}", num(&r[k], |x| format!("{x:.2}s")), spread(r, k, 2));
+        if !r["restart_floor_json_s"].is_null() {
+            s.push_str(&format!(
+                "\n{lane}: the restart's lists, received only and all at once (no decoding): {} as JSON, {} with protobuf for the built-in kinds.\n",
+                secs_of(r, "restart_floor_json_s"),
+                secs_of(r, "restart_floor_protobuf_s"),
+            ));
+        }
+    }
     if lanes.iter().any(|(_, r)| runs_of(r) > 1) {
         let runs: Vec<String> = lanes
             .iter()
@@ -1398,7 +1469,7 @@ fn table(doc: &Value, scenario: Scenario, idle: Duration) -> String {
 }
 
 /// The numbers of a run; a lane reports the median of each over its runs.
-const NUMBERS: [&str; 15] = [
+const NUMBERS: [&str; 17] = [
     "create_a_s",
     "create_b_s",
     "create_observed_s",
@@ -1414,6 +1485,8 @@ const NUMBERS: [&str; 15] = [
     "restart_ready_s",
     "restart_reacts_s",
     "restart_writes",
+    "restart_floor_json_s",
+    "restart_floor_protobuf_s",
 ];
 
 /// The raw numbers of one run of a lane.
@@ -1440,6 +1513,8 @@ fn run_json(r: &Outcome, n: usize) -> Value {
         "restart_writes": r.restart_writes,
         "requests": r.requests,
         "restart_requests": r.restart_requests,
+        "restart_floor_json_s": r.restart_floor.map(|(j, _)| secs(j)),
+        "restart_floor_protobuf_s": r.restart_floor.map(|(_, p)| secs(p)),
         "more_restarts": r.more_restarts.iter().map(|(ready, reacts)| json!({"ready_s": ready.map(secs), "reacts_s": secs(*reacts)})).collect::<Vec<_>>(),
         "cache_metrics": r.cache_metrics,
         "control_plane_cpu_s": r.control_plane_cpu_s,
