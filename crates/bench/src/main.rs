@@ -414,6 +414,9 @@ struct Outcome {
     /// opkit's own view of its caches (`opkit_cache_*` at the end of the idle window; of
     /// several processes, each line after `shard-<i>: `).
     cache_metrics: Vec<String>,
+    /// opkit's count of its writes and failed reconciles at the end of its last phase
+    /// ([`write_metrics`]).
+    write_metrics: Vec<String>,
     /// CPU seconds of each control-plane component (kube-apiserver, etcd, the
     /// controller-manager, ...) from the first create until the controller-manager caught up
     /// with the update: what the contender costs the cluster, not only itself.
@@ -1029,14 +1032,39 @@ async fn wait_ready(addr: SocketAddr, limit: Duration) -> anyhow::Result<Duratio
 
 /// The cache lines of opkit's metrics (`opkit_cache_objects`, `opkit_cache_bytes_estimate`).
 async fn cache_metrics(addr: SocketAddr) -> Vec<String> {
+    opkit_metrics(addr, &["opkit_cache_"]).await
+}
+
+/// The lines of opkit's metrics that start with one of `prefixes` (none if it does not answer).
+async fn opkit_metrics(addr: SocketAddr, prefixes: &[&str]) -> Vec<String> {
     match opkit_testenv::http_get(addr, "/metrics").await {
         Ok((200, body)) => body
             .lines()
-            .filter(|l| l.starts_with("opkit_cache_"))
+            .filter(|l| prefixes.iter().any(|p| l.starts_with(p)))
             .map(String::from)
             .collect(),
         _ => Vec::new(),
     }
+}
+
+/// What opkit says of its writes at the end of a lane's last phase: those it sent by verb, and
+/// its failed reconciles by category (`stale`: a write refused because the plan was made from
+/// an older version, which the audit log counts as a write too). Of several processes, each
+/// line after `shard-<i>: `.
+async fn write_metrics(ports: &[Ports]) -> Vec<String> {
+    let mut out = Vec::new();
+    for (i, p) in ports.iter().enumerate() {
+        let lines = opkit_metrics(
+            p.metrics,
+            &["opkit_api_writes_total", "opkit_reconcile_errors_total"],
+        )
+        .await;
+        match ports.len() {
+            1 => out.extend(lines),
+            _ => out.extend(lines.into_iter().map(|l| format!("shard-{i}: {l}"))),
+        }
+    }
+    out
 }
 
 /// Runs `request(i)` for every i in 0..n, `PARALLEL` at a time, stopping at the first error.
@@ -1170,6 +1198,9 @@ impl Run<'_> {
             if let Some(w) = status_writer {
                 w.abort();
             }
+            if lane.starts_with("opkit") {
+                out.write_metrics = write_metrics(&ports).await;
+            }
             stop(&mut children);
             delete_webhook_configurations(admin).await?;
             flush_audit(admin, &audit_log, &format!("bench-end-{lane}")).await?;
@@ -1239,6 +1270,13 @@ impl Run<'_> {
             "{lane}: the controller-manager caught up {:.2}s into the update",
             out.update_caught_up.unwrap_or_default().as_secs_f64()
         );
+        if lane.starts_with("opkit") {
+            out.write_metrics = write_metrics(&ports).await;
+            println!(
+                "{lane}: its writes and failed reconciles: {:?}",
+                out.write_metrics
+            );
+        }
         stop(&mut children);
         let stopped = Timestamp::now();
         out.restart_floor = Some(list_floor(admin, scenario, &ns).await?);
@@ -1517,6 +1555,7 @@ fn run_json(r: &Outcome, n: usize) -> Value {
         "restart_floor_protobuf_s": r.restart_floor.map(|(_, p)| secs(p)),
         "more_restarts": r.more_restarts.iter().map(|(ready, reacts)| json!({"ready_s": ready.map(secs), "reacts_s": secs(*reacts)})).collect::<Vec<_>>(),
         "cache_metrics": r.cache_metrics,
+        "write_metrics": r.write_metrics,
         "control_plane_cpu_s": r.control_plane_cpu_s,
         "create_timeline": r.create.timeline,
         "update_timeline": r.update.timeline,
