@@ -720,8 +720,8 @@ fn is_write(verb: &str) -> bool {
 /// The floor under "restart ready": how long a client that decodes nothing takes to receive,
 /// all at once, the lists opkit's caches of the lane hold after a restart (the objects, their
 /// Deployments and, for Memcached, their Pods' metadata), from the apiserver's watch cache
-/// as its streamed lists are. (JSON, protobuf for the built-in kinds): each the fastest of
-/// three tries. A custom resource is JSON either way.
+/// as its streamed lists are. Returns (as JSON, with the built-in kinds as protobuf), each
+/// the fastest of three tries; a custom resource is JSON either way.
 async fn list_floor(admin: &Client, scenario: Scenario, ns: &str) -> anyhow::Result<(Duration, Duration)> {
     const PB: &str = "application/vnd.kubernetes.protobuf";
     const META: &str = ";as=PartialObjectMetadataList;g=meta.k8s.io;v=v1";
@@ -735,7 +735,7 @@ async fn list_floor(admin: &Client, scenario: Scenario, ns: &str) -> anyhow::Res
     let receive = |path: String, accept: String| async move {
         let req = http::Request::get(path)
             .header(http::header::ACCEPT, accept)
-            // As a watch asks: the apiserver would otherwise spend CPU compressing it.
+            // Uncompressed, as kube's watches ask for them.
             .header(http::header::ACCEPT_ENCODING, "identity")
             .body(kube::client::Body::empty())?;
         let res = admin.send(req).await?;
