@@ -1047,24 +1047,25 @@ async fn opkit_metrics(addr: SocketAddr, prefixes: &[&str]) -> Vec<String> {
     }
 }
 
-/// What opkit says of its writes at the end of a lane's last phase: those it sent by verb, and
-/// its failed reconciles by category (`stale`: a write refused because the plan was made from
-/// an older version, which the audit log counts as a write too). Of several processes, each
-/// line after `shard-<i>: `.
-async fn write_metrics(ports: &[Ports]) -> Vec<String> {
+/// The lines of every process's metrics that start with one of `prefixes`; of several
+/// processes, each line after `shard-<i>: `.
+async fn metrics_of(ports: &[Ports], prefixes: &[&str]) -> Vec<String> {
     let mut out = Vec::new();
     for (i, p) in ports.iter().enumerate() {
-        let lines = opkit_metrics(
-            p.metrics,
-            &["opkit_api_writes_total", "opkit_reconcile_errors_total"],
-        )
-        .await;
+        let lines = opkit_metrics(p.metrics, prefixes).await;
         match ports.len() {
             1 => out.extend(lines),
             _ => out.extend(lines.into_iter().map(|l| format!("shard-{i}: {l}"))),
         }
     }
     out
+}
+
+/// What opkit says of its writes at the end of a lane's last phase: those it sent by verb, and
+/// its failed reconciles by category (`stale`: a write refused because the plan was made from
+/// an older version, which the audit log counts as a write too).
+async fn write_metrics(ports: &[Ports]) -> Vec<String> {
+    metrics_of(ports, &["opkit_api_writes_total", "opkit_reconcile_errors_total"]).await
 }
 
 /// Runs `request(i)` for every i in 0..n, `PARALLEL` at a time, stopping at the first error.
@@ -1177,14 +1178,7 @@ impl Run<'_> {
             out.idle_cpu_s = Some(b.cpu_s - a.cpu_s);
         }
         if lane.starts_with("opkit") {
-            for (i, p) in ports.iter().enumerate() {
-                let lines = cache_metrics(p.metrics).await.into_iter();
-                if ports.len() > 1 {
-                    out.cache_metrics.extend(lines.map(|l| format!("shard-{i}: {l}")));
-                } else {
-                    out.cache_metrics.extend(lines);
-                }
-            }
+            out.cache_metrics = metrics_of(&ports, &["opkit_cache_"]).await;
         }
 
         if env_or("BENCH_CREATE_ONLY", 0) == 1 {
@@ -1433,8 +1427,10 @@ fn table(doc: &Value, scenario: Scenario, idle: Duration) -> String {
         idle.as_secs()
     );
     let lanes = lanes_of(doc, scenario);
+    // A lane's median seconds, with the runs' (min–max).
+    let secs_of = |r: &Value, k: &str| format!("{}{}", num(&r[k], |x| format!("{x:.2}s")), spread(r, k, 2));
     for (lane, r) in &lanes {
-        let secs = |k: &str| format!("{}{}", num(&r[k], |x| format!("{x:.2}s")), spread(r, k, 2));
+        let secs = |k: &str| secs_of(r, k);
         let mb = |k: &str| num(&r[k], |x| format!("{x:.1} MiB"));
         // A contender of several processes: the largest, then each one's in parentheses.
         let each = |k: &str| match r[k].as_array() {
@@ -1483,8 +1479,6 @@ fn table(doc: &Value, scenario: Scenario, idle: Duration) -> String {
         }
     }
     for (lane, r) in &lanes {
-        let secs_of =
-            |r: &Value, k: &str| format!("{}{}", num(&r[k], |x| format!("{x:.2}s")), spread(r, k, 2));
         if !r["restart_floor_json_s"].is_null() {
             s.push_str(&format!(
                 "\n{lane}: the restart's lists, received only and all at once (no decoding): {} as JSON, {} with protobuf for the built-in kinds.\n",
