@@ -16,9 +16,13 @@ seconds opkit and the apiserver spent until then:
     python3 crates/bench/scripts/restart_at_scale.py [N] [RESTARTS]
 
 N defaults to 10000 and RESTARTS to 3. The control plane keeps its state in
-OPKIT_TESTENV_STATE (default /tmp/opkit-restart) and is stopped at the end. Each run's log is
-left there as run-<k>.log ("cache synced" lines say when each list ended). Nothing else may
-run on the machine meanwhile: the restart shares its cores with the apiserver.
+OPKIT_TESTENV_STATE (default /tmp/opkit-restart) and is stopped at the end, unless KEEP=1:
+then a later run finds the N Memcacheds converged and goes straight to the restarts. To
+compare two builds on the same cluster, OPKIT_BINS names them, comma-separated; the restarts
+take turns (restart k runs build (k-1) mod count), so that a slow minute of the control plane
+falls on both. Each run's log is left in the state directory as run-<k>.log ("cache synced"
+lines say when each list ended). Nothing else may run on the machine meanwhile: the restart
+shares its cores with the apiserver.
 """
 import json
 import os
@@ -30,6 +34,7 @@ import urllib.request
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 STATE = os.environ.get("OPKIT_TESTENV_STATE", "/tmp/opkit-restart")
 OPKIT = os.path.join(ROOT, "target", "release", "opkit")
+BINS = [b for b in os.environ.get("OPKIT_BINS", OPKIT).split(",") if b]
 HEALTH = "127.0.0.1:18081"
 
 
@@ -59,9 +64,9 @@ def ready():
         return False
 
 
-def start(log):
+def start(log, binary=OPKIT):
     return subprocess.Popen(
-        [OPKIT, "run", "--controllers", "memcached",
+        [binary, "run", "--controllers", "memcached",
          "--metrics-bind-address", "127.0.0.1:18080", "--health-probe-bind-address", HEALTH,
          "--kubeconfig", os.path.join(STATE, "kubeconfig")],
         stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, RUST_LOG="info"),
@@ -84,7 +89,20 @@ def main(n=10000, restarts=3):
        os.path.join(ROOT, "config", "crd", "memcacheds.cache.example.com.yaml"))
     subprocess.run(["kubectl", "create", "namespace", "bench"], capture_output=True)
     sh("kubectl", "wait", "--for=condition=Established", "crd/memcacheds.cache.example.com")
+    if converged() < n:
+        build(n, nodes)
+    restart(restarts)
+    if os.environ.get("KEEP") != "1":
+        testenv("down")
 
+
+def converged():
+    """How many Memcacheds show a status (a kept cluster has them all)."""
+    items = json.loads(sh("kubectl", "get", "memcacheds", "-n", "bench", "-o", "json"))["items"]
+    return sum(1 for o in items if o.get("status", {}).get("conditions"))
+
+
+def build(n, nodes):
     t = time.time()
     creates = []
     chunks = 4
@@ -116,15 +134,14 @@ def main(n=10000, restarts=3):
     # Once: the Deployments and the statuses.
     t = time.time()
     with open(os.path.join(STATE, "converge.log"), "w") as log:
-        p = start(log)
-        while True:
-            items = json.loads(sh("kubectl", "get", "memcacheds", "-n", "bench", "-o", "json"))["items"]
-            done = sum(1 for o in items if o.get("status", {}).get("conditions"))
-            if done == n:
-                break
+        p = start(log, BINS[0])
+        while converged() < n:
             time.sleep(10)
         stop(p)
     print(f"converged in {time.time() - t:.0f} s", flush=True)
+
+
+def restart(restarts):
     # The controller-manager works through the N new Deployments after opkit is done, and the
     # apiserver with it: the restarts wait until both are quiet.
     apiserver = int(sh("pgrep", "-f", "kube-apiserver").split()[0])
@@ -138,18 +155,18 @@ def main(n=10000, restarts=3):
     print(f"the control plane was quiet {time.time() - t:.0f} s later", flush=True)
 
     for k in range(1, restarts + 1):
+        binary = BINS[(k - 1) % len(BINS)]
         with open(os.path.join(STATE, f"run-{k}.log"), "w") as log:
             a0, t0 = cpu_ticks(apiserver), time.time()
-            p = start(log)
+            p = start(log, binary)
             while not ready():
                 time.sleep(0.01)
             took = time.time() - t0
             own, api = cpu_ticks(p.pid) / 100, (cpu_ticks(apiserver) - a0) / 100
-            print(f"restart {k}: ready {took:.2f} s; CPU until ready: opkit {own:.2f} s, "
+            print(f"restart {k} ({binary}): ready {took:.2f} s; CPU until ready: opkit {own:.2f} s, "
                   f"apiserver {api:.2f} s", flush=True)
             time.sleep(20)
             stop(p)
-    testenv("down")
 
 
 if __name__ == "__main__":
