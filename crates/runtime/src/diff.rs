@@ -64,18 +64,22 @@ pub fn needs_apply<K: serde::Serialize>(desired: &K, live: Option<&K>) -> bool {
 /// shows as drift. The server's defaults, other managers' fields and `managedFields` itself are
 /// not kept: for a Deployment that is most of the object.
 pub fn applied_by(obj: &Value, manager: &str) -> Option<Value> {
-    let entries = obj["metadata"]["managedFields"].as_array()?;
-    let applied = entries.iter().filter_map(|e| {
+    applied_fields(obj, applied_entries(&obj["metadata"]["managedFields"], manager))
+}
+
+/// The `fieldsV1` of `manager`'s `Apply` entries among `managedFields`.
+pub(crate) fn applied_entries<'a>(managed_fields: &'a Value, manager: &str) -> Vec<&'a Value> {
+    let entries = managed_fields.as_array().map(Vec::as_slice).unwrap_or_default();
+    let applied = entries.iter().filter(|e| {
         let field = |k: &str| e[k].as_str();
-        let applied = is_apply_of(
+        is_apply_of(
             manager,
             field("manager"),
             field("operation"),
             field("subresource"),
-        );
-        e.get("fieldsV1").filter(|_| applied)
+        )
     });
-    applied_fields(obj, applied)
+    applied.filter_map(|e| e.get("fieldsV1")).collect()
 }
 
 /// Whether a `managedFields` entry (its manager, operation and subresource) is one of
