@@ -146,16 +146,24 @@ def restart(restarts):
     # apiserver with it: the restarts wait until both are quiet.
     apiserver = int(sh("pgrep", "-f", "kube-apiserver").split()[0])
     manager = int(sh("pgrep", "-f", "kube-controller-manager").split()[0])
-    t = time.time()
-    while time.time() - t < 600:
-        before = cpu_ticks(apiserver) + cpu_ticks(manager)
-        time.sleep(5)
-        if cpu_ticks(apiserver) + cpu_ticks(manager) - before < 50:  # under 0.1 core
-            break
-    print(f"the control plane was quiet {time.time() - t:.0f} s later", flush=True)
+
+    def quiet(limit, window=5):
+        """Seconds until the apiserver and the controller-manager used under 0.1 core for
+        `window` seconds (at most `limit`)."""
+        t = time.time()
+        while time.time() - t < limit:
+            before = cpu_ticks(apiserver) + cpu_ticks(manager)
+            time.sleep(window)
+            if cpu_ticks(apiserver) + cpu_ticks(manager) - before < 10 * window:
+                break
+        return time.time() - t
+
+    print(f"the control plane was quiet {quiet(600):.0f} s later", flush=True)
 
     for k in range(1, restarts + 1):
         binary = BINS[(k - 1) % len(BINS)]
+        # The last restart's lists leave the apiserver collecting garbage for a while.
+        quiet(60)
         with open(os.path.join(STATE, f"run-{k}.log"), "w") as log:
             a0, t0 = cpu_ticks(apiserver), time.time()
             p = start(log, binary)
