@@ -335,9 +335,11 @@ where
                 let (indexes, subs, listed) = (cache.indexes().clone(), subscribers.clone(), cache.clone());
                 let kind = C::kind(&()).to_string();
                 let (client, namespace) = (self.client.clone(), self.namespace.clone());
-                let manager = applied.clone();
-                let connect =
-                    move || events_of::<C>(&client, namespace.as_deref(), cfg.clone(), manager.clone());
+                let (manager, held) = (applied.clone(), cache.clone());
+                let connect = move || {
+                    let applied = manager.clone().map(|m| (m, held.clone()));
+                    events_of::<C>(&client, namespace.as_deref(), cfg.clone(), applied)
+                };
                 let active = w.optional.then(|| Arc::new(AtomicBool::new(false)));
                 let events = match &active {
                     Some(active) => {
@@ -700,23 +702,23 @@ where
     .boxed()
 }
 
-/// The events of a watch of `C`; with `applied` (the controller's field manager), each object
-/// projected onto what that manager applied ([`crate::Watch::applied`]) straight from its
-/// decoded JSON.
+/// The events of a watch of `C`; with `applied` (the controller's field manager and the cache
+/// the watch fills), each object projected onto what that manager applied
+/// ([`crate::Watch::applied`]) straight from its decoded JSON.
 fn events_of<C: Watchable>(
     client: &Client,
     namespace: Option<&str>,
     cfg: watcher::Config,
-    applied: Option<String>,
+    applied: Option<(String, Cache<C>)>,
 ) -> BoxStream<'static, watcher::Result<watcher::Event<C>>> {
-    let Some(manager) = applied else {
+    let Some((manager, cache)) = applied else {
         return streamed(api::<C>(client, namespace), cfg);
     };
     let api = <C::Scope as KindScope>::api::<listed::Listed<C>>(client.clone(), namespace);
     streamed(api, cfg)
         .filter_map(move |ev| {
             let ev = match ev {
-                Ok(ev) => listed::projected(ev, &manager).map(Ok),
+                Ok(ev) => listed::projected(ev, &manager, &cache).map(Ok),
                 Err(e) => Some(Err(e)),
             };
             futures::future::ready(ev)

@@ -1,10 +1,11 @@
 //! The objects of a watch whose cache keeps what the controller applied
 //! ([`crate::Watch::applied`]): decoded as a JSON tree and projected from it.
 //!
-//! Decoded into `C` first, each object had to be turned back into a tree to be projected: at a
-//! restart with 10000 cached Deployments that round trip was a fifth of opkit's CPU until
-//! ready, and the Deployment pipeline (decode, project, decode the projection, store) took
-//! about 70 µs an object where this one takes about 50.
+//! Decoded into `C` first, as kube's watcher does, each object had to be serialised back into
+//! a tree to be projected and decoded again: at a restart with 10000 cached Deployments the
+//! projection took a fifth of opkit's CPU until ready. From the tree, JSON to cache takes
+//! about 50 µs a memcached Deployment instead of 70, and opkit's CPU until ready at that
+//! restart fell by 13 % (docs/benchmark.md).
 use std::borrow::Cow;
 use std::fmt;
 use std::marker::PhantomData;
@@ -15,10 +16,11 @@ use kube::runtime::watcher;
 use serde::de::{Deserialize, DeserializeOwned, Deserializer};
 use serde_json::Value;
 
+use crate::cache::Cache;
 use crate::diff::{applied_entries, applied_fields};
 
-/// An object of `C` as its watch decoded it: its JSON tree, and what the watcher reads of its
-/// metadata (name, namespace, uid, resource version).
+/// An object of `C` as its watch decoded it: its JSON tree, and of its metadata the resource
+/// version (which the watcher follows) and what names it (for the cache and the logs).
 pub(crate) struct Listed<C> {
     meta: ObjectMeta,
     tree: Value,
@@ -48,25 +50,34 @@ impl<C> Listed<C> {
     }
 }
 
-/// `ev` with its object as `manager` applied it ([`Listed::into_object`]); `None`, logged, for
-/// an object that does not decode as `C` (the cache goes on without it, as a typed watch
-/// would have to).
-pub(crate) fn projected<C: Resource<DynamicType = ()> + DeserializeOwned>(
+/// `ev` with its object as `manager` applied it ([`Listed::into_object`]). An object that does
+/// not decode as `C` is logged and left out, and the watch goes on: a deletion then removes
+/// the copy `cache` holds, and a change leaves it as it was (a typed watch failed the event
+/// and went on past it too, or failed the whole list).
+pub(crate) fn projected<C: Resource<DynamicType = ()> + Clone + DeserializeOwned>(
     ev: watcher::Event<Listed<C>>,
     manager: &str,
+    cache: &Cache<C>,
 ) -> Option<watcher::Event<C>> {
     let object = |l: Listed<C>| {
-        let name = format!("{}/{}", l.meta.namespace.as_deref().unwrap_or_default(), l.name());
-        l.into_object(manager)
-            .map_err(|e| tracing::error!(kind = %C::kind(&()), name, error = %e, "a watched object does not decode"))
-            .ok()
+        let (namespace, name) = (l.meta.namespace.clone().unwrap_or_default(), l.name().to_string());
+        match l.into_object(manager) {
+            Ok(o) => Ok(o),
+            Err(e) => {
+                tracing::error!(kind = %C::kind(&()), namespace, name, error = %e, "a watched object does not decode");
+                Err((namespace, name))
+            }
+        }
     };
     Some(match ev {
         watcher::Event::Init => watcher::Event::Init,
         watcher::Event::InitDone => watcher::Event::InitDone,
-        watcher::Event::InitApply(l) => watcher::Event::InitApply(object(l)?),
-        watcher::Event::Apply(l) => watcher::Event::Apply(object(l)?),
-        watcher::Event::Delete(l) => watcher::Event::Delete(object(l)?),
+        watcher::Event::InitApply(l) => watcher::Event::InitApply(object(l).ok()?),
+        watcher::Event::Apply(l) => watcher::Event::Apply(object(l).ok()?),
+        watcher::Event::Delete(l) => watcher::Event::Delete(match object(l) {
+            Ok(o) => o,
+            Err((namespace, name)) => (*cache.get(&namespace, &name)?).clone(),
+        }),
     })
 }
 
@@ -259,23 +270,60 @@ mod tests {
     }
 
     #[test]
-    fn events_carry_the_projection_and_an_object_of_another_shape_is_left_out() {
+    fn every_event_carries_the_projection() {
         let v = listed();
-        let l: Listed<Deployment> = serde_json::from_value(v.clone()).expect("an object");
-        assert_eq!(l.meta().resource_version.as_deref(), Some("9"));
-        assert_eq!(l.meta().namespace.as_deref(), Some("ns"));
-        let Some(watcher::Event::InitApply(d)) = projected(watcher::Event::InitApply(l), "opkit-memcached")
-        else {
-            panic!("an InitApply");
-        };
-        assert_eq!(d, kept::<Deployment>(&v, "opkit-memcached"));
+        let l = || serde_json::from_value::<Listed<Deployment>>(v.clone()).expect("an object");
+        assert_eq!(l().meta().resource_version.as_deref(), Some("9"));
+        assert_eq!(l().meta().namespace.as_deref(), Some("ns"));
+        let want = kept::<Deployment>(&v, "opkit-memcached");
+        let none = Cache::from_objects(&crate::Watch::all(), []);
+        let project = |ev| projected(ev, "opkit-memcached", &none);
         assert!(matches!(
-            projected::<Deployment>(watcher::Event::InitDone, "m"),
+            project(watcher::Event::Init),
+            Some(watcher::Event::Init)
+        ));
+        assert!(matches!(
+            project(watcher::Event::InitDone),
             Some(watcher::Event::InitDone)
         ));
+        assert!(
+            matches!(project(watcher::Event::InitApply(l())), Some(watcher::Event::InitApply(d)) if d == want)
+        );
+        assert!(matches!(project(watcher::Event::Apply(l())), Some(watcher::Event::Apply(d)) if d == want));
+        assert!(matches!(project(watcher::Event::Delete(l())), Some(watcher::Event::Delete(d)) if d == want));
+    }
+
+    #[test]
+    fn an_object_of_another_shape_is_left_out_and_its_deletion_removes_the_cached_copy() {
         // A ConfigMap whose data is no map of strings is no ConfigMap: left out, not a panic.
-        let bad = json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c"}, "data": 3});
-        let l: Listed<ConfigMap> = serde_json::from_value(bad).expect("a tree");
-        assert!(projected(watcher::Event::Apply(l), "m").is_none());
+        let bad = json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c", "namespace": "ns"}, "data": 3});
+        let l = || serde_json::from_value::<Listed<ConfigMap>>(bad.clone()).expect("a tree");
+        let mut held = ConfigMap::default();
+        held.metadata.name = Some("c".into());
+        held.metadata.namespace = Some("ns".into());
+        let cache = Cache::from_objects(&crate::Watch::all(), [held]);
+        let held = (*cache.get("ns", "c").expect("cached")).clone();
+        let project = |ev| projected(ev, "m", &cache);
+        assert!(project(watcher::Event::Apply(l())).is_none());
+        assert!(project(watcher::Event::InitApply(l())).is_none());
+        assert!(matches!(project(watcher::Event::Delete(l())), Some(watcher::Event::Delete(c)) if c == held));
+        // Not cached: nothing to remove.
+        let empty = Cache::from_objects(&crate::Watch::all(), []);
+        assert!(projected(watcher::Event::Delete(l()), "m", &empty).is_none());
+    }
+
+    #[test]
+    fn an_apply_entry_without_a_set_owns_nothing() {
+        // A second Apply entry of the manager (another API version) with a `null` set.
+        let mut v = listed();
+        let entries = v["metadata"]["managedFields"].as_array_mut().expect("entries");
+        entries.push(
+            json!({"manager": "opkit-memcached", "operation": "Apply", "apiVersion": "apps/v1beta2",
+            "fieldsType": "FieldsV1", "fieldsV1": null}),
+        );
+        let d: Deployment = decoded(&v, "opkit-memcached");
+        assert_eq!(d, kept::<Deployment>(&v, "opkit-memcached"));
+        // Projected on the other entry: the other manager's label is not there.
+        assert_eq!(d.labels().get("other"), None);
     }
 }
