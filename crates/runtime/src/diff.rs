@@ -409,11 +409,13 @@ impl serde::Serializer for StatusOnly {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use serde_json::json;
 
-    fn deployment() -> Value {
+    /// A Deployment as the apiserver lists it once opkit applied it: another container, another
+    /// manager's label, the controller-manager's status, server defaults.
+    pub(crate) fn deployment() -> Value {
         json!({
             "apiVersion": "apps/v1", "kind": "Deployment",
             "metadata": {"name": "m", "namespace": "ns", "uid": "u", "resourceVersion": "9", "generation": 2,

@@ -161,46 +161,11 @@ impl<C: Resource<DynamicType = ()>> Resource for Listed<C> {
 mod tests {
     use super::*;
     use crate::cache::keep_applied;
+    use crate::diff::tests::deployment as listed;
     use k8s_openapi::api::apps::v1::Deployment;
     use k8s_openapi::api::core::v1::ConfigMap;
     use kube::ResourceExt;
     use serde_json::json;
-
-    /// A Deployment as the apiserver lists it once opkit applied it and the controller-manager
-    /// wrote its status: another manager's label, server defaults, status conditions.
-    fn listed() -> Value {
-        json!({
-            "apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": {"name": "m", "namespace": "ns", "uid": "u", "resourceVersion": "9", "generation": 2,
-                "creationTimestamp": "2026-12-06T15:25:36Z",
-                "annotations": {"deployment.kubernetes.io/revision": "1"},
-                "labels": {"app": "memcached", "other": "x"},
-                "ownerReferences": [{"apiVersion": "cache.example.com/v1", "kind": "Memcached", "name": "m",
-                    "uid": "o", "controller": true, "blockOwnerDeletion": true}],
-                "managedFields": [
-                    {"manager": "opkit-memcached", "operation": "Apply", "apiVersion": "apps/v1", "fieldsType": "FieldsV1",
-                     "fieldsV1": {"f:metadata": {"f:labels": {"f:app": {}},
-                        "f:ownerReferences": {"k:{\"uid\":\"o\"}": {}}},
-                        "f:spec": {"f:replicas": {}, "f:selector": {},
-                          "f:template": {"f:metadata": {"f:labels": {"f:app": {}}},
-                            "f:spec": {"f:containers": {"k:{\"name\":\"memcached\"}": {".": {}, "f:image": {}, "f:name": {},
-                              "f:ports": {"k:{\"containerPort\":11211,\"protocol\":\"TCP\"}": {".": {}, "f:containerPort": {}}}}}}}}}},
-                    {"manager": "kube-controller-manager", "operation": "Update", "subresource": "status",
-                     "apiVersion": "apps/v1", "fieldsType": "FieldsV1",
-                     "fieldsV1": {"f:status": {"f:replicas": {}, "f:conditions": {}}}},
-                    {"manager": "kubectl-edit", "operation": "Update", "apiVersion": "apps/v1", "fieldsType": "FieldsV1",
-                     "fieldsV1": {"f:metadata": {"f:labels": {"f:other": {}}}}}
-                ]},
-            "spec": {"replicas": 1, "progressDeadlineSeconds": 600, "revisionHistoryLimit": 10,
-                "selector": {"matchLabels": {"app": "memcached"}},
-                "template": {"metadata": {"labels": {"app": "memcached"}}, "spec": {"dnsPolicy": "ClusterFirst",
-                    "containers": [{"name": "memcached", "image": "memcached:1.6", "imagePullPolicy": "IfNotPresent",
-                        "terminationMessagePath": "/dev/termination-log",
-                        "ports": [{"containerPort": 11211, "protocol": "TCP"}]}]}}},
-            "status": {"replicas": 1, "readyReplicas": 1,
-                "conditions": [{"type": "Available", "status": "True", "reason": "MinimumReplicasAvailable"}]}
-        })
-    }
 
     fn decoded<C: DeserializeOwned>(v: &Value, manager: &str) -> C {
         let l: Listed<C> = serde_json::from_value(v.clone()).expect("an object");
@@ -227,11 +192,12 @@ mod tests {
         assert_eq!(spec.progress_deadline_seconds, None);
         assert_eq!(spec.replicas, Some(1));
         assert_eq!(d.meta().managed_fields, None);
-        assert_eq!(d.owner_references()[0].block_owner_deletion, Some(true));
+        assert_eq!(d.owner_references()[0].controller, Some(true));
         assert_eq!(d.meta().resource_version.as_deref(), Some("9"));
-        let status = d.status.as_ref().expect("status");
-        assert_eq!(status.conditions.as_ref().map(Vec::len), Some(1));
-        let container = &spec.template.spec.as_ref().expect("pod spec").containers[0];
+        assert_eq!(d.status.as_ref().and_then(|s| s.ready_replicas), Some(1));
+        let containers = &spec.template.spec.as_ref().expect("pod spec").containers;
+        assert_eq!(containers.len(), 1, "only the container the manager applied");
+        let container = &containers[0];
         assert_eq!(container.image.as_deref(), Some("memcached:1.6"));
         assert_eq!(container.image_pull_policy, None);
     }
