@@ -68,6 +68,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "runtime/resync",
             "runtime/watches",
             "runtime/watches/dynamic",
+            "runtime/watches/listed",
             "reconciler",
             "runtime/write",
             "runtime/driver",

@@ -22,13 +22,14 @@ use super::queue::{Controller, Queue};
 use super::resync::{Resync, settled};
 use super::shared::{Echoes, ShareKey, Shared, SharedWatches, Subscribers, Synced, queue_key};
 use crate::OWNER_LABEL;
-use crate::cache::{Cache, Filter, KeyFn, OWNER_INDEX, Watch, keep_applied, observe_all};
-use crate::kind::{Watchable, api, namespaced};
+use crate::cache::{Cache, Filter, KeyFn, OWNER_INDEX, Watch, observe_all};
+use crate::kind::{KindScope, Watchable, api, namespaced};
 use crate::outside::{Outside, OutsideCache};
 use crate::plan::Deletion;
 use crate::runtime::context::Shard;
 
 mod dynamic;
+mod listed;
 
 /// How long after an act changed an outside thing its objects are reconciled.
 pub(crate) const ACTED: Duration = Duration::from_millis(250);
@@ -333,15 +334,19 @@ where
                 let subscribers = Arc::new(Mutex::new(Subscribers::new(tx)));
                 let (indexes, subs, listed) = (cache.indexes().clone(), subscribers.clone(), cache.clone());
                 let kind = C::kind(&()).to_string();
-                let api = api::<C>(&self.client, self.namespace.as_deref());
+                let (client, namespace) = (self.client.clone(), self.namespace.clone());
+                let (manager, held) = (applied.clone(), cache.clone());
+                let connect = move || {
+                    let applied = manager.clone().map(|m| (m, held.clone()));
+                    events_of::<C>(&client, namespace.as_deref(), cfg.clone(), applied)
+                };
                 let active = w.optional.then(|| Arc::new(AtomicBool::new(false)));
                 let events = match &active {
                     Some(active) => {
-                        let connect = move || streamed(api.clone(), cfg.clone());
                         let cached = cache.clone();
                         optional(connect, move || cached.all(), active.clone(), kind.clone(), false).boxed()
                     }
-                    None => streamed(api, cfg).default_backoff().boxed(),
+                    None => connect().default_backoff().boxed(),
                 };
                 // When the first list of a served kind is complete, say how long it took since
                 // the watch began to run: what a start waits for. An optional watch's "not served,
@@ -350,9 +355,6 @@ where
                 let driver = async move {
                     let (started, mut synced) = (Instant::now(), false);
                     let events = events.modify(move |o| {
-                        if let Some(manager) = &applied {
-                            keep_applied(o, manager);
-                        }
                         o.managed_fields_mut().clear();
                         if let Some(t) = &trim {
                             (t.apply)(o);
@@ -698,6 +700,30 @@ where
         }
     })
     .boxed()
+}
+
+/// The events of a watch of `C`; with `applied` (the controller's field manager and the cache
+/// the watch fills), each object projected onto what that manager applied
+/// ([`crate::Watch::applied`]) straight from its decoded JSON.
+fn events_of<C: Watchable>(
+    client: &Client,
+    namespace: Option<&str>,
+    cfg: watcher::Config,
+    applied: Option<(String, Cache<C>)>,
+) -> BoxStream<'static, watcher::Result<watcher::Event<C>>> {
+    let Some((manager, cache)) = applied else {
+        return streamed(api::<C>(client, namespace), cfg);
+    };
+    let api = <C::Scope as KindScope>::api::<listed::Listed<C>>(client.clone(), namespace);
+    streamed(api, cfg)
+        .filter_map(move |ev| {
+            let ev = match ev {
+                Ok(ev) => listed::projected(ev, &manager, &cache).map(Ok),
+                Err(e) => Some(Err(e)),
+            };
+            futures::future::ready(ev)
+        })
+        .boxed()
 }
 
 /// Whether a refused watch says the server cannot stream lists: 422 naming `sendInitialEvents`
