@@ -28,6 +28,10 @@ pub(crate) struct Listed<C> {
 }
 
 impl<C> Listed<C> {
+    fn name(&self) -> &str {
+        self.meta.name.as_deref().unwrap_or_default()
+    }
+
     /// What `manager` applied to the object ([`crate::diff::applied_by`]), as `C`; the whole
     /// object, without its managed fields, when the manager applied nothing to it or the
     /// projection does not make a `C`. An error only when the object is no `C` at all.
@@ -59,15 +63,15 @@ pub(crate) fn projected<C: Resource<DynamicType = ()> + Clone + DeserializeOwned
     manager: &str,
     cache: &Cache<C>,
 ) -> Option<watcher::Event<C>> {
-    let object = |l: Listed<C>| {
-        let (namespace, name) = (l.meta.namespace.clone().unwrap_or_default(), l.name().to_string());
-        match l.into_object(manager) {
-            Ok(o) => Ok(o),
-            Err(e) => {
-                tracing::error!(kind = %C::kind(&()), namespace, name, error = %e, "a watched object does not decode");
-                Err((namespace, name))
-            }
-        }
+    let object = |mut l: Listed<C>| {
+        // The names move out of the object (its projection does not read them): nothing is
+        // copied for the objects that decode.
+        let meta = std::mem::take(&mut l.meta);
+        l.into_object(manager).map_err(|e| {
+            let (namespace, name) = (meta.namespace.unwrap_or_default(), meta.name.unwrap_or_default());
+            tracing::error!(kind = %C::kind(&()), namespace, name, error = %e, "a watched object does not decode");
+            (namespace, name)
+        })
     };
     Some(match ev {
         watcher::Event::Init => watcher::Event::Init,
@@ -79,12 +83,6 @@ pub(crate) fn projected<C: Resource<DynamicType = ()> + Clone + DeserializeOwned
             Err((namespace, name)) => (*cache.get(&namespace, &name)?).clone(),
         }),
     })
-}
-
-impl<C> Listed<C> {
-    fn name(&self) -> &str {
-        self.meta.name.as_deref().unwrap_or_default()
-    }
 }
 
 impl<'de, C> Deserialize<'de> for Listed<C> {
