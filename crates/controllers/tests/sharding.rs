@@ -3,7 +3,7 @@
 //! objects move when a member leaves or joins, each handled by one member at a time, their
 //! children taken over by the new owner rather than written again.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use anyhow::{anyhow, ensure};
@@ -388,15 +388,45 @@ async fn a_rolling_restart_hands_each_slot_over_once_and_relabels_nothing() {
             let mcs: Api<Memcached> = Api::namespaced(client.clone(), &ns);
             let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
             let leases: Api<Lease> = Api::namespaced(client.clone(), &ns);
+            // Every (slot, holder) and renewal the slot Leases show while the group starts.
+            let named = Arc::new(Mutex::new(Vec::<(String, String, String)>::new()));
+            let (listed, was_listed) = tokio::sync::oneshot::channel();
+            let watch_named = {
+                let (named, leases) = (named.clone(), leases.clone());
+                async move {
+                    use kube::runtime::watcher::{Event, watcher};
+                    let mut slots = watcher(leases, Default::default()).boxed();
+                    let mut listed = Some(listed);
+                    while let Some(ev) = slots.next().await {
+                        let l = match ev {
+                            Ok(Event::Apply(l) | Event::InitApply(l)) => l,
+                            Ok(Event::InitDone) => {
+                                if let Some(listed) = listed.take() {
+                                    let _ = listed.send(());
+                                }
+                                continue;
+                            }
+                            _ => continue,
+                        };
+                        let (Some(slot), Some(spec)) = (l.labels().get(MEMBER_LABEL), l.spec.as_ref()) else {
+                            continue;
+                        };
+                        if l.labels().contains_key(opkit::sharding::SLOT_LABEL) {
+                            let holder = spec.holder_identity.clone().unwrap_or_default();
+                            let renewed = format!("{:?}", spec.renew_time);
+                            named.lock().unwrap().push((slot.clone(), holder, renewed));
+                        }
+                    }
+                }
+            };
+            let watching_named = tokio::spawn(watch_named);
+            was_listed.await?;
             let mut started = Vec::new();
             for id in ["a_1", "b_1", "c_1"] {
                 let op = slot_member(&client, &ns, id).await?;
                 slot_of(&leases, id).await?;
                 started.push((id, op));
             }
-            // A replica can lose its first slot once to the next one while the group starts
-            // (its member Lease fenced, the slot claimed again): the slots are read once each
-            // replica holds one of its own.
             let held = wait_for("three replicas on three slots", T, || async {
                 let mut held = Vec::new();
                 for (id, _) in &started {
@@ -408,6 +438,37 @@ async fn a_rolling_restart_hands_each_slot_over_once_and_relabels_nothing() {
                 Ok(held)
             })
             .await?;
+            // Each replica names itself in the one slot it keeps, and in no other even for a
+            // moment (the sharder would keep such a released slot on its ring with nobody
+            // holding it). Read once the watch shows each kept slot renewed after its claim:
+            // a replica's claims are all written before it renews.
+            let ids: Vec<&str> = started.iter().map(|(id, _)| *id).collect();
+            let named = wait_for("each kept slot renewed", T, || async {
+                let named = named.lock().unwrap().clone();
+                for (id, slot) in ids.iter().zip(&held) {
+                    let renewals = named
+                        .iter()
+                        .filter(|(s, h, _)| s == slot && h == id)
+                        .map(|(_, _, r)| r)
+                        .collect::<BTreeSet<_>>();
+                    ensure!(
+                        renewals.len() >= 2,
+                        "{id} seen {} times on {slot}",
+                        renewals.len()
+                    );
+                }
+                Ok(named)
+            })
+            .await?;
+            watching_named.abort();
+            for id in &ids {
+                let slots: BTreeSet<&String> = named
+                    .iter()
+                    .filter(|(_, h, _)| h == id)
+                    .map(|(s, _, _)| s)
+                    .collect();
+                ensure!(slots.len() == 1, "{id} named itself in {slots:?}");
+            }
             let replicas: Vec<(String, &'static str, Operator)> = held
                 .into_iter()
                 .zip(started)

@@ -394,6 +394,17 @@ impl LeaderElector {
     /// deadline to give [`LeaderElector::renew`], or `None` if `cancel` fired first. API errors
     /// are logged and retried.
     pub async fn acquire(&self, cancel: &CancellationToken) -> Result<Option<Instant>, LeaderError> {
+        self.acquire_in_turn(cancel, None).await
+    }
+
+    /// [`LeaderElector::acquire`], its claims taking turns with those of other electors
+    /// sharing `turn` (true once one of them has won): Leases sought together for one of
+    /// them (sharding slots) are written one at a time, and none after the first is won.
+    async fn acquire_in_turn(
+        &self,
+        cancel: &CancellationToken,
+        turn: Option<&tokio::sync::Mutex<bool>>,
+    ) -> Result<Option<Instant>, LeaderError> {
         let watch = || {
             let cfg = watcher::Config::default().fields(&format!("metadata.name={}", self.cfg.name));
             watcher(self.api.clone(), cfg).boxed()
@@ -451,10 +462,21 @@ impl LeaderElector {
                     Some(l) => claimable(l, me, seen_change, Instant::now()),
                 };
                 if claim {
+                    let mut my_turn = None;
+                    if let Some(turn) = turn {
+                        let guard = turn.lock().await;
+                        if *guard {
+                            return Ok(None);
+                        }
+                        my_turn = Some(guard);
+                    }
                     let sent = Instant::now();
                     let attempt = tokio::time::timeout(self.cfg.renew_deadline, self.write(live.clone()));
                     match attempt.await {
                         Ok(Ok(true)) => {
+                            if let Some(won) = my_turn.as_mut() {
+                                **won = true;
+                            }
                             let deadline = sent + self.cfg.renew_deadline;
                             self.gate.open_until(deadline);
                             return Ok(Some(deadline));
@@ -643,9 +665,11 @@ impl LeaderElector {
 
 /// Waits until this replica holds one of the Leases `candidates` (any one: they are
 /// interchangeable, as sharding slots are) and returns which, with its renewal deadline; `None`
-/// if `cancel` fired first. Every Lease is sought at once, each with a gate of its own; one
-/// won as another was, is released again, so that a replica never holds two. The caller
-/// renews the one won with an elector on its own gate, which it opens until the deadline.
+/// if `cancel` fired first. Every Lease is watched at once, each with a gate of its own, and
+/// claimed in turn: once one is won, no other is written, so the replica never names itself
+/// in a second Lease (which the sharder would see released, and keep on its ring for a spare
+/// while nobody holds it). The caller renews the one won with an elector on its own gate,
+/// which it opens until the deadline.
 pub(crate) async fn acquire_one(
     client: &Client,
     candidates: &[LeaderElectionConfig],
@@ -656,12 +680,13 @@ pub(crate) async fn acquire_one(
         .iter()
         .map(|cfg| LeaderElector::new(client.clone(), cfg.clone(), WriteGate::new()))
         .collect();
+    let turn = tokio::sync::Mutex::new(false);
     let mut attempts: futures::stream::FuturesUnordered<_> = electors
         .iter()
         .enumerate()
         .map(|(i, e)| {
-            let stop = stop.clone();
-            async move { (i, e.acquire(&stop).await) }
+            let (stop, turn) = (stop.clone(), &turn);
+            async move { (i, e.acquire_in_turn(&stop, Some(turn)).await) }
         })
         .collect();
     let mut won = None;
@@ -670,10 +695,9 @@ pub(crate) async fn acquire_one(
         match r {
             Ok(Some(deadline)) if won.is_none() => {
                 won = Some((i, deadline));
-                // The others stop at their next wait; one whose write was under way finishes
-                // it first, and is released below if it won too.
                 stop.cancel();
             }
+            // Turns rule this out; were it to happen, the second goes back.
             Ok(Some(_)) => {
                 if let Err(e) = electors[i].release().await {
                     tracing::warn!(error = %e, "releasing a second Lease failed; it runs out unrenewed");
