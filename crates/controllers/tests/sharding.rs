@@ -388,11 +388,13 @@ async fn a_rolling_restart_hands_each_slot_over_once_and_relabels_nothing() {
             let mcs: Api<Memcached> = Api::namespaced(client.clone(), &ns);
             let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
             let leases: Api<Lease> = Api::namespaced(client.clone(), &ns);
-            // Every (slot, holder) and renewal the slot Leases show while the group starts.
+            // Every (slot, holder) and renewal the slot Leases show while the group starts, and
+            // whether the watch listed again (a list shows only the latest of each).
             let named = Arc::new(Mutex::new(Vec::<(String, String, String)>::new()));
+            let relisted = Arc::new(std::sync::atomic::AtomicBool::new(false));
             let (listed, was_listed) = tokio::sync::oneshot::channel();
             let watch_named = {
-                let (named, leases) = (named.clone(), leases.clone());
+                let (named, leases, relisted) = (named.clone(), leases.clone(), relisted.clone());
                 async move {
                     use kube::runtime::watcher::{Event, watcher};
                     let mut slots = watcher(leases, Default::default()).boxed();
@@ -400,6 +402,10 @@ async fn a_rolling_restart_hands_each_slot_over_once_and_relabels_nothing() {
                     while let Some(ev) = slots.next().await {
                         let l = match ev {
                             Ok(Event::Apply(l) | Event::InitApply(l)) => l,
+                            Ok(Event::Init) if listed.is_none() => {
+                                relisted.store(true, std::sync::atomic::Ordering::SeqCst);
+                                continue;
+                            }
                             Ok(Event::InitDone) => {
                                 if let Some(listed) = listed.take() {
                                     let _ = listed.send(());
@@ -420,7 +426,7 @@ async fn a_rolling_restart_hands_each_slot_over_once_and_relabels_nothing() {
                 }
             };
             let watching_named = tokio::spawn(watch_named);
-            was_listed.await?;
+            tokio::time::timeout(T, was_listed).await??;
             let mut started = Vec::new();
             for id in ["a_1", "b_1", "c_1"] {
                 let op = slot_member(&client, &ns, id).await?;
@@ -461,6 +467,10 @@ async fn a_rolling_restart_hands_each_slot_over_once_and_relabels_nothing() {
             })
             .await?;
             watching_named.abort();
+            ensure!(
+                !relisted.load(std::sync::atomic::Ordering::SeqCst),
+                "the watch of the slot Leases listed again: a claim may have gone unseen"
+            );
             for id in &ids {
                 let slots: BTreeSet<&String> = named
                     .iter()

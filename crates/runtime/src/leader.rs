@@ -397,9 +397,10 @@ impl LeaderElector {
         self.acquire_in_turn(cancel, None).await
     }
 
-    /// [`LeaderElector::acquire`], its claims taking turns with those of other electors
-    /// sharing `turn` (true once one of them has won): Leases sought together for one of
-    /// them (sharding slots) are written one at a time, and none after the first is won.
+    /// [`LeaderElector::acquire`], its claims taking turns with those of the other electors
+    /// sharing `turn` (true once one of them has won): of Leases sought together (sharding
+    /// slots) one is claimed at a time and none after one is won, so a replica is named in
+    /// only one of them.
     async fn acquire_in_turn(
         &self,
         cancel: &CancellationToken,
@@ -422,6 +423,10 @@ impl LeaderElector {
         // still write until its next renewal, so it is treated as held until its duration runs
         // out. (A graceful release empties the holder instead, after closing its gate.)
         let mut deleted_until: Option<Instant> = None;
+        // The turn, kept after a claim whose outcome is unknown (it timed out, or failed
+        // without a refusal): that claim may have landed, so no other Lease is claimed until
+        // this one is seen again, naming us (claimed again at once) or another holder.
+        let mut kept = None;
         let observe = |l: Option<Lease>,
                        live: &mut Option<Lease>,
                        seen_change: &mut Instant,
@@ -461,14 +466,25 @@ impl LeaderElector {
                     None => deleted_until.is_none_or(|t| Instant::now() >= t),
                     Some(l) => claimable(l, me, seen_change, Instant::now()),
                 };
+                if !claim {
+                    kept = None;
+                }
                 if claim {
-                    let mut my_turn = None;
-                    if let Some(turn) = turn {
-                        let guard = turn.lock().await;
+                    let was_kept = kept.is_some();
+                    let mut my_turn = kept.take();
+                    if let (Some(turn), None) = (turn, &my_turn) {
+                        let guard = tokio::select! {
+                            biased;
+                            _ = cancel.cancelled() => return Ok(None),
+                            guard = turn.lock() => guard,
+                        };
                         if *guard {
                             return Ok(None);
                         }
                         my_turn = Some(guard);
+                    }
+                    if cancel.is_cancelled() {
+                        return Ok(None);
                     }
                     let sent = Instant::now();
                     let attempt = tokio::time::timeout(self.cfg.renew_deadline, self.write(live.clone()));
@@ -481,10 +497,17 @@ impl LeaderElector {
                             self.gate.open_until(deadline);
                             return Ok(Some(deadline));
                         }
-                        Ok(Ok(false)) => {}
-                        Ok(Err(e)) => tracing::warn!(error = %e, "taking the Lease failed; retrying"),
+                        // Refused; unless an earlier claim's outcome is still unknown (a create
+                        // that landed is refused the second time).
+                        Ok(Ok(false)) if !was_kept => {}
+                        Ok(Ok(false)) => kept = my_turn,
+                        Ok(Err(e)) => {
+                            tracing::warn!(error = %e, "taking the Lease failed; retrying");
+                            kept = my_turn;
+                        }
                         Err(_) => {
-                            tracing::warn!(lease = %self.cfg.name, "taking the Lease timed out; retrying")
+                            tracing::warn!(lease = %self.cfg.name, "taking the Lease timed out; retrying");
+                            kept = my_turn;
                         }
                     }
                 }
@@ -666,10 +689,10 @@ impl LeaderElector {
 /// Waits until this replica holds one of the Leases `candidates` (any one: they are
 /// interchangeable, as sharding slots are) and returns which, with its renewal deadline; `None`
 /// if `cancel` fired first. Every Lease is watched at once, each with a gate of its own, and
-/// claimed in turn: once one is won, no other is written, so the replica never names itself
-/// in a second Lease (which the sharder would see released, and keep on its ring for a spare
-/// while nobody holds it). The caller renews the one won with an elector on its own gate,
-/// which it opens until the deadline.
+/// claimed in turn: once one is won, no other is written. A replica named in a second Lease
+/// would release it, and the sharder would keep that slot on its ring for a spare while
+/// nobody holds it. The caller renews the one won with an elector on its own gate, which it
+/// opens until the deadline.
 pub(crate) async fn acquire_one(
     client: &Client,
     candidates: &[LeaderElectionConfig],
@@ -697,7 +720,8 @@ pub(crate) async fn acquire_one(
                 won = Some((i, deadline));
                 stop.cancel();
             }
-            // Turns rule this out; were it to happen, the second goes back.
+            // Unreachable: the winner sets the turn before another claim is written. Kept as a
+            // safety net.
             Ok(Some(_)) => {
                 if let Err(e) = electors[i].release().await {
                     tracing::warn!(error = %e, "releasing a second Lease failed; it runs out unrenewed");
@@ -770,6 +794,87 @@ mod tests {
         gate.close();
         assert!(gate.check().is_err());
         assert_eq!(gate.refused(), 3);
+    }
+
+    /// The in-memory API server, whose answer to the first create of a Lease comes only after
+    /// `delay`: the claim lands, and its writer does not learn it in time.
+    #[derive(Clone)]
+    struct LateFirstCreate {
+        server: crate::testing::ApiServer,
+        late: Arc<AtomicBool>,
+        delay: Duration,
+    }
+
+    impl tower::Service<http::Request<kube::client::Body>> for LateFirstCreate {
+        type Response = http::Response<crate::testing::server::Body>;
+        type Error = std::convert::Infallible;
+        type Future = futures::future::BoxFuture<'static, Result<Self::Response, Self::Error>>;
+
+        fn poll_ready(&mut self, _: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
+            std::task::Poll::Ready(Ok(()))
+        }
+
+        fn call(&mut self, req: http::Request<kube::client::Body>) -> Self::Future {
+            let late = req.method() == http::Method::POST
+                && req.uri().path().ends_with("/leases")
+                && !self.late.swap(true, Ordering::SeqCst);
+            let (server, delay) = (self.server.clone(), self.delay);
+            Box::pin(async move {
+                let answer = server.handle("replica", req).await;
+                if late {
+                    tokio::time::sleep(delay).await;
+                }
+                Ok(answer)
+            })
+        }
+    }
+
+    #[tokio::test]
+    async fn a_slot_claim_answered_too_late_keeps_the_turn_and_no_second_slot_is_claimed() {
+        let server = crate::testing::ApiServer::new();
+        let late = Arc::new(AtomicBool::new(false));
+        let endpoint = LateFirstCreate {
+            server: server.clone(),
+            late: late.clone(),
+            delay: Duration::from_secs(2),
+        };
+        let client = Client::new(endpoint, "default");
+        let slots: Vec<LeaderElectionConfig> = (0..3)
+            .map(|i| {
+                let mut cfg = LeaderElectionConfig::new("default", format!("slot-{i}"));
+                cfg.identity = "me".into();
+                (cfg.lease_duration, cfg.renew_deadline, cfg.retry_period) = (
+                    Duration::from_secs(6),
+                    Duration::from_millis(500),
+                    Duration::from_millis(200),
+                );
+                cfg
+            })
+            .collect();
+        let won = tokio::time::timeout(
+            Duration::from_secs(20),
+            acquire_one(&client, &slots, &CancellationToken::new()),
+        )
+        .await
+        .expect("a slot is claimed within 20 s")
+        .expect("claiming a slot does not fail")
+        .expect("not cancelled");
+        assert!(late.load(Ordering::SeqCst), "a claim was answered late");
+        let leases: Api<Lease> = Api::namespaced(server.client_as("reader"), "default");
+        let named: Vec<String> = leases
+            .list(&Default::default())
+            .await
+            .expect("the Leases list")
+            .items
+            .into_iter()
+            .filter(|l| l.spec.as_ref().and_then(|s| s.holder_identity.as_deref()) == Some("me"))
+            .filter_map(|l| l.metadata.name)
+            .collect();
+        assert_eq!(
+            named,
+            [slots[won.0].name.clone()],
+            "the replica is named in the slot it won only"
+        );
     }
 
     #[test]

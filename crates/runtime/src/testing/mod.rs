@@ -30,7 +30,7 @@
 //! ```
 mod apply;
 mod select;
-mod server;
+pub(crate) mod server;
 
 use std::time::Duration;
 

@@ -19,7 +19,7 @@ use serde_json::{Map, Value, json};
 use super::apply;
 use super::select::Selector;
 
-type Body = BoxBody<Bytes, Infallible>;
+pub(crate) type Body = BoxBody<Bytes, Infallible>;
 
 /// A kind the server serves.
 #[derive(Debug, Clone, PartialEq)]
@@ -741,7 +741,7 @@ impl ApiServer {
             .map(|s| s.value.clone())
     }
 
-    async fn handle(&self, who: &str, req: Request<kube::client::Body>) -> Response<Body> {
+    pub(crate) async fn handle(&self, who: &str, req: Request<kube::client::Body>) -> Response<Body> {
         let (parts, body) = req.into_parts();
         let body = match body.collect().await {
             Ok(b) => b.to_bytes(),
