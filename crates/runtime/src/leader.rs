@@ -468,8 +468,7 @@ impl LeaderElector {
                 };
                 if !claim {
                     kept = None;
-                }
-                if claim {
+                } else {
                     let was_kept = kept.is_some();
                     let mut my_turn = kept.take();
                     if let (Some(turn), None) = (turn, &my_turn) {
@@ -488,7 +487,7 @@ impl LeaderElector {
                     }
                     let sent = Instant::now();
                     let attempt = tokio::time::timeout(self.cfg.renew_deadline, self.write(live.clone()));
-                    match attempt.await {
+                    let refused = match attempt.await {
                         Ok(Ok(true)) => {
                             if let Some(won) = my_turn.as_mut() {
                                 **won = true;
@@ -497,18 +496,20 @@ impl LeaderElector {
                             self.gate.open_until(deadline);
                             return Ok(Some(deadline));
                         }
-                        // Refused; unless an earlier claim's outcome is still unknown (a create
-                        // that landed is refused the second time).
-                        Ok(Ok(false)) if !was_kept => {}
-                        Ok(Ok(false)) => kept = my_turn,
+                        Ok(Ok(false)) => true,
                         Ok(Err(e)) => {
                             tracing::warn!(error = %e, "taking the Lease failed; retrying");
-                            kept = my_turn;
+                            false
                         }
                         Err(_) => {
                             tracing::warn!(lease = %self.cfg.name, "taking the Lease timed out; retrying");
-                            kept = my_turn;
+                            false
                         }
+                    };
+                    // A refusal is an outcome known, unless an earlier claim's is not (a create
+                    // that landed is refused the second time).
+                    if !refused || was_kept {
+                        kept = my_turn;
                     }
                 }
             }
