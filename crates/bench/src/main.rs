@@ -23,6 +23,9 @@
 //!   idle) the sum over them. The restart stops all (SIGTERM at once) and starts all at once;
 //!   ready is when the last one's `/readyz` answers, which with leader election is as soon as
 //!   it serves (a standby is ready), so there its time to react is the number to read.
+//!   `opkit-b`, also only when named, runs another build of opkit (the binary
+//!   `BENCH_OPKIT_B` names, e.g. a copy of `target/release/opkit` from before a change) as the
+//!   `opkit` lane does: a change compared with the code before it in one run, lanes rotated.
 //!
 //! `floor` is no controller: a small client making exactly the writes the job needs, as fast as
 //! the apiserver takes them. Per contender: create N objects → idle → change every size →
@@ -98,14 +101,18 @@ impl Scenario {
                 "controller-runtime-tuned",
                 "opkit",
                 "opkit-sharded",
+                "opkit-b",
             ],
         }
     }
 
-    /// The lanes a run without `BENCH_LANES` races: all but `opkit-sharded`, so that
-    /// `make bench` and the results it wrote before that lane existed stay as they were.
+    /// The lanes a run without `BENCH_LANES` races: all but `opkit-sharded` and `opkit-b`, so
+    /// that `make bench` and the results it wrote before those lanes existed stay as they were.
     fn default_lanes(self) -> impl Iterator<Item = &'static str> {
-        self.lanes().iter().copied().filter(|l| *l != "opkit-sharded")
+        self.lanes()
+            .iter()
+            .copied()
+            .filter(|l| !matches!(*l, "opkit-sharded" | "opkit-b"))
     }
 
     /// The lanes that are neither the floor nor opkit.
@@ -293,8 +300,15 @@ impl Scenario {
                 }
                 c
             }
-            "opkit" | "opkit-sharded" | "opkit-fifo" => {
-                let mut c = Command::new(root().join("target/release/opkit"));
+            "opkit" | "opkit-sharded" | "opkit-fifo" | "opkit-b" => {
+                let binary = match lane {
+                    "opkit-b" => PathBuf::from(
+                        std::env::var("BENCH_OPKIT_B")
+                            .context("the opkit-b lane runs the binary BENCH_OPKIT_B names")?,
+                    ),
+                    _ => root().join("target/release/opkit"),
+                };
+                let mut c = Command::new(binary);
                 c.args(["run", "--controllers", self.name()])
                     .arg("--metrics-bind-address")
                     .arg(ports.metrics.to_string())
