@@ -78,17 +78,23 @@ def stop(p):
     p.wait(timeout=60)
 
 
-def main(n=10000, restarts=3):
+def control_plane(namespace):
+    """Starts the long-lived control plane in STATE (or finds it running), points kubectl at
+    it, installs the Memcached CRD and creates `namespace`."""
     for line in testenv("up").splitlines():
         if line.startswith("export PATH="):
             os.environ["PATH"] = line.split("=", 1)[1].split(":")[0] + ":" + os.environ["PATH"]
     os.environ["KUBECONFIG"] = os.path.join(STATE, "kubeconfig")
-    nodes = sh("kubectl", "get", "nodes", "-o", "name").split()
-    nodes = [x.split("/", 1)[1] for x in nodes if "kwok" in x]
     sh("kubectl", "apply", "--server-side", "-f",
        os.path.join(ROOT, "config", "crd", "memcacheds.cache.example.com.yaml"))
-    subprocess.run(["kubectl", "create", "namespace", "bench"], capture_output=True)
+    subprocess.run(["kubectl", "create", "namespace", namespace], capture_output=True)
     sh("kubectl", "wait", "--for=condition=Established", "crd/memcacheds.cache.example.com")
+
+
+def main(n=10000, restarts=3):
+    control_plane("bench")
+    nodes = sh("kubectl", "get", "nodes", "-o", "name").split()
+    nodes = [x.split("/", 1)[1] for x in nodes if "kwok" in x]
     if converged() < n:
         build(n, nodes)
     restart(restarts)

@@ -24,30 +24,19 @@ import http.client
 import json
 import os
 import ssl
-import subprocess
 import sys
 import time
 import threading
 import urllib.parse
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
-STATE = os.environ.get("OPKIT_TESTENV_STATE", "/tmp/opkit-status-cost")
+# The control plane's helpers, on a state directory of this script's own.
+os.environ.setdefault("OPKIT_TESTENV_STATE", "/tmp/opkit-status-cost")
+from restart_at_scale import control_plane, cpu_ticks, sh, testenv  # noqa: E402
+
 NS = "status-cost"
 WAYS = ["apply", "update", "merge"]
 MANAGER = "opkit-memcached"
 THREADS = 16
-
-
-def sh(*args):
-    return subprocess.run(args, check=True, text=True, capture_output=True).stdout
-
-
-def testenv(*args):
-    env = dict(os.environ, OPKIT_TESTENV_STATE=STATE)
-    return subprocess.run(
-        ["cargo", "run", "-q", "-p", "opkit-testenv", "--", *args],
-        cwd=ROOT, env=env, check=True, text=True, capture_output=True,
-    ).stdout
 
 
 def pid_of(name):
@@ -63,12 +52,6 @@ def pid_of(name):
         if os.path.basename(argv0) == name:
             return int(pid)
     return None
-
-
-def cpu_ticks(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
 
 
 class Api:
@@ -145,17 +128,8 @@ def write(api, way, obj, rnd):
 
 
 def main(n=2000, rounds=3):
-    out = testenv("up")
-    for line in out.splitlines():
-        if line.startswith("export PATH="):
-            os.environ["PATH"] = line.split("=", 1)[1].split(":")[0] + ":" + os.environ["PATH"]
-    kubeconfig = os.path.join(STATE, "kubeconfig")
-    os.environ["KUBECONFIG"] = kubeconfig
-    sh("kubectl", "apply", "--server-side", "-f",
-       os.path.join(ROOT, "config", "crd", "memcacheds.cache.example.com.yaml"))
-    subprocess.run(["kubectl", "create", "namespace", NS], capture_output=True)
-    sh("kubectl", "wait", "--for=condition=Established", "crd/memcacheds.cache.example.com")
-    api = Api(kubeconfig)
+    control_plane(NS)
+    api = Api(os.environ["KUBECONFIG"])
     have = {o["metadata"]["name"] for o in api.call("GET", path())["items"]}
     with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:
         todo = [f"{w}-{i:05d}" for w in WAYS for i in range(n) if f"{w}-{i:05d}" not in have]
