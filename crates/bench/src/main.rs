@@ -115,7 +115,8 @@ impl Scenario {
             .filter(|l| !matches!(*l, "opkit-sharded" | "opkit-b"))
     }
 
-    /// The lanes that are neither the floor nor opkit.
+    /// The lanes opkit's summary compares with: all but the floor and opkit itself (another
+    /// build of opkit, `opkit-b`, is one of them).
     fn peers(self) -> impl Iterator<Item = &'static str> {
         self.lanes()
             .iter()
