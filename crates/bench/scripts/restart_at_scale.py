@@ -56,6 +56,21 @@ def cpu_ticks(pid):
     return int(fields[11]) + int(fields[12])
 
 
+def pid_of(name):
+    """The pid of the control-plane process whose command is `name`."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv0 = f.read().split(b"\0")[0].decode()
+        except OSError:
+            continue
+        if os.path.basename(argv0) == name:
+            return int(pid)
+    return None
+
+
 def ready():
     try:
         with urllib.request.urlopen(f"http://{HEALTH}/readyz", timeout=1) as r:
@@ -150,8 +165,7 @@ def build(n, nodes):
 def restart(restarts):
     # The controller-manager works through the N new Deployments after opkit is done, and the
     # apiserver with it: the restarts wait until both are quiet.
-    apiserver = int(sh("pgrep", "-f", "kube-apiserver").split()[0])
-    manager = int(sh("pgrep", "-f", "kube-controller-manager").split()[0])
+    apiserver, manager = pid_of("kube-apiserver"), pid_of("kube-controller-manager")
 
     def quiet(limit, window=5):
         """Seconds until the apiserver and the controller-manager used under 0.1 core for

@@ -33,27 +33,12 @@ import urllib.parse
 
 # The control plane's helpers, on a state directory of this script's own.
 os.environ.setdefault("OPKIT_TESTENV_STATE", "/tmp/opkit-status-cost")
-from restart_at_scale import control_plane, cpu_ticks, sh, testenv  # noqa: E402
+from restart_at_scale import control_plane, cpu_ticks, pid_of, sh, testenv  # noqa: E402
 
 NS = "status-cost"
 WAYS = ["apply", "apply-ignore", "update", "merge"]
 MANAGER = "opkit-memcached"
 THREADS = 16
-
-
-def pid_of(name):
-    """The pid of the control-plane process whose command is `name`."""
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv0 = f.read().split(b"\0")[0].decode()
-        except OSError:
-            continue
-        if os.path.basename(argv0) == name:
-            return int(pid)
-    return None
 
 
 class Api:
