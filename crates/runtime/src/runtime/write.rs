@@ -36,6 +36,14 @@ fn dynamic_api(
     }
 }
 
+/// A server-side apply as `manager`, without the API server's strict second parse of the body:
+/// that parse is most of what an apply costs the server over an update (docs/benchmark.md,
+/// "What a status write costs the API server"). Unknown fields are dropped either way; only
+/// the `Warning` header naming them is lost, and nothing reads it.
+fn apply_params(manager: &str) -> PatchParams {
+    PatchParams::apply(manager).validation_ignore()
+}
+
 impl Writer {
     pub(crate) fn new(ctx: ControllerContext) -> Self {
         Writer {
@@ -82,7 +90,7 @@ impl Writer {
                 // see may be another's (a hand-made Deployment of that name), which a forced
                 // apply would take over. Unforced, fields another manager owns conflict.
                 let unseen = self.ctx.shard().is_some() && !child.cached;
-                let pp = PatchParams::apply(self.ctx.field_manager());
+                let pp = apply_params(self.ctx.field_manager());
                 let pp = if unseen { pp } else { pp.force() };
                 self.ctx.may_write("apply")?;
                 match api.patch(&child.name, &pp, &Patch::Apply(body)).await {
@@ -224,7 +232,7 @@ impl Writer {
             "status": desired,
         });
         let api: Api<K> = api(self.ctx.client(), obj.namespace().as_deref());
-        let pp = PatchParams::apply(self.ctx.field_manager()).force();
+        let pp = apply_params(self.ctx.field_manager()).force();
         self.ctx.may_write("apply_status")?;
         match api.patch_status(&obj.name_any(), &pp, &Patch::Apply(&body)).await {
             Ok(written) => {
@@ -302,7 +310,7 @@ impl Writer {
             "metadata": metadata,
         });
         let api: Api<K> = api(self.ctx.client(), obj.namespace().as_deref());
-        let pp = PatchParams::apply(&format!("{}-finalizer", self.ctx.field_manager())).force();
+        let pp = apply_params(&format!("{}-finalizer", self.ctx.field_manager())).force();
         self.ctx.may_write("finalizer")?;
         let after = match api.patch(&obj.name_any(), &pp, &Patch::Apply(&body)).await {
             Ok(after) => after,
