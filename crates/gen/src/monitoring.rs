@@ -129,6 +129,15 @@ pub fn alerts() -> Vec<Alert> {
             action: "This replica may no longer lead but keeps trying to write: its Lease renewals fail. Check its connection to the apiserver and the Lease holder.",
         },
         Alert {
+            name: "OpkitUndecodableObjects",
+            expr: r#"sum by (namespace, controller, kind) (increase(opkit_watch_objects_undecodable_total{job="$job"}[10m]))"#,
+            threshold: "> 0",
+            for_: "0m",
+            severity: "warning",
+            summary: "Controller {{ $labels.controller }} cannot read some {{ $labels.kind }} objects and acts on the copies it had",
+            action: "The log line `a watched object does not decode` names the field (and the object, where the watch knows it). The server sends what the operator's types do not read: a newer version of the kind, or an object its schema let through. Upgrade the operator or fix the object.",
+        },
+        Alert {
             name: "OpkitAPIErrors",
             expr: r#"sum by (namespace) (rate(rest_client_requests_total{job="$job",code=~"5..|<error>"}[5m])) or sum by (namespace) (rate(rest_client_requests_total{job="$job"}[5m])) * 0"#,
             threshold: "> 0.5",

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use anyhow::ensure;
 use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, PostParams};
+use kube::api::{Api, ApiResource, DynamicObject, PostParams};
 use kube::{Client, Resource, ResourceExt};
 use opkit_runtime::testing::Harness;
 use opkit_runtime::{Cache, Child, Invalid, Operator, Plan, Reconciler, Registry, Requeue, Watch, Watches};
@@ -133,6 +133,48 @@ async fn resync_of(controller: &str) -> anyhow::Result<opkit_runtime::testing::W
 async fn the_resync_of_a_converged_object_writes_nothing() -> anyhow::Result<()> {
     let resync = resync_of("mirror").await?;
     ensure!(resync.is_empty(), "{resync}");
+    Ok(())
+}
+
+/// An object that does not decode as its kind (a server with a laxer schema, or a newer
+/// version of the kind) is left out of the cache and counted in
+/// `opkit_watch_objects_undecodable_total`, and the watch goes on to the next event.
+#[tokio::test]
+async fn an_object_that_does_not_decode_is_counted_and_the_watch_goes_on() -> anyhow::Result<()> {
+    // Longer than the watch's backoff after the failed event (0.8 s, with jitter up to twice
+    // that), so that a step ends after the events behind it.
+    let mut h = Harness::start(operator(), &["mirror"], ())
+        .await?
+        .with_window(std::time::Duration::from_secs(3));
+    let cms = settings(&h).await?;
+    ensure!(h.settle().await?.applied("ConfigMap").len() == 1);
+    let series = r#"opkit_watch_objects_undecodable_total{controller="mirror",kind="ConfigMap"}"#;
+    ensure!(
+        h.metrics().encode().contains(series) && h.metrics().sample(series) == 0.0,
+        "the series is not there at 0 before the first: {}",
+        h.metrics().encode()
+    );
+    // A ConfigMap's data is a map of strings: a number is no ConfigMap.
+    let odd: DynamicObject = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": "odd", "labels": {"mirror": "yes"}},
+        "data": 3,
+    }))?;
+    let raw: Api<DynamicObject> =
+        Api::namespaced_with(h.client(), "default", &ApiResource::erase::<ConfigMap>(&()));
+    raw.create(&PostParams::default(), &odd).await?;
+    let mut changed = cms.get("settings").await?;
+    changed.data = Some(BTreeMap::from([("colour".into(), "red".into())]));
+    cms.replace("settings", &PostParams::default(), &changed).await?;
+    let writes = h.settle().await?;
+    let applied = writes.applied("ConfigMap");
+    ensure!(
+        applied.len() == 1 && applied[0].name.as_deref() == Some("settings-copy"),
+        "the change after the odd object was not copied: {writes}"
+    );
+    ensure!(cms.get("settings-copy").await?.data.unwrap_or_default()["colour"] == "red");
+    ensure!(cms.get_opt("odd-copy").await?.is_none());
+    ensure!(h.metrics().sample(series) >= 1.0, "{}", h.metrics().encode());
     Ok(())
 }
 

@@ -100,6 +100,7 @@ pub struct Metrics {
     shard_members: Family<ControllerLabel, Gauge>,
     caches: Arc<Mutex<Vec<(CacheLabels, CacheProbe)>>>,
     optional_active: Family<CacheLabels, Gauge>,
+    undecodable: Family<CacheLabels, Counter>,
     /// The optional watches (one per namespace watched) and whether each has its kind.
     optional: Arc<Mutex<Vec<(CacheLabels, Active)>>>,
     totals: Arc<Mutex<HashMap<String, Arc<Totals>>>>,
@@ -215,6 +216,12 @@ impl Default for Metrics {
             "Optional watches, by kind: 1 while their kind is served and watched, 0 while they wait for it to be installed",
             optional_active.clone(),
         );
+        let undecodable = Family::<CacheLabels, Counter>::default();
+        registry.register(
+            "watch_objects_undecodable",
+            "Watched objects that did not decode as their kind, by kind: left out, the cache keeps the copy it held (a changed object stays as it was)",
+            undecodable.clone(),
+        );
         let shard_moves = Family::<MoveLabels, Counter>::default();
         let shard_handover = Family::<ControllerLabel, Histogram, fn() -> Histogram>::new_with_constructor(
             standard::seconds_histogram as fn() -> Histogram,
@@ -256,6 +263,7 @@ impl Default for Metrics {
             shard_members,
             caches: Arc::default(),
             optional_active,
+            undecodable,
             optional: Arc::default(),
             totals: Arc::default(),
             standard,
@@ -508,6 +516,16 @@ impl ControllerMetrics {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .push((labels, Box::new(probe)));
+    }
+
+    /// Counts the watched objects of `kind` that did not decode; its series is there, at 0,
+    /// from the start, so that an alert on it has data before the first.
+    pub(crate) fn undecodable(&self, kind: &str) -> Counter {
+        let labels = CacheLabels {
+            controller: self.controller.clone(),
+            kind: kind.to_string(),
+        };
+        self.metrics.undecodable.get_or_create(&labels).clone()
     }
 
     /// Reports an optional watch of `kind` in `opkit_optional_watch_active` and `/readyz`;

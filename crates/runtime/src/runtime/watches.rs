@@ -15,6 +15,7 @@ use futures::{FutureExt, Stream, StreamExt};
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
+use prometheus_client::metrics::counter::Counter;
 use serde::de::DeserializeOwned;
 
 use super::admission::Admission;
@@ -336,8 +337,10 @@ where
                 let kind = C::kind(&()).to_string();
                 let (client, namespace) = (self.client.clone(), self.namespace.clone());
                 let (manager, held) = (applied.clone(), cache.clone());
+                let undecodable = self.metrics.undecodable(&kind);
+                let counted = undecodable.clone();
                 let connect = move || {
-                    let applied = manager.clone().map(|m| (m, held.clone()));
+                    let applied = manager.clone().map(|m| (m, held.clone(), counted.clone()));
                     events_of::<C>(&client, namespace.as_deref(), cfg.clone(), applied)
                 };
                 let active = w.optional.then(|| Arc::new(AtomicBool::new(false)));
@@ -364,6 +367,13 @@ where
                     while let Some(ev) = events.next().await {
                         let ev = match ev {
                             Ok(ev) => ev,
+                            // A watch goes on past the object (a paged list fails whole and is
+                            // listed again); kube's error does not name the object.
+                            Err(e) if undecodable_object(&e) => {
+                                undecodable.inc();
+                                tracing::error!(kind, error = %e, "a watched object does not decode");
+                                continue;
+                            }
                             Err(e) => {
                                 tracing::warn!(kind, error = %e, "watch failed; retrying with backoff");
                                 continue;
@@ -702,28 +712,41 @@ where
     .boxed()
 }
 
-/// The events of a watch of `C`; with `applied` (the controller's field manager and the cache
-/// the watch fills), each object projected onto what that manager applied
-/// ([`crate::Watch::applied`]) straight from its decoded JSON.
+/// The events of a watch of `C`; with `applied` (the controller's field manager, the cache
+/// the watch fills and the count of objects that do not decode), each object projected onto
+/// what that manager applied ([`crate::Watch::applied`]) straight from its decoded JSON.
 fn events_of<C: Watchable>(
     client: &Client,
     namespace: Option<&str>,
     cfg: watcher::Config,
-    applied: Option<(String, Cache<C>)>,
+    applied: Option<(String, Cache<C>, Counter)>,
 ) -> BoxStream<'static, watcher::Result<watcher::Event<C>>> {
-    let Some((manager, cache)) = applied else {
+    let Some((manager, cache, undecodable)) = applied else {
         return streamed(api::<C>(client, namespace), cfg);
     };
     let api = <C::Scope as KindScope>::api::<listed::Listed<C>>(client.clone(), namespace);
     streamed(api, cfg)
         .filter_map(move |ev| {
             let ev = match ev {
-                Ok(ev) => listed::projected(ev, &manager, &cache).map(Ok),
+                Ok(ev) => listed::projected(ev, &manager, &cache, &undecodable).map(Ok),
                 Err(e) => Some(Err(e)),
             };
             futures::future::ready(ev)
         })
         .boxed()
+}
+
+/// Whether a typed watch failed on an object that does not decode as its kind: the watch goes
+/// on past it, and a paged list fails whole. kube reads such a watch line as a `Status` when
+/// it can (every field of one has a default), so it comes as an API error without a code,
+/// which no server sends.
+fn undecodable_object(e: &watcher::Error) -> bool {
+    match e {
+        watcher::Error::WatchFailed(kube::Error::Api(s)) => s.code == 0,
+        watcher::Error::WatchFailed(kube::Error::SerdeError(_))
+        | watcher::Error::InitialListFailed(kube::Error::SerdeError(_)) => true,
+        _ => false,
+    }
 }
 
 /// Whether a refused watch says the server cannot stream lists: 422 naming `sendInitialEvents`

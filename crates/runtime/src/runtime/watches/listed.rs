@@ -13,6 +13,7 @@ use std::marker::PhantomData;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Resource;
 use kube::runtime::watcher;
+use prometheus_client::metrics::counter::Counter;
 use serde::de::{Deserialize, DeserializeOwned, Deserializer};
 use serde_json::Value;
 
@@ -55,13 +56,14 @@ impl<C> Listed<C> {
 }
 
 /// `ev` with its object as `manager` applied it ([`Listed::into_object`]). An object that does
-/// not decode as `C` is logged and left out, and the watch goes on: a deletion then removes
-/// the copy `cache` holds, and a change leaves it as it was (a typed watch failed the event
-/// and went on past it too, or failed the whole list).
+/// not decode as `C` is logged, counted in `undecodable` and left out, and the watch goes on:
+/// a deletion then removes the copy `cache` holds, and a change leaves it as it was (a typed
+/// watch failed the event and went on past it too, or failed the whole list).
 pub(crate) fn projected<C: Resource<DynamicType = ()> + Clone + DeserializeOwned>(
     ev: watcher::Event<Listed<C>>,
     manager: &str,
     cache: &Cache<C>,
+    undecodable: &Counter,
 ) -> Option<watcher::Event<C>> {
     let object = |mut l: Listed<C>| {
         // The names move out of the object (its projection does not read them): nothing is
@@ -70,6 +72,7 @@ pub(crate) fn projected<C: Resource<DynamicType = ()> + Clone + DeserializeOwned
         l.into_object(manager).map_err(|e| {
             let (namespace, name) = (meta.namespace.unwrap_or_default(), meta.name.unwrap_or_default());
             tracing::error!(kind = %C::kind(&()), namespace, name, error = %e, "a watched object does not decode");
+            undecodable.inc();
             (namespace, name)
         })
     };
@@ -241,7 +244,8 @@ mod tests {
         assert_eq!(l().meta().namespace.as_deref(), Some("ns"));
         let want = kept::<Deployment>(&v, "opkit-memcached");
         let none = Cache::from_objects(&crate::Watch::all(), []);
-        let project = |ev| projected(ev, "opkit-memcached", &none);
+        let undecodable = Counter::default();
+        let project = |ev| projected(ev, "opkit-memcached", &none, &undecodable);
         assert!(matches!(
             project(watcher::Event::Init),
             Some(watcher::Event::Init)
@@ -255,6 +259,7 @@ mod tests {
         );
         assert!(matches!(project(watcher::Event::Apply(l())), Some(watcher::Event::Apply(d)) if d == want));
         assert!(matches!(project(watcher::Event::Delete(l())), Some(watcher::Event::Delete(d)) if d == want));
+        assert_eq!(undecodable.get(), 0);
     }
 
     #[test]
@@ -267,13 +272,16 @@ mod tests {
         held.metadata.namespace = Some("ns".into());
         let cache = Cache::from_objects(&crate::Watch::all(), [held]);
         let held = (*cache.get("ns", "c").expect("cached")).clone();
-        let project = |ev| projected(ev, "m", &cache);
+        let undecodable = Counter::default();
+        let project = |ev| projected(ev, "m", &cache, &undecodable);
         assert!(project(watcher::Event::Apply(l())).is_none());
         assert!(project(watcher::Event::InitApply(l())).is_none());
         assert!(matches!(project(watcher::Event::Delete(l())), Some(watcher::Event::Delete(c)) if c == held));
         // Not cached: nothing to remove.
         let empty = Cache::from_objects(&crate::Watch::all(), []);
-        assert!(projected(watcher::Event::Delete(l()), "m", &empty).is_none());
+        assert!(projected(watcher::Event::Delete(l()), "m", &empty, &undecodable).is_none());
+        // Each left out, and the metric says so.
+        assert_eq!(undecodable.get(), 4);
     }
 
     #[test]
