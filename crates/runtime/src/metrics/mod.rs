@@ -507,10 +507,7 @@ impl ControllerMetrics {
     /// Reports a cache of `kind` in `opkit_cache_objects` and `opkit_cache_bytes_estimate`;
     /// `probe` is called at every scrape and returns (objects, estimated bytes).
     pub(crate) fn cache(&self, kind: &str, probe: impl Fn() -> (usize, usize) + Send + Sync + 'static) {
-        let labels = CacheLabels {
-            controller: self.controller.clone(),
-            kind: kind.to_string(),
-        };
+        let labels = self.kind_label(kind);
         self.metrics
             .caches
             .lock()
@@ -521,20 +518,14 @@ impl ControllerMetrics {
     /// Counts the watched objects of `kind` that did not decode; its series is there, at 0,
     /// from the start, so that an alert on it has data before the first.
     pub(crate) fn undecodable(&self, kind: &str) -> Counter {
-        let labels = CacheLabels {
-            controller: self.controller.clone(),
-            kind: kind.to_string(),
-        };
+        let labels = self.kind_label(kind);
         self.metrics.undecodable.get_or_create(&labels).clone()
     }
 
     /// Reports an optional watch of `kind` in `opkit_optional_watch_active` and `/readyz`;
     /// `active` says whether its kind is served now.
     pub(crate) fn optional_watch(&self, kind: &str, active: Arc<AtomicBool>) {
-        let labels = CacheLabels {
-            controller: self.controller.clone(),
-            kind: kind.to_string(),
-        };
+        let labels = self.kind_label(kind);
         self.metrics
             .optional
             .lock()
@@ -626,6 +617,13 @@ impl ControllerMetrics {
     /// watched namespace moves by its own count.
     pub(crate) fn resync_gauge(&self) -> Gauge {
         self.metrics.resync_pending.get_or_create(&self.label()).clone()
+    }
+
+    fn kind_label(&self, kind: &str) -> CacheLabels {
+        CacheLabels {
+            controller: self.controller.clone(),
+            kind: kind.to_string(),
+        }
     }
 
     fn label(&self) -> ControllerLabel {
