@@ -10,7 +10,9 @@
 //! Things outside the cluster are made, kept against drift and dropped through plans' acts. A
 //! plan reports the part of a spec it left out and still carries out the rest. A watch of a
 //! kind that may not be installed waits for it without holding readiness, follows it once it
-//! is installed, and lets its objects go when it is deleted.
+//! is installed, and lets its objects go when it is deleted. A child refused because its
+//! namespace is being deleted is retried with backoff, not failed, and written once the
+//! namespace is back.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -18,7 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{anyhow, ensure};
-use k8s_openapi::api::core::v1::ConfigMap;
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
@@ -1646,6 +1648,158 @@ async fn an_optional_watch_waits_for_its_kind_without_holding_readiness_and_foll
             ensure!(op.running(), "the manager stopped");
             common::remove_crd(&client, LAMP_CRD).await?;
             Ok(())
+        })
+        .await;
+}
+
+/// Copies a ConfigMap labelled `opkit-spill` into the namespace its annotation `into` names: a
+/// child outside the object's namespace, as a controller of several namespaces writes.
+struct Spill;
+
+impl Reconciler for Spill {
+    type Object = ConfigMap;
+    type Caches = ();
+    type World = ();
+    type Status = ();
+
+    fn name(&self) -> &'static str {
+        "spill"
+    }
+
+    fn tuning(&self, defaults: Tuning) -> Tuning {
+        Tuning {
+            backoff_base: Duration::from_millis(200),
+            backoff_max: Duration::from_secs(2),
+            ..defaults
+        }
+    }
+
+    fn primary(&self) -> Watch<ConfigMap> {
+        Watch::labels("opkit-spill")
+    }
+
+    fn watch(&self, _: &mut Watches<ConfigMap>) {}
+
+    async fn observe(&self, _: &ConfigMap, _: &(), _: &Client) -> kube::Result<()> {
+        Ok(())
+    }
+
+    fn plan(&self, cm: &ConfigMap, _: &(), _: Timestamp) -> Result<Plan<()>, Invalid> {
+        let mut copy = ConfigMap {
+            data: cm.data.clone(),
+            ..Default::default()
+        };
+        copy.metadata.name = Some(cm.name_any());
+        copy.metadata.namespace = cm.annotations().get("into").cloned();
+        Ok(Plan::nothing(Requeue::OnChange).child(opkit::Child::apply(&copy, None)))
+    }
+}
+
+/// A write into a namespace being deleted is refused by the API server (403,
+/// `NamespaceTerminating`). That is no failure of the controller: it is not counted as one nor
+/// warned about, it is retried with backoff (not in a loop), and the child is written once the
+/// namespace is there again.
+#[tokio::test]
+async fn a_child_whose_namespace_is_being_deleted_is_waited_for_not_failed() {
+    shared()
+        .in_namespace("framework-spill", |client, ns| async move {
+            let away = format!("{ns}-away");
+            let nss: Api<Namespace> = Api::all(client.clone());
+            let held: Api<ConfigMap> = Api::namespaced(client.clone(), &away);
+            let result = async {
+                let mut space = Namespace::default();
+                space.metadata.name = Some(away.clone());
+                nss.create(&PostParams::default(), &space).await?;
+                // Holds the namespace in Terminating until its finalizer is taken off.
+                let hold = json!({"metadata": {"name": "hold", "finalizers": ["opkit.dev/test-hold"]}});
+                held.create(&PostParams::default(), &serde_json::from_value(hold)?)
+                    .await?;
+                nss.delete(&away, &DeleteParams::default()).await?;
+                // Until the API server's admission (which reads a namespace cache) refuses new
+                // objects there, as it will refuse the controller's.
+                let dry_run = PostParams {
+                    dry_run: true,
+                    ..PostParams::default()
+                };
+                let probe: ConfigMap = serde_json::from_value(json!({"metadata": {"name": "probe"}}))?;
+                wait_for("new objects refused in the namespace", T, || async {
+                    match held.create(&dry_run, &probe).await {
+                        Err(kube::Error::Api(s))
+                            if s.code == 403
+                                && s.details.as_ref().is_some_and(|d| {
+                                    d.causes.iter().any(|c| c.reason == "NamespaceTerminating")
+                                }) =>
+                        {
+                            anyhow::Ok(())
+                        }
+                        other => Err(anyhow!("{other:?}")),
+                    }
+                })
+                .await?;
+
+                let op = operator_of("spill", |m, _: &()| {
+                    m.add(Spill);
+                });
+                let op = common::start_op(&op, &client, &ns, Run::new(&["spill"]), &(), |_| {}).await?;
+                let cm = json!({"metadata": {
+                    "name": "settings", "labels": {"opkit-spill": "yes"}, "annotations": {"into": away},
+                }, "data": {"colour": "blue"}});
+                Api::<ConfigMap>::namespaced(client.clone(), &ns)
+                    .create(&PostParams::default(), &serde_json::from_value(cm)?)
+                    .await?;
+                let waited = r#"opkit_reconcile_total{controller="spill",result="namespace_terminating"}"#;
+                let failed = r#"controller_runtime_reconcile_errors_total{controller="spill"}"#;
+                wait_for("writes refused while the namespace goes", T, || async {
+                    ensure!(op.sample(waited) >= 2.0, "{}", op.sample(waited));
+                    anyhow::Ok(())
+                })
+                .await?;
+                let before = op.sample(waited);
+                consistently(
+                    "retried with backoff, not counted as failed",
+                    Duration::from_secs(4),
+                    || async {
+                        let tries = op.sample(waited) - before;
+                        ensure!(tries <= 4.0, "{tries} tries in 4 s");
+                        ensure!(op.sample(failed) == 0.0, "{}", op.encoded());
+                        anyhow::Ok(())
+                    },
+                )
+                .await?;
+                ensure!(op.sample(waited) > before, "no longer retried");
+
+                held.patch(
+                    "hold",
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+                )
+                .await?;
+                wait_for("the namespace gone", T, || async {
+                    ensure!(nss.get_opt(&away).await?.is_none(), "still there");
+                    anyhow::Ok(())
+                })
+                .await?;
+                nss.create(&PostParams::default(), &space).await?;
+                wait_for("the copy written into the namespace made anew", T, || async {
+                    let copy = held.get_opt("settings").await?;
+                    let colour = copy.and_then(|c| c.data).and_then(|d| d.get("colour").cloned());
+                    ensure!(colour.as_deref() == Some("blue"), "{colour:?}");
+                    anyhow::Ok(())
+                })
+                .await?;
+                ensure!(op.running(), "the manager stopped");
+                anyhow::Ok(())
+            }
+            .await;
+            let _ = held
+                .patch(
+                    "hold",
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+                )
+                .await;
+            let _ = nss.delete(&away, &DeleteParams::default()).await;
+            result
         })
         .await;
 }

@@ -325,6 +325,13 @@ pub fn refused_by_gate(err: &kube::Error) -> bool {
     refusal_in(err)
 }
 
+/// Whether the API server refused a write because its namespace is being deleted (a 403 with
+/// the `NamespaceTerminating` cause): routine while a namespace goes, not a failure.
+pub(crate) fn namespace_terminating(e: &kube::Error) -> bool {
+    matches!(e, kube::Error::Api(s) if s.code == 403
+        && s.details.as_ref().is_some_and(|d| d.causes.iter().any(|c| c.reason == "NamespaceTerminating")))
+}
+
 fn refusal_in(err: &(dyn std::error::Error + 'static)) -> bool {
     let mut source = Some(err);
     while let Some(e) = source {
@@ -561,6 +568,23 @@ impl Connection for GatedStream {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_write_refused_as_its_namespace_goes_is_told_apart_from_other_refusals() {
+        // As kube-apiserver answers a create in a namespace being deleted.
+        let status = |cause: &str| {
+            let body = serde_json::json!({
+                "kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Forbidden",
+                "message": "configmaps \"c\" is forbidden: unable to create new content in namespace n because it is being terminated",
+                "details": {"name": "c", "kind": "configmaps", "causes": [
+                    {"reason": cause, "message": "namespace n is being terminated", "field": "metadata.namespace"}]},
+                "code": 403,
+            });
+            kube::Error::Api(Box::new(serde_json::from_value(body).unwrap()))
+        };
+        assert!(namespace_terminating(&status("NamespaceTerminating")));
+        assert!(!namespace_terminating(&status("FieldValueForbidden")));
+    }
 
     fn req(method: Method, uri: &str) -> Request<Body> {
         let mut r = Request::new(Body::empty());

@@ -245,15 +245,27 @@ impl ControllerContext {
         self.backoff.reset(&key(obj));
     }
 
-    /// Counts the failure and retries with per-object exponential backoff.
+    /// Counts the failure (a child refused as its namespace goes is none) and retries with
+    /// per-object exponential backoff.
     pub(crate) fn error_policy<K: Resource<DynamicType = ()>>(&self, obj: &K, err: &Error) -> Action {
-        self.metrics.reconcile_failed(err.category());
         let delay = self.backoff.next_delay(&key(obj));
-        if matches!(err, Error::Stale) {
-            // Routine with several writers; the newer version is on its way through the watch.
-            tracing::debug!(controller = self.name, object = %key(obj), ?delay, "stale plan, retrying");
-        } else {
-            tracing::warn!(controller = self.name, object = %key(obj), error = %err, ?delay, "reconcile failed");
+        match err {
+            Error::NamespaceTerminating { .. } => {
+                // Not a failure: a child in the object's own namespace goes with the object
+                // (the retry finds it gone); one elsewhere is written again once that
+                // namespace is gone and made anew.
+                self.metrics.queue().retry();
+                tracing::info!(controller = self.name, object = %key(obj), error = %err, ?delay, "waiting for a namespace to go");
+            }
+            Error::Stale => {
+                // Routine with several writers; the newer version is on its way through the watch.
+                self.metrics.reconcile_failed(err.category());
+                tracing::debug!(controller = self.name, object = %key(obj), ?delay, "stale plan, retrying");
+            }
+            _ => {
+                self.metrics.reconcile_failed(err.category());
+                tracing::warn!(controller = self.name, object = %key(obj), error = %err, ?delay, "reconcile failed");
+            }
         }
         Action::requeue(delay)
     }
@@ -271,8 +283,15 @@ impl ControllerContext {
         if self.may_write("event").is_err() {
             return;
         }
-        if let Err(err) = self.recorder.publish(&ev, &obj.object_ref(&())).await {
-            tracing::warn!(controller = self.name, object = %key(obj), error = %err, reason = e.reason, "publishing an Event failed");
+        match self.recorder.publish(&ev, &obj.object_ref(&())).await {
+            Ok(()) => {}
+            // The object goes with its namespace; so would the Event.
+            Err(err) if crate::client::namespace_terminating(&err) => {
+                tracing::debug!(controller = self.name, object = %key(obj), reason = e.reason, "no Event: the namespace is being deleted");
+            }
+            Err(err) => {
+                tracing::warn!(controller = self.name, object = %key(obj), error = %err, reason = e.reason, "publishing an Event failed")
+            }
         }
     }
 }

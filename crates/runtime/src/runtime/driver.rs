@@ -239,6 +239,7 @@ impl<R: Reconciler> Runner<R> {
                     self.ctx.reconcile_succeeded(obj.as_ref());
                 }
             }
+            Err(Error::NamespaceTerminating { .. }) => timer.finish("namespace_terminating"),
             Err(_) => timer.finish("error"),
         }
         result.map(|(action, _)| action)
@@ -387,13 +388,23 @@ impl<R: Reconciler> Runner<R> {
     ) -> Result<Action, Error> {
         let ns = obj.namespace();
         let mut produced = HashSet::new();
+        // A child refused as its namespace goes holds up nothing else of the plan; the
+        // refusal is reported once the rest is carried out.
+        let mut refused = None;
         for child in &plan.children {
             let at = child.namespace(ns.as_deref()).map(String::from);
             produced.insert((child.resource.kind.clone(), at, child.name.clone()));
             if child.needed {
-                self.writer
+                match self
+                    .writer
                     .child(ns.as_deref(), child, obj.uid().as_deref())
-                    .await?;
+                    .await
+                {
+                    Err(e @ Error::NamespaceTerminating { .. }) => {
+                        refused.get_or_insert(e);
+                    }
+                    r => r?,
+                }
             }
         }
         for gone in &plan.deletes {
@@ -479,6 +490,9 @@ impl<R: Reconciler> Runner<R> {
         if plan.delete {
             self.writer.delete_object(obj).await?;
             return Ok(Action::await_change());
+        }
+        if let Some(e) = refused {
+            return Err(e);
         }
         const LATE_CHILD: Duration = Duration::from_secs(1);
         if acted {

@@ -40,6 +40,8 @@ pub enum Error {
     Write { child: String, source: kube::Error },
     #[error("{child} exists and is not controlled by this object")]
     Conflict { child: String },
+    #[error("{child} not written: namespace {namespace} is being deleted")]
+    NamespaceTerminating { child: String, namespace: String },
     #[error("deleting {child}: {source}")]
     Prune { child: String, source: kube::Error },
     #[error("writing status: {source}")]
@@ -91,6 +93,7 @@ impl Error {
             Error::Observe { .. } => "observe",
             Error::Write { .. } => "apply",
             Error::Conflict { .. } => "conflict",
+            Error::NamespaceTerminating { .. } => "namespace_terminating",
             Error::Prune { .. } => "delete",
             Error::Status { .. } => "status",
             Error::Encode(_) => "encode",

@@ -11,6 +11,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::Error;
+use crate::client::namespace_terminating;
 use crate::conditions::{self, Desired};
 use crate::diff::same;
 use crate::kind::Watchable;
@@ -80,9 +81,15 @@ impl Writer {
             _ => &child.body,
         };
         let api = dynamic_api(&self.ctx, &child.resource, ns);
-        let err = |source| Error::Write {
-            child: child.describe(),
-            source,
+        let err = |source| match namespace_terminating(&source) {
+            true => Error::NamespaceTerminating {
+                child: child.describe(),
+                namespace: ns.unwrap_or_default().to_string(),
+            },
+            false => Error::Write {
+                child: child.describe(),
+                source,
+            },
         };
         let written = match child.mode {
             Mode::Apply | Mode::Fields => {
