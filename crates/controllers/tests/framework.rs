@@ -12,7 +12,7 @@
 //! kind that may not be installed waits for it without holding readiness, follows it once it
 //! is installed, and lets its objects go when it is deleted. A child refused because its
 //! namespace is being deleted is retried with backoff, not failed, and written once the
-//! namespace is back.
+//! namespace is back. A finalizer write for an object deleted meanwhile brings nothing back.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -1800,6 +1800,67 @@ async fn a_child_whose_namespace_is_being_deleted_is_waited_for_not_failed() {
                 .await;
             let _ = nss.delete(&away, &DeleteParams::default()).await;
             result
+        })
+        .await;
+}
+
+/// `client`, deleting the ConfigMap `doomed` of `ns` just before its first finalizer write
+/// goes out (an object deleted between the cache's copy and the write), and recording the
+/// API server's answer to that write.
+fn deleting_before_the_finalizer(
+    client: &Client,
+    ns: &str,
+    doomed: &str,
+) -> (Client, Arc<Mutex<Option<u16>>>) {
+    let answer = Arc::new(Mutex::new(None));
+    let (inner, seen) = (client.clone(), answer.clone());
+    let path = format!("/api/v1/namespaces/{ns}/configmaps/{doomed}");
+    let service = tower::service_fn(move |req: http::Request<kube::client::Body>| {
+        let (inner, seen) = (inner.clone(), seen.clone());
+        let first = req.method() == http::Method::PATCH
+            && req.uri().path() == path
+            && req.uri().query().is_some_and(|q| q.contains("-finalizer"))
+            && seen.lock().unwrap_or_else(|p| p.into_inner()).is_none();
+        let delete = http::Request::delete(path.clone())
+            .body(kube::client::Body::empty())
+            .expect("a DELETE request");
+        async move {
+            if !first {
+                return inner.send(req).await;
+            }
+            inner.send(delete).await?;
+            let resp = inner.send(req).await;
+            if let Ok(r) = &resp {
+                *seen.lock().unwrap_or_else(|p| p.into_inner()) = Some(r.status().as_u16());
+            }
+            resp
+        }
+    });
+    (Client::new(service, client.default_namespace()), answer)
+}
+
+/// The finalizer goes on with a server-side apply, which creates what is missing. An object
+/// deleted after the cache's copy was read must not come back as a name and a finalizer.
+#[tokio::test]
+async fn a_finalizer_for_an_object_deleted_meanwhile_brings_nothing_back() {
+    shared()
+        .in_namespace("framework-gone", |client, ns| async move {
+            let (deleting, answer) = deleting_before_the_finalizer(&client, &ns, "brief");
+            let run = Run::new(&["probe"]);
+            let metrics =
+                common::start_op(&probe_operator(), &deleting, &ns, run, &Probe::default(), |_| {}).await?;
+            probe(&client, &ns, "brief", json!({})).await?;
+            let code = wait_for("the finalizer write, once its object is gone", T, || async {
+                let code = *answer.lock().unwrap_or_else(|p| p.into_inner());
+                code.ok_or_else(|| anyhow!("not yet"))
+            })
+            .await?;
+            ensure!(code == 409, "the API server answered {code}");
+            let api: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
+            let left = api.get_opt("brief").await?;
+            ensure!(left.is_none(), "the object came back: {left:?}");
+            ensure!(metrics.running(), "the manager stopped");
+            Ok(())
         })
         .await;
 }

@@ -308,6 +308,12 @@ impl Writer {
         if let Some(ns) = obj.namespace().filter(|_| namespaced::<K>()) {
             metadata["namespace"] = ns.into();
         }
+        // An apply creates what is missing: without the uid, an object deleted since it was
+        // read would come back as a name and a finalizer. With it, the API server refuses
+        // (409) unless the object is still the one read.
+        if let Some(uid) = obj.uid() {
+            metadata["uid"] = uid.into();
+        }
         if present {
             metadata["finalizers"] = serde_json::json!([finalizer]);
         }
@@ -323,6 +329,11 @@ impl Writer {
             Ok(after) => after,
             // Removing from an object that is already gone.
             Err(kube::Error::Api(s)) if s.code == 404 && !present => return Ok(()),
+            // Not the object read: gone, or another of the same name (the forced apply has no
+            // field conflicts). Nothing to remove; nothing to add to, as the watch will say.
+            Err(kube::Error::Api(s)) if s.code == 409 => {
+                return if present { Err(Error::Stale) } else { Ok(()) };
+            }
             Err(source) => return Err(Error::Finalizer { source }),
         };
         let listed = after.finalizers().iter().position(|f| f == finalizer);
