@@ -316,3 +316,27 @@ async fn fields_set_by_a_create_conflict_with_an_unforced_apply_until_forced() -
     );
     Ok(())
 }
+
+/// As kube-apiserver does, the in-memory one refuses an apply that names the uid of an object
+/// that is not there, instead of creating it.
+#[tokio::test]
+async fn an_apply_that_names_a_uid_creates_nothing() -> anyhow::Result<()> {
+    let h = Harness::start(operator(), &["mirror"], ()).await?;
+    let cms: Api<ConfigMap> = Api::namespaced(h.client(), "default");
+    let body = serde_json::json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {
+        "name": "gone", "uid": "0d6f0f1c-0000-4000-8000-000000000000", "finalizers": ["opkit.dev/x"],
+    }});
+    match cms
+        .patch(
+            "gone",
+            &kube::api::PatchParams::apply("t").force(),
+            &kube::api::Patch::Apply(&body),
+        )
+        .await
+    {
+        Err(kube::Error::Api(s)) if s.code == 409 => {}
+        other => anyhow::bail!("expected a conflict, got {other:?}"),
+    }
+    ensure!(cms.get_opt("gone").await?.is_none(), "the apply created it");
+    Ok(())
+}

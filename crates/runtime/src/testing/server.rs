@@ -968,6 +968,17 @@ impl ApiServer {
         let on_status = t.subresource.as_deref() == Some("status");
         let mut next = match (state.objects.get(&key).cloned(), &edit) {
             (Some(s), _) => s,
+            // An apply that names a uid is for that object only (kube-apiserver's answer).
+            (None, Edit::Apply { body, .. }) if !on_status && body["metadata"]["uid"].is_string() => {
+                return Err(status(
+                    StatusCode::CONFLICT,
+                    "Conflict",
+                    format!(
+                        "Operation cannot be fulfilled on {}.{} \"{name}\": uid mismatch: the provided object specified uid {}, and no existing object was found",
+                        kind.plural, kind.group, body["metadata"]["uid"]
+                    ),
+                ));
+            }
             // An apply creates what is not there yet.
             (None, Edit::Apply { .. }) if !on_status => {
                 let obj = json!({"metadata": {"name": name}});
