@@ -12,9 +12,10 @@ the 20 s). Keep the audit log with BENCH_STATE_DIR:
 BUCKETS (default 20) is how many 20 s steps of each lane to print.
 """
 import collections
-import json
 import sys
 from datetime import datetime
+
+from audit_log import completed
 
 STEP = 20
 
@@ -25,28 +26,18 @@ def seconds(stamp):
 
 def main(path, buckets=20):
     writes = collections.defaultdict(list)
-    with open(path) as log:
-        for line in log:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            if event.get("stage") != "ResponseComplete":
-                continue
-            user = event.get("user", {}).get("username", "")
-            parts = user.split(":")
-            if len(parts) < 4 or not parts[2].startswith("bench-"):
-                continue
-            if event.get("verb") not in ("create", "update", "patch"):
-                continue
-            ref = event.get("objectRef", {})
-            writes[parts[2]].append(
-                (
-                    seconds(event["requestReceivedTimestamp"]),
-                    seconds(event["stageTimestamp"]),
-                    (event["verb"], ref.get("resource"), ref.get("subresource", "")),
-                )
+    for event in completed(path, ("create", "update", "patch")):
+        parts = event.get("user", {}).get("username", "").split(":")
+        if len(parts) < 4 or not parts[2].startswith("bench-"):
+            continue
+        ref = event.get("objectRef", {})
+        writes[parts[2]].append(
+            (
+                seconds(event["requestReceivedTimestamp"]),
+                seconds(event["stageTimestamp"]),
+                (event["verb"], ref.get("resource"), ref.get("subresource", "")),
             )
+        )
     for lane, rows in writes.items():
         rows.sort()
         start = rows[0][0]

@@ -10,30 +10,24 @@ many objects got one write, two, three... Keep the audit log with BENCH_STATE_DI
 USER_SUBSTRING (default "bench-") picks the writers: the lanes' service accounts.
 """
 import collections
-import json
 import sys
+
+from audit_log import completed
 
 
 def main(path, who="bench-"):
     by_kind = collections.Counter()
     per_object = collections.Counter()
     codes = collections.Counter()
-    with open(path) as f:
-        for line in f:
-            try:
-                e = json.loads(line)
-            except ValueError:
-                continue
-            if e.get("stage") != "ResponseComplete" or e.get("verb") not in ("create", "update", "patch", "delete"):
-                continue
-            user = e.get("user", {}).get("username", "")
-            if who not in user:
-                continue
-            r = e.get("objectRef", {})
-            kind = (user, e["verb"], r.get("resource"), r.get("subresource"))
-            by_kind[kind] += 1
-            per_object[kind + (r.get("namespace"), r.get("name"))] += 1
-            codes[(user, e.get("responseStatus", {}).get("code"))] += 1
+    for e in completed(path, ("create", "update", "patch", "delete")):
+        user = e.get("user", {}).get("username", "")
+        if who not in user:
+            continue
+        r = e.get("objectRef", {})
+        kind = (user, e["verb"], r.get("resource"), r.get("subresource"))
+        by_kind[kind] += 1
+        per_object[kind + (r.get("namespace"), r.get("name"))] += 1
+        codes[(user, e.get("responseStatus", {}).get("code"))] += 1
     for kind, n in by_kind.most_common():
         print(n, *kind)
     print("response codes:", dict(codes))

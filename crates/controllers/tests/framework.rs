@@ -1706,6 +1706,10 @@ async fn a_child_whose_namespace_is_being_deleted_is_waited_for_not_failed() {
             let away = format!("{ns}-away");
             let nss: Api<Namespace> = Api::all(client.clone());
             let held: Api<ConfigMap> = Api::namespaced(client.clone(), &away);
+            let release = || async {
+                let patch = Patch::Merge(json!({"metadata": {"finalizers": null}}));
+                held.patch("hold", &PatchParams::default(), &patch).await
+            };
             let result = async {
                 let mut space = Namespace::default();
                 space.metadata.name = Some(away.clone());
@@ -1768,12 +1772,7 @@ async fn a_child_whose_namespace_is_being_deleted_is_waited_for_not_failed() {
                 .await?;
                 ensure!(op.sample(waited) > before, "no longer retried");
 
-                held.patch(
-                    "hold",
-                    &PatchParams::default(),
-                    &Patch::Merge(json!({"metadata": {"finalizers": null}})),
-                )
-                .await?;
+                release().await?;
                 wait_for("the namespace gone", T, || async {
                     ensure!(nss.get_opt(&away).await?.is_none(), "still there");
                     anyhow::Ok(())
@@ -1791,13 +1790,7 @@ async fn a_child_whose_namespace_is_being_deleted_is_waited_for_not_failed() {
                 anyhow::Ok(())
             }
             .await;
-            let _ = held
-                .patch(
-                    "hold",
-                    &PatchParams::default(),
-                    &Patch::Merge(json!({"metadata": {"finalizers": null}})),
-                )
-                .await;
+            let _ = release().await;
             let _ = nss.delete(&away, &DeleteParams::default()).await;
             result
         })
