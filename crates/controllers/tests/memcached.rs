@@ -312,7 +312,8 @@ async fn metrics_and_probes_answer() {
             for needle in [
                 "opkit_reconcile_total{controller=\"memcached\",result=\"success\"}",
                 "opkit_reconcile_duration_seconds_bucket{le=",
-                "opkit_api_writes_total{controller=\"memcached\",verb=\"apply\"} 1",
+                // The Deployment, created with a POST: the plan has not changed it since.
+                "opkit_api_writes_total{controller=\"memcached\",verb=\"create\"} 1",
             ] {
                 ensure!(body.contains(needle), "/metrics lacks {needle}:\n{body}");
             }

@@ -396,6 +396,13 @@ impl Child {
     }
 
     /// Server-side apply `desired` unless `live` (the cached object) already has all of it.
+    ///
+    /// With `live` `None` the child is created with a POST, which costs the API server about
+    /// half of an apply that creates, and applied only if it exists after all: pass the cached
+    /// object whenever there is one. Such a child's fields belong to the controller's `Update`
+    /// entry in `managedFields` until the plan sets other fields than it created
+    /// ([`crate::diff::CREATED_SHAPE`]); from then on they are its `Apply` entry, as if applied
+    /// from the start.
     pub fn apply<C: Resource<DynamicType = (), Scope: KindScope> + Serialize>(
         desired: &C,
         live: Option<&C>,

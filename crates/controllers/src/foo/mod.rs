@@ -218,7 +218,7 @@ impl Reconciler for FooController {
                 .and_then(|s| s.available_replicas)
                 .unwrap_or(0),
         };
-        let mut plan = Plan::status(status, hourly).child(Child::apply(&desired, None).needed(!same));
+        let mut plan = Plan::status(status, hourly).child(Child::apply(&desired, Some(live)).needed(!same));
         if let Some(why) = pods_refused(live) {
             // Shown on the Foo, where its owner looks; repeated only when the Deployment changes.
             plan = plan.event(Event::warning(

@@ -70,6 +70,13 @@ pub struct Writes {
     failures: u64,
 }
 
+/// Whether a create is the POST of a child a plan applies ([`crate::diff::CREATED_SHAPE`]).
+fn created_to_apply(r: &Recorded) -> bool {
+    r.body["metadata"]["annotations"]
+        .get(crate::diff::CREATED_SHAPE)
+        .is_some()
+}
+
 impl Writes {
     /// How many reconciles finished during the step: that a step which wrote nothing did
     /// reconcile (a resync that looked at every object and found nothing to do).
@@ -98,11 +105,13 @@ impl Writes {
         self.writes.len()
     }
 
-    /// The server-side applies to objects of `kind` (not to their status).
+    /// The writes of children of `kind` a plan applies ([`crate::Child::apply`]): server-side
+    /// applies (not to a status), and the POSTs that create such children.
     pub fn applied(&self, kind: &str) -> Vec<&Recorded> {
         self.writes
             .iter()
-            .filter(|r| r.verb == "apply" && r.kind == kind && r.subresource.is_none())
+            .filter(|r| r.kind == kind && r.subresource.is_none())
+            .filter(|r| r.verb == "apply" || (r.verb == "create" && created_to_apply(r)))
             .collect()
     }
 
@@ -114,11 +123,12 @@ impl Writes {
             .collect()
     }
 
-    /// The creates of objects of `kind` (a child made with [`crate::Child::create`]).
+    /// The creates of objects of `kind` (a child made with [`crate::Child::create`]; those of
+    /// a [`crate::Child::apply`] are in [`Writes::applied`]).
     pub fn created(&self, kind: &str) -> Vec<&Recorded> {
         self.writes
             .iter()
-            .filter(|r| r.verb == "create" && r.kind == kind)
+            .filter(|r| r.verb == "create" && r.kind == kind && !created_to_apply(r))
             .collect()
     }
 

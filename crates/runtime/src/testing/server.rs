@@ -587,6 +587,32 @@ fn now() -> String {
         .unwrap_or_default()
 }
 
+/// Who owns what of `value` by `entries` (its `managedFields` as a client wrote them): the
+/// fields of each manager's `Apply` and other entries, as applied configurations.
+#[allow(clippy::type_complexity)]
+fn owners(
+    entries: &Value,
+    value: &Value,
+) -> (BTreeMap<(String, bool), Value>, BTreeMap<(String, bool), Value>) {
+    let (mut applied, mut updated) = (BTreeMap::new(), BTreeMap::new());
+    for e in entries.as_array().into_iter().flatten() {
+        let fields = &e["fieldsV1"];
+        let owned = match fields.as_object() {
+            Some(set) if !set.is_empty() => crate::diff::project(value, fields).unwrap_or_else(|| json!({})),
+            _ => json!({}),
+        };
+        let key = (
+            e["manager"].as_str().unwrap_or_default().to_string(),
+            e["subresource"] == "status",
+        );
+        match e["operation"].as_str() {
+            Some("Apply") => applied.insert(key, apply::ownable(&owned)),
+            _ => updated.insert(key, apply::ownable(&owned)),
+        };
+    }
+    (applied, updated)
+}
+
 fn managed_fields(s: &Stored, kind: &Kind) -> Value {
     let mut entries: Vec<Value> = s
         .applied
@@ -1059,7 +1085,7 @@ impl ApiServer {
                 }
                 Self::keep_parts(&kind, on_status, &old, &mut value);
                 next.value = value;
-                Self::updated_by(&mut next, &old, (updater.clone(), on_status));
+                Self::written_by(&mut next, &old, (updater.clone(), on_status));
             }
             Edit::Merge(body) => {
                 precondition(&body)?;
@@ -1067,7 +1093,7 @@ impl ApiServer {
                 json_patch::merge(&mut value, &body);
                 Self::keep_parts(&kind, on_status, &old, &mut value);
                 next.value = value;
-                Self::updated_by(&mut next, &old, (updater.clone(), on_status));
+                Self::written_by(&mut next, &old, (updater.clone(), on_status));
             }
             Edit::Json(patch) => {
                 let mut value = old.clone();
@@ -1080,7 +1106,7 @@ impl ApiServer {
                 })?;
                 Self::keep_parts(&kind, on_status, &old, &mut value);
                 next.value = value;
-                Self::updated_by(&mut next, &old, (updater.clone(), on_status));
+                Self::written_by(&mut next, &old, (updater.clone(), on_status));
             }
         }
         // Identity is the server's.
@@ -1129,6 +1155,19 @@ impl ApiServer {
     }
 
     /// Gives `updater` the fields its write changed, taken from whoever owned them.
+    /// A write other than an apply by `updater`: managed fields it sets (a list of entries
+    /// other than the stored ones) become who owns what, as kube-apiserver takes them; then
+    /// it owns what it changed.
+    fn written_by(next: &mut Stored, old: &Value, updater: (String, bool)) {
+        let entries = &next.value["metadata"]["managedFields"];
+        if entries.as_array().is_some_and(|e| !e.is_empty()) && *entries != old["metadata"]["managedFields"] {
+            let (applied, updated) = owners(entries, &next.value);
+            next.applied = applied;
+            next.updated = updated;
+        }
+        Self::updated_by(next, old, updater)
+    }
+
     fn updated_by(next: &mut Stored, old: &Value, updater: (String, bool)) {
         let changed = apply::changed(&apply::ownable(old), &apply::ownable(&next.value));
         if changed.as_object().is_none_or(Map::is_empty) {
