@@ -210,14 +210,16 @@ fn merge(into: &mut Value, other: Value) {
     }
 }
 
-/// The annotation a child created with a POST carries: the [`shape`] of what was created.
+/// The annotation a child created with a POST carries: a hash of which fields were created
+/// (every map key, list contents whole).
 ///
 /// A child opkit creates is POSTed (the API server answers that in about half the time of an
 /// apply that creates), so its fields belong to opkit's `Update` entry in `managedFields`.
 /// Later applies leave a field alone that only that entry owns: one the plan stops setting
 /// would stay. While the plan sets the same fields (the same shape), nothing is dropped; once
-/// the shape differs, the write path folds the `Update` entry into opkit's `Apply` entry
-/// ([`fold_updates`]) and applies again, which drops the field and this annotation.
+/// the shape differs, the write path folds the `Update` entry into opkit's `Apply` entry (as
+/// kubectl does when it moves an object to server-side apply) and applies again, which drops
+/// the field and this annotation.
 pub const CREATED_SHAPE: &str = "opkit.dev/created-shape";
 
 /// Which fields `desired` sets, as a short stable hash: every key of every map, and list
