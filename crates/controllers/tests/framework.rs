@@ -13,6 +13,7 @@
 //! is installed, and lets its objects go when it is deleted. A child refused because its
 //! namespace is being deleted is retried with backoff, not failed, and written once the
 //! namespace is back. A finalizer write for an object deleted meanwhile brings nothing back.
+//! A field the plan stops setting leaves a child that was created with a POST.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
