@@ -124,7 +124,12 @@ impl Writer {
                     }
                 };
                 let applied = apply().await?;
-                match self.fold_if_reshaped(&api, &applied, body).await {
+                let folded = match child.mode {
+                    Mode::Apply => self.fold_if_reshaped(&api, &applied, body).await,
+                    // A few fields of an object: never a shape of what was created.
+                    _ => Ok(None),
+                };
+                match folded {
                     Ok(Some(folded)) => {
                         self.echo(&child.resource, ns, &child.name, &folded);
                         apply().await?
