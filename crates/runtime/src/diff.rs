@@ -6,6 +6,8 @@
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{FieldsV1, ManagedFieldsEntry};
 use serde_json::Value;
 
+use crate::changed::{FNV_OFFSET, fnv1a};
+
 /// Whether every field set in `desired` has the same value in `live`.
 ///
 /// Objects are compared key by key (extra keys in `live` — defaults, other managers' fields,
@@ -94,7 +96,18 @@ pub(crate) fn is_apply_of(
     operation: Option<&str>,
     subresource: Option<&str>,
 ) -> bool {
-    by == Some(manager) && operation == Some("Apply") && subresource.unwrap_or_default().is_empty()
+    is_entry_of(manager, "Apply", by, operation, subresource)
+}
+
+/// Whether a `managedFields` entry is `manager`'s, of `operation`, on the object itself.
+fn is_entry_of(
+    manager: &str,
+    operation: &str,
+    by: Option<&str>,
+    op: Option<&str>,
+    subresource: Option<&str>,
+) -> bool {
+    by == Some(manager) && op == Some(operation) && subresource.unwrap_or_default().is_empty()
 }
 
 /// [`applied_by`] with the `fieldsV1` of the manager's `Apply` entries given apart from
@@ -226,47 +239,36 @@ pub const CREATED_SHAPE: &str = "opkit.dev/created-shape";
 /// contents whole (an item that changes may change the list's keys). Two objects of the same
 /// shape own the same fields when applied, whatever their other values.
 pub(crate) fn shape(desired: &Value) -> String {
-    fn walk(v: &Value, in_list: bool, h: &mut Fnv) {
+    fn walk(v: &Value, in_list: bool, h: &mut u64) {
         match v {
             Value::Object(m) => {
-                h.write(b"{");
+                *h = fnv1a(*h, b"{");
                 let mut keys: Vec<&String> = m.keys().collect();
                 keys.sort();
                 for k in keys {
                     // Its length first: no two maps write the same bytes.
-                    h.write(&(k.len() as u64).to_le_bytes());
-                    h.write(k.as_bytes());
+                    *h = fnv1a(*h, &(k.len() as u64).to_le_bytes());
+                    *h = fnv1a(*h, k.as_bytes());
                     walk(&m[k], in_list, h);
                 }
-                h.write(b"}");
+                *h = fnv1a(*h, b"}");
             }
             Value::Array(items) => {
-                h.write(b"[");
+                *h = fnv1a(*h, b"[");
                 for item in items {
                     walk(item, true, h);
-                    h.write(b",");
+                    *h = fnv1a(*h, b",");
                 }
-                h.write(b"]");
+                *h = fnv1a(*h, b"]");
             }
-            Value::Null => h.write(b"~"),
-            scalar if in_list => h.write(scalar.to_string().as_bytes()),
-            _ => h.write(b"="),
+            Value::Null => *h = fnv1a(*h, b"~"),
+            scalar if in_list => *h = fnv1a(*h, scalar.to_string().as_bytes()),
+            _ => *h = fnv1a(*h, b"="),
         }
     }
-    let mut h = Fnv(0xcbf2_9ce4_8422_2325);
+    let mut h = FNV_OFFSET;
     walk(desired, false, &mut h);
-    format!("{:016x}", h.0)
-}
-
-/// FNV-1a, 64 bits: stable across builds and releases, unlike the standard library's hasher.
-struct Fnv(u64);
-
-impl Fnv {
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 = (self.0 ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
-        }
-    }
+    format!("{h:016x}")
 }
 
 /// `entries` (an object's `managedFields`) with `manager`'s `Update` entries on the object
@@ -275,9 +277,12 @@ impl Fnv {
 /// when the manager has no such `Update` entry.
 pub(crate) fn fold_updates(entries: &[ManagedFieldsEntry], manager: &str) -> Option<Vec<ManagedFieldsEntry>> {
     let own = |e: &ManagedFieldsEntry, operation: &str| {
-        e.manager.as_deref() == Some(manager)
-            && e.operation.as_deref() == Some(operation)
-            && e.subresource.as_deref().unwrap_or_default().is_empty()
+        let (by, op, sub) = (
+            e.manager.as_deref(),
+            e.operation.as_deref(),
+            e.subresource.as_deref(),
+        );
+        is_entry_of(manager, operation, by, op, sub)
     };
     let updates: Vec<&ManagedFieldsEntry> = entries.iter().filter(|e| own(e, "Update")).collect();
     let first = *updates.first()?;

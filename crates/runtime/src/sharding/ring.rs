@@ -23,11 +23,7 @@ pub const POINTS: u32 = 1000;
 
 /// A stable 64-bit hash of `s`.
 pub fn hash(s: &str) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in s.bytes() {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
+    let mut h = crate::changed::fnv1a(crate::changed::FNV_OFFSET, s.as_bytes());
     // splitmix64's finalizer: FNV alone leaves similar names on nearby points.
     h ^= h >> 30;
     h = h.wrapping_mul(0xbf58_476d_1ce4_e5b9);
