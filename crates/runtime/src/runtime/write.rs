@@ -45,6 +45,14 @@ fn apply_params(manager: &str) -> PatchParams {
     PatchParams::apply(manager).validation_ignore()
 }
 
+/// A patch other than an apply (a merge patch), as `manager`.
+fn patch_params(manager: &str) -> PatchParams {
+    PatchParams {
+        field_manager: Some(manager.to_string()),
+        ..Default::default()
+    }
+}
+
 impl Writer {
     pub(crate) fn new(ctx: ControllerContext) -> Self {
         Writer {
@@ -140,10 +148,7 @@ impl Writer {
                 }
             }
             Mode::Merge => {
-                let pp = PatchParams {
-                    field_manager: Some(self.ctx.field_manager().to_string()),
-                    ..Default::default()
-                };
+                let pp = patch_params(self.ctx.field_manager());
                 self.ctx.may_write("patch")?;
                 match api.patch(&child.name, &pp, &Patch::Merge(body)).await {
                     Ok(o) => o,
@@ -217,10 +222,7 @@ impl Writer {
             "resourceVersion": applied.resource_version(),
             "managedFields": folded,
         }});
-        let pp = PatchParams {
-            field_manager: Some(self.ctx.field_manager().to_string()),
-            ..Default::default()
-        };
+        let pp = patch_params(self.ctx.field_manager());
         self.ctx.may_write("patch")?;
         match api.patch(&applied.name_any(), &pp, &Patch::Merge(patch)).await {
             Ok(o) => Ok(Some(o)),
