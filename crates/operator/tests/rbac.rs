@@ -553,8 +553,8 @@ async fn scenario(client: &kube::Client, metrics: u16) -> anyhow::Result<()> {
     gone(&mirrors, "the ConfigMirror", "settings").await?;
     gone(&copies, "the copy", "settings").await?;
 
-    // Eru: two restarts (the second `Restarted` Event patches the first), then the annotation
-    // removed: the Eru is deleted.
+    // Eru: two restarts (the second `Restarted` Event patches the first), a new schedule (the
+    // Eru is patched), then the annotation removed: the Eru is deleted.
     let erus: Api<Eru> = Api::namespaced(client.clone(), WORK);
     wait_for("the Eru to restart its Deployment twice", T, || async {
         let count = erus.get("web").await?.status.map(|s| s.restart_count);
@@ -571,6 +571,19 @@ async fn scenario(client: &kube::Client, metrics: u16) -> anyhow::Result<()> {
             .iter()
             .any(|e| e.series.as_ref().is_some_and(|s| s.count >= 2));
         ensure!(repeated, "no Event with a series");
+        Ok(())
+    })
+    .await?;
+    // The schedule annotation changed: the Eru opkit made (with a POST) is applied anew.
+    merge(
+        &deployments,
+        "web",
+        json!({"metadata": {"annotations": {"mtsre.meitu.com/eru-schedule": "*/4 * * * * *"}}}),
+    )
+    .await?;
+    wait_for("the Eru to take the new schedule", T, || async {
+        let schedule = erus.get("web").await?.spec.schedule;
+        ensure!(schedule == "*/4 * * * * *", "schedule {schedule:?}");
         Ok(())
     })
     .await?;
