@@ -1987,3 +1987,63 @@ async fn a_field_the_plan_stops_setting_leaves_a_child_that_was_created_by_a_pos
         })
         .await;
 }
+
+/// Another write to a POSTed child between opkit's apply and its fold (the deployment
+/// controller's status, here a label): the fold, made against the version the apply
+/// returned, is refused (409), so opkit reads the child and folds again. Otherwise the plan
+/// that follows finds every field it sets present and the dropped key stays.
+#[tokio::test]
+async fn a_fold_refused_by_another_write_is_read_and_made_again() {
+    use opkit_testenv::proxy::{Fault, FaultProxy};
+    shared()
+        .in_namespace("framework-refold", |client, ns| async move {
+            let proxy = FaultProxy::start(client.clone()).await?;
+            let through = Client::try_from(proxy.config())?;
+            let op = operator_of("reshape", |m, _: &()| {
+                m.add(Reshape);
+            });
+            let op = common::start_op(&op, &through, &ns, Run::new(&["reshape"]), &(), |_| {}).await?;
+            let api: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
+            let primary = json!({"metadata": {
+                "name": "source", "labels": {"opkit-reshape": "yes"}, "annotations": {"keys": "a,b"},
+            }, "data": {"a": "1", "b": "1"}});
+            api.create(&PostParams::default(), &serde_json::from_value(primary)?)
+                .await?;
+            let copy_is = |want: serde_json::Value| {
+                let api = api.clone();
+                async move {
+                    let data = api.get_opt("source-copy").await?.map(|c| json!(c.data));
+                    ensure!(data.as_ref() == Some(&want), "{data:?}");
+                    anyhow::Ok(())
+                }
+            };
+            wait_for("the copy", T, || copy_is(json!({"a": "1", "b": "1"}))).await?;
+
+            // The fold (opkit's only merge patch here) is held 3 s; meanwhile the copy changes.
+            proxy.once(
+                "application/merge-patch+json",
+                Fault::Delay(Duration::from_secs(3)),
+            );
+            let pp = PatchParams::default();
+            let fewer = json!({"metadata": {"annotations": {"keys": "a"}}, "data": {"a": "3"}});
+            api.patch("source", &pp, &Patch::Merge(fewer)).await?;
+            wait_for("the fold to be held", T, || async {
+                ensure!(proxy.faulted() == 1, "{} faulted", proxy.faulted());
+                Ok(())
+            })
+            .await?;
+            let touched = json!({"metadata": {"labels": {"touched": "yes"}}});
+            api.patch("source-copy", &pp, &Patch::Merge(touched)).await?;
+            wait_for("the key no longer copied gone", T, || copy_is(json!({"a": "3"}))).await?;
+            let copy = api.get("source-copy").await?;
+            ensure!(
+                copy.labels().get("touched").map(String::as_str) == Some("yes")
+                    && !copy.annotations().contains_key(opkit::diff::CREATED_SHAPE),
+                "{:?}",
+                copy.metadata
+            );
+            common::settled(&op.metrics()).await?;
+            Ok(())
+        })
+        .await;
+}

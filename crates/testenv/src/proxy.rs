@@ -48,6 +48,8 @@ struct Faults {
     reads: Fault,
     /// Requests whose path contains this pass whatever the faults.
     spare: Option<String>,
+    /// The next write with this `Content-Type` meets this fault instead (then it is gone).
+    once: Option<(String, Fault)>,
 }
 
 struct Shared {
@@ -119,6 +121,14 @@ impl FaultProxy {
         (f.writes, f.reads, f.spare) = (writes, reads, spare.map(String::from));
     }
 
+    /// The next write whose `Content-Type` is `content_type` (say
+    /// `application/merge-patch+json`) meets `fault`; the writes before and after it meet the
+    /// faults [`FaultProxy::set`] chose.
+    pub fn once(&self, content_type: &str, fault: Fault) {
+        let mut f = self.shared.faults.lock().unwrap_or_else(|p| p.into_inner());
+        f.once = Some((content_type.to_string(), fault));
+    }
+
     /// How many write requests reached the proxy (answered, failed or held).
     pub fn writes_seen(&self) -> u64 {
         self.shared.writes.load(Ordering::SeqCst)
@@ -155,12 +165,18 @@ async fn forward(
     let counter = if write { &shared.writes } else { &shared.reads };
     counter.fetch_add(1, Ordering::SeqCst);
     let fault = {
-        let f = shared.faults.lock().unwrap_or_else(|p| p.into_inner());
+        let mut f = shared.faults.lock().unwrap_or_else(|p| p.into_inner());
+        let content_type = req.headers().get(http::header::CONTENT_TYPE);
+        let once = match &f.once {
+            Some((wanted, _)) => write && content_type.is_some_and(|c| c.as_bytes() == wanted.as_bytes()),
+            None => false,
+        };
         let spared = f
             .spare
             .as_ref()
             .is_some_and(|s| req.uri().path().contains(s.as_str()));
         match (spared, write) {
+            _ if once => f.once.take().map(|(_, fault)| fault).unwrap_or_default(),
             (true, _) => Fault::Pass,
             (false, true) => f.writes.clone(),
             (false, false) => f.reads.clone(),

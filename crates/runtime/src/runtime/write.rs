@@ -53,6 +53,9 @@ fn patch_params(manager: &str) -> PatchParams {
     }
 }
 
+/// How often a fold is read and made again when other writes keep changing the child.
+const FOLD_ATTEMPTS: usize = 3;
+
 impl Writer {
     pub(crate) fn new(ctx: ControllerContext) -> Self {
         Writer {
@@ -203,36 +206,51 @@ impl Writer {
     /// than it created, opkit's `Update` entry, which still owns the created ones, is folded
     /// into its `Apply` entry ([`fold_updates`]), so that applying again drops what the plan no
     /// longer sets. The object folded, if it was (the apply must then be made again).
+    ///
+    /// The fold is made against the version it read. Someone else's write in between (the
+    /// deployment controller's status, say) is read and folded again: the plan that follows
+    /// would find every field it sets present and write nothing, leaving the dropped one.
     async fn fold_if_reshaped(
         &self,
         api: &Api<DynamicObject>,
         applied: &DynamicObject,
         body: &serde_json::Value,
     ) -> Result<Option<DynamicObject>, Error> {
-        let Some(created) = applied.annotations().get(CREATED_SHAPE) else {
-            return Ok(None);
+        let name = applied.name_any();
+        let failed = |source| Error::Write {
+            child: name.clone(),
+            source,
         };
-        if *created == shape(body) {
-            return Ok(None);
+        let mut current = std::borrow::Cow::Borrowed(applied);
+        for _ in 0..FOLD_ATTEMPTS {
+            let Some(created) = current.annotations().get(CREATED_SHAPE) else {
+                return Ok(None);
+            };
+            if *created == shape(body) {
+                return Ok(None);
+            }
+            let Some(folded) = fold_updates(current.managed_fields(), self.ctx.field_manager()) else {
+                return Ok(None);
+            };
+            let patch = serde_json::json!({"metadata": {
+                "resourceVersion": current.resource_version(),
+                "managedFields": folded,
+            }});
+            let pp = patch_params(self.ctx.field_manager());
+            self.ctx.may_write("patch")?;
+            match api.patch(&name, &pp, &Patch::Merge(patch)).await {
+                Ok(o) => return Ok(Some(o)),
+                Err(kube::Error::Api(s)) if s.code == 409 => {}
+                Err(source) => return Err(failed(source)),
+            }
+            current = match api.get_opt(&name).await.map_err(failed)? {
+                Some(o) => std::borrow::Cow::Owned(o),
+                // Gone: nothing to fold; its deletion is seen by the watch.
+                None => return Ok(None),
+            };
         }
-        let Some(folded) = fold_updates(applied.managed_fields(), self.ctx.field_manager()) else {
-            return Ok(None);
-        };
-        let patch = serde_json::json!({"metadata": {
-            "resourceVersion": applied.resource_version(),
-            "managedFields": folded,
-        }});
-        let pp = patch_params(self.ctx.field_manager());
-        self.ctx.may_write("patch")?;
-        match api.patch(&applied.name_any(), &pp, &Patch::Merge(patch)).await {
-            Ok(o) => Ok(Some(o)),
-            // Changed since the apply: the next plan applies over the newer version.
-            Err(kube::Error::Api(s)) if s.code == 409 => Err(Error::Stale),
-            Err(source) => Err(Error::Write {
-                child: applied.name_any(),
-                source,
-            }),
-        }
+        // Written again and again meanwhile: the next plan applies over the newer version.
+        Err(Error::Stale)
     }
 
     /// Deletes a child the plan no longer produces.
