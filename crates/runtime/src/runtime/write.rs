@@ -222,7 +222,7 @@ impl Writer {
             source,
         };
         let mut current = std::borrow::Cow::Borrowed(applied);
-        for _ in 0..FOLD_ATTEMPTS {
+        for attempt in 1..=FOLD_ATTEMPTS {
             let Some(created) = current.annotations().get(CREATED_SHAPE) else {
                 return Ok(None);
             };
@@ -240,7 +240,9 @@ impl Writer {
             self.ctx.may_write("patch")?;
             match api.patch(&name, &pp, &Patch::Merge(patch)).await {
                 Ok(o) => return Ok(Some(o)),
-                Err(kube::Error::Api(s)) if s.code == 409 => {}
+                Err(kube::Error::Api(s)) if s.code == 409 && attempt < FOLD_ATTEMPTS => {}
+                // Written again and again meanwhile: the next plan applies over the newer one.
+                Err(kube::Error::Api(s)) if s.code == 409 => return Err(Error::Stale),
                 Err(source) => return Err(failed(source)),
             }
             current = match api.get_opt(&name).await.map_err(failed)? {
@@ -249,7 +251,6 @@ impl Writer {
                 None => return Ok(None),
             };
         }
-        // Written again and again meanwhile: the next plan applies over the newer version.
         Err(Error::Stale)
     }
 
