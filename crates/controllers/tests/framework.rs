@@ -1988,12 +1988,14 @@ async fn a_field_the_plan_stops_setting_leaves_a_child_that_was_created_by_a_pos
         .await;
 }
 
-/// Another write to a POSTed child between opkit's apply and its fold (the deployment
-/// controller's status, here a label): the fold, made against the version the apply
-/// returned, is refused (409), so opkit reads the child and folds again. Otherwise the plan
-/// that follows finds every field it sets present and the dropped key stays.
+/// A fold that does not happen right after the apply. Refused because another write came
+/// between (the deployment controller's status, here a label): opkit reads the child and folds
+/// again within the same reconcile. Failed (the API server answers 500): the reconcile fails,
+/// and the next plan sees the created shape differ from what it applies, so it applies and
+/// folds. Otherwise the plans that follow find every field they set present and the dropped
+/// key stays.
 #[tokio::test]
-async fn a_fold_refused_by_another_write_is_read_and_made_again() {
+async fn a_fold_that_did_not_happen_after_the_apply_is_made_again() {
     use opkit_testenv::proxy::{Fault, FaultProxy};
     shared()
         .in_namespace("framework-refold", |client, ns| async move {
@@ -2004,38 +2006,48 @@ async fn a_fold_refused_by_another_write_is_read_and_made_again() {
             });
             let op = common::start_op(&op, &through, &ns, Run::new(&["reshape"]), &(), |_| {}).await?;
             let api: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
-            let primary = json!({"metadata": {
-                "name": "source", "labels": {"opkit-reshape": "yes"}, "annotations": {"keys": "a,b"},
-            }, "data": {"a": "1", "b": "1"}});
-            api.create(&PostParams::default(), &serde_json::from_value(primary)?)
-                .await?;
-            let copy_is = |want: serde_json::Value| {
+            let pp = PatchParams::default();
+            let copy_is = |name: &'static str, want: serde_json::Value| {
                 let api = api.clone();
                 async move {
-                    let data = api.get_opt("source-copy").await?.map(|c| json!(c.data));
+                    let data = api.get_opt(&format!("{name}-copy")).await?.map(|c| json!(c.data));
                     ensure!(data.as_ref() == Some(&want), "{data:?}");
                     anyhow::Ok(())
                 }
             };
-            wait_for("the copy", T, || copy_is(json!({"a": "1", "b": "1"}))).await?;
+            // A POSTed copy of keys a and b, then b dropped while opkit's next merge patch
+            // (the fold: its only one here) meets `fault`.
+            let drop_b_meeting = |name: &'static str, fault: Fault| {
+                let (api, pp, proxy) = (&api, &pp, &proxy);
+                async move {
+                    let primary = json!({"metadata": {
+                        "name": name, "labels": {"opkit-reshape": "yes"}, "annotations": {"keys": "a,b"},
+                    }, "data": {"a": "1", "b": "1"}});
+                    api.create(&PostParams::default(), &serde_json::from_value(primary)?)
+                        .await?;
+                    wait_for("the copy", T, || copy_is(name, json!({"a": "1", "b": "1"}))).await?;
+                    let faulted = proxy.faulted();
+                    proxy.once("application/merge-patch+json", fault);
+                    let fewer = json!({"metadata": {"annotations": {"keys": "a"}}, "data": {"a": "3"}});
+                    api.patch(name, pp, &Patch::Merge(fewer)).await?;
+                    wait_for("the fold to meet its fault", T, || async {
+                        ensure!(proxy.faulted() == faulted + 1, "{} faulted", proxy.faulted());
+                        Ok(())
+                    })
+                    .await?;
+                    anyhow::Ok(())
+                }
+            };
 
-            // The fold (opkit's only merge patch here) is held 3 s; meanwhile the copy changes.
-            proxy.once(
-                "application/merge-patch+json",
-                Fault::Delay(Duration::from_secs(3)),
-            );
-            let pp = PatchParams::default();
-            let fewer = json!({"metadata": {"annotations": {"keys": "a"}}, "data": {"a": "3"}});
-            api.patch("source", &pp, &Patch::Merge(fewer)).await?;
-            wait_for("the fold to be held", T, || async {
-                ensure!(proxy.faulted() == 1, "{} faulted", proxy.faulted());
-                Ok(())
+            // Refused: held 5 s by the proxy while the copy changes.
+            drop_b_meeting("refused", Fault::Delay(Duration::from_secs(5))).await?;
+            let touched = json!({"metadata": {"labels": {"touched": "yes"}}});
+            api.patch("refused-copy", &pp, &Patch::Merge(touched)).await?;
+            wait_for("the key no longer copied gone", T, || {
+                copy_is("refused", json!({"a": "3"}))
             })
             .await?;
-            let touched = json!({"metadata": {"labels": {"touched": "yes"}}});
-            api.patch("source-copy", &pp, &Patch::Merge(touched)).await?;
-            wait_for("the key no longer copied gone", T, || copy_is(json!({"a": "3"}))).await?;
-            let copy = api.get("source-copy").await?;
+            let copy = api.get("refused-copy").await?;
             ensure!(
                 copy.labels().get("touched").map(String::as_str) == Some("yes")
                     && !copy.annotations().contains_key(opkit::diff::CREATED_SHAPE),
@@ -2043,6 +2055,29 @@ async fn a_fold_refused_by_another_write_is_read_and_made_again() {
                 copy.metadata
             );
             common::settled(&op.metrics()).await?;
+            ensure!(
+                op.metrics().reconciles_failed() == 0,
+                "folded again only after a failed reconcile: {}",
+                op.metrics().describe_errors()
+            );
+
+            // Failed: the next plan folds.
+            drop_b_meeting("failed", Fault::Status(500)).await?;
+            wait_for("the key no longer copied gone", T, || {
+                copy_is("failed", json!({"a": "3"}))
+            })
+            .await?;
+            let copy = api.get("failed-copy").await?;
+            ensure!(
+                !copy.annotations().contains_key(opkit::diff::CREATED_SHAPE),
+                "{:?}",
+                copy.metadata
+            );
+            common::settled(&op.metrics()).await?;
+            ensure!(
+                op.metrics().reconciles_failed() >= 1,
+                "the fold's 500 failed no reconcile"
+            );
             Ok(())
         })
         .await;

@@ -58,8 +58,9 @@ pub fn needs_apply<K: serde::Serialize>(desired: &K, live: Option<&K>) -> bool {
 
 /// What `manager` applied to `obj`, from its `managedFields`: only the fields that manager
 /// owns (the `fieldsV1` of its `Apply` entries), plus what identifies the object (`apiVersion`,
-/// `kind`, name, namespace, uid, resourceVersion, generation, timestamps, owner references) and
-/// its whole `status`. `None` when the manager applied nothing to it.
+/// `kind`, name, namespace, uid, resourceVersion, generation, timestamps, owner references),
+/// the [`CREATED_SHAPE`] annotation and its whole `status`. `None` when the manager applied
+/// nothing to it.
 ///
 /// Every field a plan applies is a field its manager owns, so [`is_subset`] of the desired
 /// object against this projection answers exactly as against the whole object — and a field
@@ -144,6 +145,10 @@ pub(crate) fn applied_fields<'a>(obj: &Value, applied: impl IntoIterator<Item = 
         if let Some(v) = obj["metadata"].get(key) {
             owned["metadata"][key] = v.clone();
         }
+    }
+    // Owned by the POST's `Update` entry, read by the plan (`reshaped`).
+    if let Some(v) = obj["metadata"]["annotations"].get(CREATED_SHAPE) {
+        owned["metadata"]["annotations"][CREATED_SHAPE] = v.clone();
     }
     Some(owned)
 }
@@ -234,6 +239,16 @@ fn merge(into: &mut Value, other: Value) {
 /// kubectl does when it moves an object to server-side apply) and applies again, which drops
 /// the field and this annotation.
 pub const CREATED_SHAPE: &str = "opkit.dev/created-shape";
+
+/// Whether `live` was created by a POST with other fields than `desired` sets: applying
+/// `desired` must fold (see [`CREATED_SHAPE`]), even when `live` already holds every field.
+/// So a fold that did not happen (refused, failed, or the process stopped in between) is made
+/// by the next plan.
+pub(crate) fn reshaped(live: &Value, desired: &Value) -> bool {
+    live["metadata"]["annotations"][CREATED_SHAPE]
+        .as_str()
+        .is_some_and(|created| created != shape(desired))
+}
 
 /// Which fields `desired` sets, as a short stable hash: every key of every map, and list
 /// contents whole (an item that changes may change the list's keys). Two objects of the same
@@ -707,6 +722,26 @@ pub(crate) mod tests {
             shape(&json!({"a": 1})),
             "588b6f8848a70bfc",
             "stable across builds"
+        );
+    }
+
+    #[test]
+    fn a_child_posted_with_other_fields_is_reshaped_and_its_projection_says_so() {
+        let desired = json!({"metadata": {"labels": {"app": "memcached"}}, "spec": {"replicas": 1}});
+        let mut live = deployment();
+        assert!(!reshaped(&live, &desired), "not created by a POST");
+        live["metadata"]["annotations"][CREATED_SHAPE] = json!(shape(&desired));
+        assert!(!reshaped(&live, &desired), "the shape it was created with");
+        let mut more = desired.clone();
+        more["spec"]["paused"] = json!(true);
+        assert!(reshaped(&live, &more), "one more field");
+        // The annotation is the POST's (an `Update` entry's), yet the projection keeps it.
+        let projected = applied_by(&live, "opkit-memcached").expect("applied");
+        assert!(reshaped(&projected, &more));
+        assert_eq!(
+            projected["metadata"]["annotations"],
+            json!({CREATED_SHAPE: shape(&desired)}),
+            "no other annotation"
         );
     }
 

@@ -331,7 +331,10 @@ impl Child {
         live: Option<&impl Serialize>,
     ) -> Self {
         let needed = match live.map(serde_json::to_value) {
-            Some(Ok(l)) => !crate::diff::is_subset(&body, &l),
+            Some(Ok(l)) => {
+                !crate::diff::is_subset(&body, &l)
+                    || (matches!(mode, Mode::Apply) && crate::diff::reshaped(&l, &body))
+            }
             _ => true,
         };
         Child {

@@ -2,8 +2,8 @@
 //! localhost in front, the apiserver (with the admin client's credentials) behind. It can
 //! answer 429 with `Retry-After` or any other error status, delay answers, take a request and
 //! never answer (what a half-open connection looks like to the client) or stop half-way
-//! through an answer's body, for writes, for reads, or for both, and it counts the requests
-//! that reached it.
+//! through an answer's body, for writes, for reads, or for both (or for the next write of one
+//! content type alone), and it counts the requests that reached it.
 use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -208,8 +208,9 @@ impl Writer {
     /// longer sets. The object folded, if it was (the apply must then be made again).
     ///
     /// The fold is made against the version it read. Someone else's write in between (the
-    /// deployment controller's status, say) is read and folded again: the plan that follows
-    /// would find every field it sets present and write nothing, leaving the dropped one.
+    /// deployment controller's status, say) is read and folded again, up to
+    /// [`FOLD_ATTEMPTS`] times; after that, or after a fold that failed otherwise, the next
+    /// plan sees the annotation's other shape and applies again ([`crate::diff::reshaped`]).
     async fn fold_if_reshaped(
         &self,
         api: &Api<DynamicObject>,
@@ -240,17 +241,20 @@ impl Writer {
             self.ctx.may_write("patch")?;
             match api.patch(&name, &pp, &Patch::Merge(patch)).await {
                 Ok(o) => return Ok(Some(o)),
+                // Gone since the apply: nothing to fold; the watch sees the deletion.
+                Err(kube::Error::Api(s)) if s.code == 404 => return Ok(None),
                 Err(kube::Error::Api(s)) if s.code == 409 && attempt < FOLD_ATTEMPTS => {}
-                // Written again and again meanwhile: the next plan applies over the newer one.
+                // Written again and again meanwhile: the next plan, from the newer version,
+                // still sees the other shape and folds.
                 Err(kube::Error::Api(s)) if s.code == 409 => return Err(Error::Stale),
                 Err(source) => return Err(failed(source)),
             }
             current = match api.get_opt(&name).await.map_err(failed)? {
                 Some(o) => std::borrow::Cow::Owned(o),
-                // Gone: nothing to fold; its deletion is seen by the watch.
                 None => return Ok(None),
             };
         }
+        // Not reached: the last attempt returns.
         Err(Error::Stale)
     }
 
