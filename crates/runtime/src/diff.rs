@@ -240,14 +240,17 @@ fn merge(into: &mut Value, other: Value) {
 /// the field and this annotation.
 pub const CREATED_SHAPE: &str = "opkit.dev/created-shape";
 
-/// Whether `live` was created by a POST with other fields than `desired` sets: applying
-/// `desired` must fold (see [`CREATED_SHAPE`]), even when `live` already holds every field.
-/// So a fold that did not happen (refused, failed, or the process stopped in between) is made
-/// by the next plan.
-pub(crate) fn reshaped(live: &Value, desired: &Value) -> bool {
-    live["metadata"]["annotations"][CREATED_SHAPE]
-        .as_str()
-        .is_some_and(|created| created != shape(desired))
+/// Whether a child whose [`CREATED_SHAPE`] annotation is `created` was POSTed with other
+/// fields than `desired` sets: applying `desired` must fold, even when the child already holds
+/// every field. The write path asks after each apply, and the plan asks too, so a fold that did
+/// not happen (refused, failed, or the process stopped in between) is made by the next plan.
+pub(crate) fn reshaped(created: Option<&str>, desired: &Value) -> bool {
+    created.is_some_and(|created| created != shape(desired))
+}
+
+/// The [`CREATED_SHAPE`] annotation of `obj` (an object as JSON).
+pub(crate) fn created_shape(obj: &Value) -> Option<&str> {
+    obj["metadata"]["annotations"][CREATED_SHAPE].as_str()
 }
 
 /// Which fields `desired` sets, as a short stable hash: every key of every map, and list
@@ -729,15 +732,18 @@ pub(crate) mod tests {
     fn a_child_posted_with_other_fields_is_reshaped_and_its_projection_says_so() {
         let desired = json!({"metadata": {"labels": {"app": "memcached"}}, "spec": {"replicas": 1}});
         let mut live = deployment();
-        assert!(!reshaped(&live, &desired), "not created by a POST");
+        assert!(!reshaped(created_shape(&live), &desired), "not created by a POST");
         live["metadata"]["annotations"][CREATED_SHAPE] = json!(shape(&desired));
-        assert!(!reshaped(&live, &desired), "the shape it was created with");
+        assert!(
+            !reshaped(created_shape(&live), &desired),
+            "the shape it was created with"
+        );
         let mut more = desired.clone();
         more["spec"]["paused"] = json!(true);
-        assert!(reshaped(&live, &more), "one more field");
+        assert!(reshaped(created_shape(&live), &more), "one more field");
         // The annotation is the POST's (an `Update` entry's), yet the projection keeps it.
         let projected = applied_by(&live, "opkit-memcached").expect("applied");
-        assert!(reshaped(&projected, &more));
+        assert!(reshaped(created_shape(&projected), &more));
         assert_eq!(
             projected["metadata"]["annotations"],
             json!({CREATED_SHAPE: shape(&desired)}),

@@ -333,7 +333,8 @@ impl Child {
         let needed = match live.map(serde_json::to_value) {
             Some(Ok(l)) => {
                 !crate::diff::is_subset(&body, &l)
-                    || (matches!(mode, Mode::Apply) && crate::diff::reshaped(&l, &body))
+                    || (matches!(mode, Mode::Apply)
+                        && crate::diff::reshaped(crate::diff::created_shape(&l), &body))
             }
             _ => true,
         };

@@ -13,7 +13,7 @@ use serde::de::DeserializeOwned;
 use super::Error;
 use crate::client::namespace_terminating;
 use crate::conditions::{self, Desired};
-use crate::diff::{CREATED_SHAPE, fold_updates, same, shape};
+use crate::diff::{CREATED_SHAPE, fold_updates, reshaped, same, shape};
 use crate::kind::Watchable;
 use crate::kind::{api, namespaced};
 use crate::plan::{Child, Deletion, Mode};
@@ -224,10 +224,8 @@ impl Writer {
         };
         let mut current = std::borrow::Cow::Borrowed(applied);
         for attempt in 1..=FOLD_ATTEMPTS {
-            let Some(created) = current.annotations().get(CREATED_SHAPE) else {
-                return Ok(None);
-            };
-            if *created == shape(body) {
+            let created = current.annotations().get(CREATED_SHAPE).map(String::as_str);
+            if !reshaped(created, body) {
                 return Ok(None);
             }
             let Some(folded) = fold_updates(current.managed_fields(), self.ctx.field_manager()) else {
