@@ -115,7 +115,7 @@ impl Writer {
                 // cache behind, or a sharded controller that does not cache it): applied.
                 if matches!(child.mode, Mode::Apply) && !child.cached {
                     self.ctx.may_write("create")?;
-                    match self.create(&api, &child.name, body).await {
+                    match self.create(&api, child, body).await {
                         Ok(Some(created)) => {
                             self.echo(&child.resource, ns, &child.name, &created);
                             return Ok(());
@@ -136,7 +136,7 @@ impl Writer {
                 };
                 let applied = apply().await?;
                 let folded = match child.mode {
-                    Mode::Apply => self.fold_if_reshaped(&api, &applied, body).await,
+                    Mode::Apply => self.fold_if_reshaped(&api, &applied, &child.body).await,
                     // A few fields of an object: never a shape of what was created.
                     _ => Ok(None),
                 };
@@ -180,17 +180,19 @@ impl Writer {
         Ok(())
     }
 
-    /// POSTs `body` (a child the plan did not see) with the [`CREATED_SHAPE`] of what it sets;
-    /// `None` when an object of that name exists. The caller passed the write gate.
+    /// POSTs `body` (`child` as written: with shard labels, say) with the [`CREATED_SHAPE`] of
+    /// what the plan sets, the shape the plan compares ([`crate::diff::reshaped`]); `None` when
+    /// an object of that name exists. The caller passed the write gate.
     async fn create(
         &self,
         api: &Api<DynamicObject>,
-        name: &str,
+        child: &Child,
         body: &serde_json::Value,
     ) -> Result<Option<DynamicObject>, kube::Error> {
         let mut obj: DynamicObject = serde_json::from_value(body.clone()).map_err(kube::Error::SerdeError)?;
-        obj.metadata.name = Some(name.to_string());
-        obj.annotations_mut().insert(CREATED_SHAPE.into(), shape(body));
+        obj.metadata.name = Some(child.name.clone());
+        obj.annotations_mut()
+            .insert(CREATED_SHAPE.into(), shape(&child.body));
         let pp = PostParams {
             field_manager: Some(self.ctx.field_manager().to_string()),
             ..Default::default()
@@ -202,8 +204,8 @@ impl Writer {
         }
     }
 
-    /// After an apply to a child this controller POSTed: when the plan now sets other fields
-    /// than it created, opkit's `Update` entry, which still owns the created ones, is folded
+    /// After an apply to a child this controller POSTed: when the plan (`planned`, the body
+    /// the plan made) now sets other fields than it created, opkit's `Update` entry, which still owns the created ones, is folded
     /// into its `Apply` entry ([`fold_updates`]), so that applying again drops what the plan no
     /// longer sets. The object folded, if it was (the apply must then be made again).
     ///
@@ -215,7 +217,7 @@ impl Writer {
         &self,
         api: &Api<DynamicObject>,
         applied: &DynamicObject,
-        body: &serde_json::Value,
+        planned: &serde_json::Value,
     ) -> Result<Option<DynamicObject>, Error> {
         let name = applied.name_any();
         let failed = |source| Error::Write {
@@ -225,7 +227,7 @@ impl Writer {
         let mut current = std::borrow::Cow::Borrowed(applied);
         for attempt in 1..=FOLD_ATTEMPTS {
             let created = current.annotations().get(CREATED_SHAPE).map(String::as_str);
-            if !reshaped(created, body) {
+            if !reshaped(created, planned) {
                 return Ok(None);
             }
             let Some(folded) = fold_updates(current.managed_fields(), self.ctx.field_manager()) else {
