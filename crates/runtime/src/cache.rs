@@ -827,18 +827,13 @@ impl<C> Watch<C> {
 pub(crate) fn keep_applied<C: Resource + Serialize + DeserializeOwned>(obj: &mut C, manager: &str) {
     // The managed fields are read apart from the object, so that serialising it does not copy
     // them into the tree it is projected from.
-    let posted = obj
-        .meta()
-        .annotations
-        .as_ref()
-        .is_some_and(|a| a.contains_key(crate::diff::CREATED_SHAPE));
     let entries = obj.meta_mut().managed_fields.take();
     let applied: Vec<&serde_json::Value> = entries
         .iter()
         .flatten()
         .filter(|e| {
             let (by, operation) = (e.manager.as_deref(), e.operation.as_deref());
-            crate::diff::is_owned_by(manager, posted, by, operation, e.subresource.as_deref())
+            crate::diff::is_apply_of(manager, by, operation, e.subresource.as_deref())
         })
         .filter_map(|e| e.fields_v1.as_ref().map(|f| &f.0))
         .collect();

@@ -57,8 +57,7 @@ pub fn needs_apply<K: serde::Serialize>(desired: &K, live: Option<&K>) -> bool {
 }
 
 /// What `manager` applied to `obj`, from its `managedFields`: only the fields that manager
-/// owns (the `fieldsV1` of its `Apply` entries, and of its `Update` entries on a child it
-/// created by a POST, which own what the POST set until the next apply folds them), plus what identifies the object (`apiVersion`,
+/// owns (the `fieldsV1` of its `Apply` entries), plus what identifies the object (`apiVersion`,
 /// `kind`, name, namespace, uid, resourceVersion, generation, timestamps, owner references),
 /// the [`CREATED_SHAPE`] annotation and its whole `status`. `None` when the manager applied
 /// nothing to it.
@@ -69,19 +68,16 @@ pub fn needs_apply<K: serde::Serialize>(desired: &K, live: Option<&K>) -> bool {
 /// shows as drift. The server's defaults, other managers' fields and `managedFields` itself are
 /// not kept: for a Deployment that is most of the object.
 pub fn applied_by(obj: &Value, manager: &str) -> Option<Value> {
-    let posted = created_shape(obj).is_some();
-    applied_fields(obj, applied_entries(&obj["metadata"]["managedFields"], manager, posted))
+    applied_fields(obj, applied_entries(&obj["metadata"]["managedFields"], manager))
 }
 
-/// The `fieldsV1` of `manager`'s `Apply` entries among `managedFields`, and of its `Update`
-/// entries when the object was `posted` (it has a [`CREATED_SHAPE`]).
-pub(crate) fn applied_entries<'a>(managed_fields: &'a Value, manager: &str, posted: bool) -> Vec<&'a Value> {
+/// The `fieldsV1` of `manager`'s `Apply` entries among `managedFields`.
+pub(crate) fn applied_entries<'a>(managed_fields: &'a Value, manager: &str) -> Vec<&'a Value> {
     let entries = managed_fields.as_array().map(Vec::as_slice).unwrap_or_default();
     let applied = entries.iter().filter(|e| {
         let field = |k: &str| e[k].as_str();
-        is_owned_by(
+        is_apply_of(
             manager,
-            posted,
             field("manager"),
             field("operation"),
             field("subresource"),
@@ -93,18 +89,15 @@ pub(crate) fn applied_entries<'a>(managed_fields: &'a Value, manager: &str, post
         .collect()
 }
 
-/// Whether a `managedFields` entry (its manager, operation and subresource) holds fields a
-/// plan of `manager` set on the object itself (a status apply owns none of them): one of its
-/// applies, or, on an object it `posted`, one of its updates (the POST's entry).
-pub(crate) fn is_owned_by(
+/// Whether a `managedFields` entry (its manager, operation and subresource) is one of
+/// `manager`'s applies to the object itself: a status apply owns no field of the object.
+pub(crate) fn is_apply_of(
     manager: &str,
-    posted: bool,
     by: Option<&str>,
     operation: Option<&str>,
     subresource: Option<&str>,
 ) -> bool {
     is_entry_of(manager, "Apply", by, operation, subresource)
-        || (posted && is_entry_of(manager, "Update", by, operation, subresource))
 }
 
 /// Whether a `managedFields` entry is `manager`'s, of `operation`, on the object itself.
@@ -118,7 +111,7 @@ fn is_entry_of(
     by == Some(manager) && op == Some(operation) && subresource.unwrap_or_default().is_empty()
 }
 
-/// [`applied_by`] with the `fieldsV1` of the manager's entries ([`applied_entries`]) given apart from
+/// [`applied_by`] with the `fieldsV1` of the manager's `Apply` entries given apart from
 /// `obj`, which need not hold its `managedFields` (43% of a memcached Deployment's JSON): a
 /// cache takes them out of the object before it projects it.
 pub(crate) fn applied_fields<'a>(obj: &Value, applied: impl IntoIterator<Item = &'a Value>) -> Option<Value> {
@@ -756,31 +749,6 @@ pub(crate) mod tests {
             json!({CREATED_SHAPE: shape(&desired)}),
             "no other annotation"
         );
-    }
-
-    #[test]
-    fn a_posted_child_not_applied_yet_is_projected_onto_the_posts_update_entry() {
-        // As the POST left it: opkit's fields in an `Update` entry, no `Apply` entry.
-        let mut live = deployment();
-        live["metadata"]["managedFields"][0]["operation"] = json!("Update");
-        assert!(
-            applied_by(&live, "opkit-memcached").is_none(),
-            "not created by a POST: an update is not what the plan applied"
-        );
-        live["metadata"]["annotations"][CREATED_SHAPE] = json!("0123");
-        let p = applied_by(&live, "opkit-memcached").expect("the POST's fields");
-        assert_eq!(p["metadata"]["labels"], json!({"app": "memcached"}), "kubectl's label left out");
-        assert_eq!(p["spec"]["template"]["spec"]["containers"].as_array().map(Vec::len), Some(1));
-        assert!(p["spec"].get("progressDeadlineSeconds").is_none(), "a default left out");
-        let desired = json!({"metadata": {"labels": {"app": "memcached"}}, "spec": {"replicas": 1}});
-        assert!(is_subset(&desired, &p));
-        // A field another manager took over by an update drops out and shows as drift.
-        live["metadata"]["managedFields"][0]["fieldsV1"]["f:spec"]
-            .as_object_mut()
-            .expect("spec fields")
-            .remove("f:replicas");
-        let p = applied_by(&live, "opkit-memcached").expect("the POST's fields");
-        assert!(!is_subset(&desired, &p));
     }
 
     #[test]

@@ -46,8 +46,7 @@ impl<C> Listed<C> {
             .and_then(Value::as_object_mut)
             .and_then(|m| m.remove("managedFields"))
             .unwrap_or_default();
-        let posted = crate::diff::created_shape(&self.tree).is_some();
-        let applied = applied_entries(&entries, manager, posted);
+        let applied = applied_entries(&entries, manager);
         let projected = applied_fields(&self.tree, applied).and_then(|p| serde_json::from_value(p).ok());
         match projected {
             Some(o) => Ok(o),
