@@ -653,7 +653,16 @@ pub(crate) fn degraded_status(
 /// entry is dropped and the cache decides, as before.
 #[derive(Default)]
 struct StatusWrites {
-    chains: std::sync::Mutex<std::collections::HashMap<String, StatusChain>>,
+    chains: std::sync::Mutex<Chains>,
+}
+
+#[derive(Default)]
+struct Chains {
+    by_uid: std::collections::HashMap<String, StatusChain>,
+    /// Size after the last sweep of old chains: the next waits until it has doubled. A sweep
+    /// on every write past a fixed size visited all 10000 chains of a create at N=10000 under
+    /// the lock, for each of its 20000 status writes.
+    swept_at: usize,
 }
 
 struct StatusChain {
@@ -686,6 +695,7 @@ fn status_hash(v: &serde_json::Value) -> u64 {
 impl StatusWrites {
     fn base(&self, uid: &str, cached: &str) -> StatusBase {
         let mut chains = self.chains.lock().unwrap_or_else(|p| p.into_inner());
+        let chains = &mut chains.by_uid;
         let Some(chain) = chains.get(uid) else {
             return StatusBase::Cache;
         };
@@ -705,14 +715,18 @@ impl StatusWrites {
 
     fn record(&self, uid: &str, from: &str, to: String, status: u64) {
         let mut chains = self.chains.lock().unwrap_or_else(|p| p.into_inner());
-        if chains.len() > 1024 {
-            chains.retain(|_, c| c.at.elapsed() <= CHAIN_TTL);
+        if chains.by_uid.len() > 1024 && chains.by_uid.len() >= 2 * chains.swept_at {
+            chains.by_uid.retain(|_, c| c.at.elapsed() <= CHAIN_TTL);
+            chains.swept_at = chains.by_uid.len();
         }
-        let chain = chains.entry(uid.to_string()).or_insert_with(|| StatusChain {
-            versions: vec![from.to_string()],
-            status,
-            at: std::time::Instant::now(),
-        });
+        let chain = chains
+            .by_uid
+            .entry(uid.to_string())
+            .or_insert_with(|| StatusChain {
+                versions: vec![from.to_string()],
+                status,
+                at: std::time::Instant::now(),
+            });
         chain.versions.push(to);
         chain.status = status;
         chain.at = std::time::Instant::now();
@@ -722,6 +736,36 @@ impl StatusWrites {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn old_status_chains_are_swept_when_the_chains_have_doubled_not_on_every_write() {
+        let writes = StatusWrites::default();
+        let sweeps = |w: &StatusWrites| w.chains.lock().expect("chains").swept_at;
+        for i in 0..1025 {
+            writes.record(&format!("u-{i}"), "1", "2".into(), 0);
+        }
+        assert_eq!(sweeps(&writes), 0, "no sweep up to 1024 chains");
+        writes.record("u-1025", "1", "2".into(), 0);
+        assert_eq!(sweeps(&writes), 1025, "swept once past 1024, nothing old to drop");
+        for i in 1026..2050 {
+            writes.record(&format!("u-{i}"), "1", "2".into(), 0);
+        }
+        assert_eq!(sweeps(&writes), 1025, "no sweep before the chains doubled");
+        // Half of them long untouched: the sweep at twice the size drops those.
+        {
+            let mut chains = writes.chains.lock().expect("chains");
+            let old = std::time::Instant::now() - CHAIN_TTL - std::time::Duration::from_secs(1);
+            let even = |uid: &str| uid[2..].parse::<usize>().is_ok_and(|i| i % 2 == 0);
+            for (_, c) in chains.by_uid.iter_mut().filter(|(uid, _)| even(uid)) {
+                c.at = old;
+            }
+        }
+        writes.record("u-2050", "1", "2".into(), 0);
+        let chains = writes.chains.lock().expect("chains");
+        assert!(chains.by_uid.values().all(|c| c.at.elapsed() <= CHAIN_TTL));
+        assert_eq!(chains.swept_at, 1025, "the 1025 odd ones kept");
+        assert_eq!(chains.by_uid.len(), 1026, "and the new one");
+    }
 
     #[test]
     fn a_sharded_child_is_labelled_for_its_owner_and_its_own_labels_stay() {
