@@ -205,9 +205,10 @@ impl Writer {
     }
 
     /// After an apply to a child this controller POSTed: when the plan (`planned`, the body
-    /// the plan made) now sets other fields than it created, opkit's `Update` entry, which still owns the created ones, is folded
-    /// into its `Apply` entry ([`fold_updates`]), so that applying again drops what the plan no
-    /// longer sets. The object folded, if it was (the apply must then be made again).
+    /// the plan made) now sets other fields than it created, opkit's `Update` entry, which
+    /// still owns the created ones, is folded into its `Apply` entry ([`fold_updates`]), so
+    /// that applying again drops what the plan no longer sets. The object folded, if it was
+    /// (the apply must then be made again).
     ///
     /// The fold is made against the version it read. Someone else's write in between (the
     /// deployment controller's status, say) is read and folded again, up to
