@@ -408,9 +408,13 @@ impl Queue {
         self.standard.retries.get_or_create(&self.labels()).inc();
     }
 
-    /// Objects waiting now (for tests, and the in-memory harness's idle check).
+    /// Objects waiting now (for tests, and the in-memory harness's idle check). As at a
+    /// scrape, an object deleted while it waited is not counted: the work queue dropped its
+    /// request, so no worker will ever take it off.
     pub(crate) fn depth(&self) -> usize {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner()).pending.len()
+        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        inner.pending.retain(|_, (_, exists)| exists());
+        inner.pending.len()
     }
 }
 
@@ -506,16 +510,34 @@ mod tests {
     }
 
     #[test]
+    fn an_object_deleted_while_it_waits_is_not_counted_as_waiting() {
+        let m = Metrics::default();
+        let q = m.for_controller("configmirror").queue();
+        let gone = std::sync::Arc::new(AtomicBool::new(false));
+        let g = gone.clone();
+        q.add(
+            "/app-settings".into(),
+            Box::new(move || !g.load(Ordering::SeqCst)),
+        );
+        assert_eq!(q.depth(), 1);
+        // Deleted before a worker took it: the work queue forgets the request, and nothing
+        // takes it off here; the in-memory harness would wait for it forever.
+        gone.store(true, Ordering::SeqCst);
+        assert_eq!(q.depth(), 0);
+    }
+
+    #[test]
     fn objects_deleted_while_waiting_are_forgotten_without_scrapes_too() {
         let m = Metrics::default();
         let q = m.for_controller("memcached").queue();
+        let held = |q: &super::Queue| q.inner.lock().unwrap().pending.len();
         for i in 0..1024 {
             q.add(format!("ns/gone-{i}"), Box::new(|| false));
         }
-        assert_eq!(q.depth(), 1024);
+        assert_eq!(held(&q), 1024);
         q.add("ns/here".into(), Box::new(|| true));
         assert_eq!(
-            q.depth(),
+            held(&q),
             1,
             "the deleted ones are dropped once the map is this large"
         );
