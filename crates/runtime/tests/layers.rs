@@ -62,6 +62,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "runtime",
             "runtime/hold",
             "runtime/shared",
+            "runtime/status",
             "runtime/queue",
             "runtime/context",
             "runtime/admission",

@@ -8,6 +8,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::Error;
 use super::shared::{Echoes, SharedWatches};
+use super::status::StatusWrites;
 use crate::backoff::Backoff;
 use crate::leader::WriteGate;
 use crate::metrics::ControllerMetrics;
@@ -27,6 +28,7 @@ pub(crate) struct ControllerContext {
     gate: WriteGate,
     tuning: Tuning,
     echoes: Echoes,
+    status: std::sync::Arc<StatusWrites>,
     leading: tokio::sync::watch::Receiver<bool>,
     shared: SharedWatches,
     shard: Option<Shard>,
@@ -155,6 +157,7 @@ impl ControllerContext {
             gate,
             tuning,
             echoes: Echoes::default(),
+            status: Default::default(),
             leading,
             shared,
             shard,
@@ -214,6 +217,11 @@ impl ControllerContext {
 
     pub(crate) fn echoes(&self) -> &Echoes {
         &self.echoes
+    }
+
+    /// The status writes whose watch events the primary cache has not delivered yet.
+    pub(crate) fn status_writes(&self) -> &StatusWrites {
+        &self.status
     }
 
     /// How long a cleanup that is not done yet waits before looking again: the object's

@@ -10,7 +10,8 @@
 //! - `resync`: the listed objects that wait behind new work;
 //! - `queue`: the work queue and the loop that runs the reconciles (opkit's own, as the
 //!   primary cache may be compact; a waiting request is one small entry per object);
-//! - `hold`: statuses of work still under way, held back until it settles or takes long.
+//! - `hold`: statuses of work still under way, held back until it settles or takes long;
+//! - `status`: opkit's status writes whose watch events the primary cache has not shown yet.
 //!
 //! `Store::wait_until_ready` wakes just one of several concurrent waiters, and a compact cache
 //! has no store. So opkit never waits on a store: it watches every stream it builds for the
@@ -23,6 +24,7 @@ mod hold;
 mod queue;
 mod resync;
 mod shared;
+mod status;
 pub mod watches;
 mod write;
 

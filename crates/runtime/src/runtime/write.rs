@@ -18,11 +18,11 @@ use crate::kind::Watchable;
 use crate::kind::{api, namespaced};
 use crate::plan::{Child, Deletion, Mode};
 use crate::runtime::context::ControllerContext;
+use crate::runtime::status::StatusBase;
 
 /// Carries out the writes of one controller.
 pub(crate) struct Writer {
     ctx: ControllerContext,
-    status: StatusWrites,
 }
 
 /// The API of a child's kind where it lives.
@@ -58,10 +58,7 @@ const FOLD_ATTEMPTS: usize = 3;
 
 impl Writer {
     pub(crate) fn new(ctx: ControllerContext) -> Self {
-        Writer {
-            ctx,
-            status: StatusWrites::default(),
-        }
+        Writer { ctx }
     }
 
     fn echo(&self, resource: &ApiResource, namespace: Option<&str>, name: &str, written: &impl Resource) {
@@ -317,7 +314,7 @@ impl Writer {
     {
         let uid = obj.uid().unwrap_or_default();
         let cached = obj.resource_version().unwrap_or_default();
-        Ok(match self.status.base(&uid, &cached) {
+        Ok(match self.ctx.status_writes().base(&uid, &cached) {
             StatusBase::Written { version, status } => (status_hash(desired) != status).then_some(version),
             StatusBase::Cache => {
                 // Read as `S`: fields of the status that `S` does not know are not the plan's.
@@ -368,7 +365,8 @@ impl Writer {
                             to.clone(),
                         );
                     }
-                    self.status
+                    self.ctx
+                        .status_writes()
                         .record(&uid, &precondition, to, status_hash(&body["status"]));
                 }
                 Ok(true)
@@ -642,50 +640,7 @@ pub(crate) fn degraded_status(
     Ok((status, news))
 }
 
-/// The status writes whose watch events the primary cache has not delivered yet.
-///
-/// Right after a status write, a reconcile triggered by a child still reads the primary as it
-/// was before it. Planned from that, the status looks out of date, and its write — with the
-/// stale resourceVersion as precondition — only earns a conflict and a second round. So each
-/// write is remembered (per uid: the resourceVersions the write came from and produced, and a
-/// hash of what it wrote) until the cache shows the last of them: a plan made from a version
-/// this replica has since replaced compares against what it wrote, and writes with the
-/// resourceVersion it got back. A version not in the chain means someone else wrote: the
-/// entry is dropped and the cache decides, as before.
-#[derive(Default)]
-struct StatusWrites {
-    chains: std::sync::Mutex<Chains>,
-}
-
-#[derive(Default)]
-struct Chains {
-    by_uid: std::collections::HashMap<String, StatusChain>,
-    /// Size after the last sweep of old chains: the next waits until it has doubled. A sweep
-    /// on every write past a fixed size visited all 10000 chains of a create at N=10000 under
-    /// the lock, for each of its 20000 status writes.
-    swept_at: usize,
-}
-
-struct StatusChain {
-    /// resourceVersions, oldest first; the last is what the latest write returned.
-    versions: Vec<String>,
-    /// Hash of the status the latest write applied.
-    status: u64,
-    at: std::time::Instant,
-}
-
-/// What a status write should compare against and send as its precondition.
-enum StatusBase {
-    /// The cached object is current (as far as this replica knows).
-    Cache,
-    /// The cached object is older than this replica's own last write.
-    Written { version: String, status: u64 },
-}
-
-/// Chains untouched for this long are dropped (their watch events were lost or the object is
-/// gone); the next plan then trusts the cache.
-const CHAIN_TTL: std::time::Duration = std::time::Duration::from_secs(120);
-
+/// What a status write is known by in [`crate::runtime::status::StatusWrites`].
 fn status_hash(v: &serde_json::Value) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
@@ -693,80 +648,9 @@ fn status_hash(v: &serde_json::Value) -> u64 {
     h.finish()
 }
 
-impl StatusWrites {
-    fn base(&self, uid: &str, cached: &str) -> StatusBase {
-        let mut chains = self.chains.lock().unwrap_or_else(|p| p.into_inner());
-        let chains = &mut chains.by_uid;
-        let Some(chain) = chains.get(uid) else {
-            return StatusBase::Cache;
-        };
-        let stale = chain.at.elapsed() > CHAIN_TTL;
-        match chain.versions.iter().position(|v| v == cached) {
-            Some(i) if !stale && i + 1 < chain.versions.len() => StatusBase::Written {
-                version: chain.versions[chain.versions.len() - 1].clone(),
-                status: chain.status,
-            },
-            // Caught up with the last write, replaced by someone else's, or too old.
-            _ => {
-                chains.remove(uid);
-                StatusBase::Cache
-            }
-        }
-    }
-
-    fn record(&self, uid: &str, from: &str, to: String, status: u64) {
-        let mut chains = self.chains.lock().unwrap_or_else(|p| p.into_inner());
-        if chains.by_uid.len() > 1024 && chains.by_uid.len() >= 2 * chains.swept_at {
-            chains.by_uid.retain(|_, c| c.at.elapsed() <= CHAIN_TTL);
-            chains.swept_at = chains.by_uid.len();
-        }
-        let chain = chains
-            .by_uid
-            .entry(uid.to_string())
-            .or_insert_with(|| StatusChain {
-                versions: vec![from.to_string()],
-                status,
-                at: std::time::Instant::now(),
-            });
-        chain.versions.push(to);
-        chain.status = status;
-        chain.at = std::time::Instant::now();
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn old_status_chains_are_swept_when_the_chains_have_doubled_not_on_every_write() {
-        let writes = StatusWrites::default();
-        let sweeps = |w: &StatusWrites| w.chains.lock().expect("chains").swept_at;
-        for i in 0..1025 {
-            writes.record(&format!("u-{i}"), "1", "2".into(), 0);
-        }
-        assert_eq!(sweeps(&writes), 0, "no sweep up to 1024 chains");
-        writes.record("u-1025", "1", "2".into(), 0);
-        assert_eq!(sweeps(&writes), 1025, "swept once past 1024, nothing old to drop");
-        for i in 1026..2050 {
-            writes.record(&format!("u-{i}"), "1", "2".into(), 0);
-        }
-        assert_eq!(sweeps(&writes), 1025, "no sweep before the chains doubled");
-        // Half of them long untouched: the sweep at twice the size drops those.
-        {
-            let mut chains = writes.chains.lock().expect("chains");
-            let old = std::time::Instant::now() - CHAIN_TTL - std::time::Duration::from_secs(1);
-            let even = |uid: &str| uid[2..].parse::<usize>().is_ok_and(|i| i % 2 == 0);
-            for (_, c) in chains.by_uid.iter_mut().filter(|(uid, _)| even(uid)) {
-                c.at = old;
-            }
-        }
-        writes.record("u-2050", "1", "2".into(), 0);
-        let chains = writes.chains.lock().expect("chains");
-        assert!(chains.by_uid.values().all(|c| c.at.elapsed() <= CHAIN_TTL));
-        assert_eq!(chains.swept_at, 1025, "the 1025 odd ones kept");
-        assert_eq!(chains.by_uid.len(), 1026, "and the new one");
-    }
 
     #[test]
     fn a_sharded_child_is_labelled_for_its_owner_and_its_own_labels_stay() {
