@@ -81,6 +81,9 @@ async fn memcached_converges_then_writes_nothing_and_restores_its_deployment() -
         writes.statuses().len() == 1 && writes.len() == 1 && writes.failures() == 0,
         "{writes}"
     );
+    // Once the cache shows it, the status write is no longer remembered.
+    let unseen = h.metrics().for_controller(memcached::NAME).status_writes_unseen();
+    ensure!(unseen == 0, "{unseen} status writes remembered at rest");
     let mc = mcs.get("example-memcached").await?;
     let status = mc.status.context("a status")?;
     ensure!(status.nodes.len() == 3, "{:?}", status.nodes);

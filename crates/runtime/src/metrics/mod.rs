@@ -85,6 +85,7 @@ pub struct Metrics {
     reconciles: Family<ResultLabels, Counter>,
     active: Family<ControllerLabel, Gauge>,
     resync_pending: Family<ControllerLabel, Gauge>,
+    status_unseen: Family<ControllerLabel, Gauge>,
     failures: Family<ErrorLabels, Counter>,
     duration: Family<ControllerLabel, Histogram, fn() -> Histogram>,
     writes: Family<WriteLabels, Counter>,
@@ -180,6 +181,12 @@ impl Default for Metrics {
             "Listed objects whose resync has not started yet: they wait behind new work after a (re)list",
             resync_pending.clone(),
         );
+        let status_unseen = Family::<ControllerLabel, Gauge>::default();
+        registry.register(
+            "status_writes_unseen",
+            "Status writes of opkit's whose watch events the primary cache has not delivered yet (or whose reconcile is still under way): near 0 at rest",
+            status_unseen.clone(),
+        );
         registry.register(
             "reconcile_errors",
             "Reconciles that failed, by error category",
@@ -248,6 +255,7 @@ impl Default for Metrics {
             reconciles,
             active,
             resync_pending,
+            status_unseen,
             failures,
             duration,
             writes,
@@ -619,6 +627,17 @@ impl ControllerMetrics {
         self.metrics.resync_pending.get_or_create(&self.label()).clone()
     }
 
+    /// Status writes of this controller that its primary cache does not show yet, or whose
+    /// reconcile is still under way: 0 when nothing is in flight.
+    pub fn status_writes_unseen(&self) -> i64 {
+        self.metrics.status_unseen.get_or_create(&self.label()).get()
+    }
+
+    /// The gauge behind [`ControllerMetrics::status_writes_unseen`].
+    pub(crate) fn status_unseen_gauge(&self) -> Gauge {
+        self.metrics.status_unseen.get_or_create(&self.label()).clone()
+    }
+
     fn kind_label(&self, kind: &str) -> CacheLabels {
         CacheLabels {
             controller: self.controller.clone(),
@@ -640,6 +659,7 @@ impl ControllerMetrics {
         let _ = m.panics.get_or_create(&self.label());
         let _ = m.active.get_or_create(&self.label());
         let _ = m.resync_pending.get_or_create(&self.label());
+        let _ = m.status_unseen.get_or_create(&self.label());
         let _ = m.duration.get_or_create(&self.label());
         self.metrics.standard.zero(&self.controller);
     }

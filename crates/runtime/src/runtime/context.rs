@@ -146,6 +146,7 @@ impl ControllerContext {
             controller: format!("opkit-{name}"),
             instance: std::env::var("POD_NAME").ok(),
         };
+        let status = std::sync::Arc::new(StatusWrites::new(metrics.status_unseen_gauge()));
         ControllerContext {
             name,
             field_manager: format!("opkit-{name}"),
@@ -157,7 +158,7 @@ impl ControllerContext {
             gate,
             tuning,
             echoes: Echoes::default(),
-            status: Default::default(),
+            status,
             leading,
             shared,
             shard,
@@ -220,7 +221,7 @@ impl ControllerContext {
     }
 
     /// The status writes whose watch events the primary cache has not delivered yet.
-    pub(crate) fn status_writes(&self) -> &StatusWrites {
+    pub(crate) fn status_writes(&self) -> &std::sync::Arc<StatusWrites> {
         &self.status
     }
 

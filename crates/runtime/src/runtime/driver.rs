@@ -134,9 +134,19 @@ pub(crate) fn run<R: Reconciler>(
             }
         };
         let controller = controller.graceful_shutdown_on(ctx.shutdown_signal()).run(
-            move |obj| {
+            move |obj: Arc<R::Object>| {
                 let runner = runner.clone();
-                async move { runner.reconcile(obj).await }
+                // From the moment the copy is handed out until the run ends, opkit's status
+                // writes of the object are remembered even once the cache shows them: the run
+                // plans from this copy.
+                let busy = runner
+                    .ctx
+                    .status_writes()
+                    .busy(obj.meta().uid.as_deref().unwrap_or_default());
+                async move {
+                    let _busy = busy;
+                    runner.reconcile(obj).await
+                }
             },
             {
                 let ctx = ctx.clone();
@@ -184,12 +194,6 @@ impl<R: Reconciler> Runner<R> {
         // event announced it) counts from here.
         let key = super::shared::queue_key(obj.namespace().as_deref(), &obj.name_any());
         self.queue.add(key.clone(), Box::new(|| true));
-        // Until this reconcile ends, opkit's status writes of the object are remembered even
-        // once the cache shows them: it may plan from the copy before.
-        let _busy = self
-            .ctx
-            .status_writes()
-            .busy(obj.meta().uid.as_deref().unwrap_or_default());
         let (_permit, waited) = match &self.limit {
             Some(s) => match s.clone().try_acquire_owned() {
                 Ok(p) => (Some(p), false),

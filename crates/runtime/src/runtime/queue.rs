@@ -362,12 +362,17 @@ impl<K: Watchable> Controller<K> {
         let mut shutdown = shutdown.unwrap_or_else(|| futures::future::pending().boxed());
         let mut stopping = false;
         let (reconcile, error_policy) = (&reconcile, &error_policy);
-        let run_one = |key: Arc<str>, obj: Arc<K>| async move {
-            let action = match reconcile(obj.clone()).await {
-                Ok(action) => action,
-                Err(e) => error_policy(&obj, &e),
-            };
-            (key, action)
+        // `reconcile` is called as the copy is handed out (what it does before its first
+        // await happens then), not when the run is first polled.
+        let run_one = |key: Arc<str>, obj: Arc<K>| {
+            let run = reconcile(obj.clone());
+            async move {
+                let action = match run.await {
+                    Ok(action) => action,
+                    Err(e) => error_policy(&obj, &e),
+                };
+                (key, action)
+            }
         };
         let mut running = FuturesUnordered::new();
         loop {

@@ -13,8 +13,10 @@
 //! the object is under way (it may hold the copy from before): then it goes when that
 //! reconcile ends. So the chains are the writes in flight, not one per object written.
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use prometheus_client::metrics::gauge::Gauge;
 
 /// Chains untouched for this long are dropped (their watch events were lost or the object is
 /// gone); the next plan then trusts the cache.
@@ -24,6 +26,8 @@ const CHAIN_TTL: Duration = Duration::from_secs(120);
 #[derive(Default)]
 pub(crate) struct StatusWrites {
     chains: Mutex<Chains>,
+    /// `opkit_status_writes_unseen`: the chains held.
+    unseen: Gauge,
 }
 
 #[derive(Default)]
@@ -33,8 +37,24 @@ struct Chains {
     /// on every write past a fixed size visited all 10000 chains of a create at N=10000 under
     /// the lock, for each of its 20000 status writes.
     swept_at: usize,
-    /// The objects (by uid) a reconcile is under way for, and how many.
-    busy: HashMap<String, u32>,
+    /// The objects (by uid) a reconcile is under way for.
+    busy: HashMap<String, Reconciling>,
+}
+
+/// The reconciles under way for one object.
+#[derive(Default)]
+struct Reconciling {
+    count: u32,
+    /// The last version the watch delivered meanwhile, and whether it delivered the deletion:
+    /// a write's event can come before the write's answer has been recorded.
+    delivered: Option<String>,
+    deleted: bool,
+}
+
+/// Whether resourceVersion `a` comes before `b`. They are opaque, but etcd's are integers
+/// that only grow; of others, none is known to come before another.
+fn before(a: &str, b: &str) -> bool {
+    matches!((a.parse::<u64>(), b.parse::<u64>()), (Ok(a), Ok(b)) if a < b)
 }
 
 struct StatusChain {
@@ -57,17 +77,17 @@ pub(crate) enum StatusBase {
 }
 
 /// A reconcile under way for an object; dropping it ends it (see [`StatusWrites::busy`]).
-pub(crate) struct Busy<'a> {
-    writes: &'a StatusWrites,
+pub(crate) struct Busy {
+    writes: Arc<StatusWrites>,
     uid: String,
 }
 
-impl Drop for Busy<'_> {
+impl Drop for Busy {
     fn drop(&mut self) {
         let mut chains = self.writes.lock();
         let left = match chains.busy.get_mut(&self.uid) {
-            Some(n) if *n > 1 => {
-                *n -= 1;
+            Some(r) if r.count > 1 => {
+                r.count -= 1;
                 true
             }
             _ => {
@@ -77,13 +97,54 @@ impl Drop for Busy<'_> {
         };
         if !left && chains.by_uid.get(&self.uid).is_some_and(|c| c.seen) {
             chains.by_uid.remove(&self.uid);
+            // A burst's table is not kept at rest.
+            if chains.by_uid.is_empty() && chains.by_uid.capacity() > 1024 {
+                chains.by_uid.shrink_to_fit();
+            }
         }
     }
 }
 
+/// The chains, locked; the gauge follows their number as the lock is let go.
+struct Locked<'a> {
+    chains: std::sync::MutexGuard<'a, Chains>,
+    unseen: &'a Gauge,
+}
+
+impl std::ops::Deref for Locked<'_> {
+    type Target = Chains;
+    fn deref(&self) -> &Chains {
+        &self.chains
+    }
+}
+
+impl std::ops::DerefMut for Locked<'_> {
+    fn deref_mut(&mut self) -> &mut Chains {
+        &mut self.chains
+    }
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        self.unseen
+            .set(i64::try_from(self.chains.by_uid.len()).unwrap_or(i64::MAX));
+    }
+}
+
 impl StatusWrites {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Chains> {
-        self.chains.lock().unwrap_or_else(|p| p.into_inner())
+    /// Reported in `unseen`.
+    pub(crate) fn new(unseen: Gauge) -> Self {
+        StatusWrites {
+            chains: Mutex::default(),
+            unseen,
+        }
+    }
+
+    fn lock(&self) -> Locked<'_> {
+        Locked {
+            chains: self.chains.lock().unwrap_or_else(|p| p.into_inner()),
+            unseen: &self.unseen,
+        }
     }
 
     /// What a status write for the object `uid`, planned from its `cached` resourceVersion,
@@ -111,11 +172,19 @@ impl StatusWrites {
     /// A status write of `uid` from resourceVersion `from` produced `to`, writing a status
     /// that hashes to `status`.
     pub(crate) fn record(&self, uid: &str, from: &str, to: String, status: u64) {
-        let mut chains = self.lock();
+        let mut guard = self.lock();
+        let chains = &mut *guard;
         if chains.by_uid.len() > 1024 && chains.by_uid.len() >= 2 * chains.swept_at {
             chains.by_uid.retain(|_, c| c.at.elapsed() <= CHAIN_TTL);
             chains.swept_at = chains.by_uid.len();
         }
+        // Its event may have come already, while the reconcile that wrote waited for the
+        // answer (or the write changed nothing, and no event comes): then the chain goes as
+        // that reconcile ends.
+        let seen = to == from
+            || chains.busy.get(uid).is_some_and(|r| {
+                r.deleted || r.delivered.as_deref().is_some_and(|d| d == to || before(&to, d))
+            });
         let chain = chains
             .by_uid
             .entry(uid.to_string())
@@ -128,19 +197,32 @@ impl StatusWrites {
         chain.versions.push(to);
         chain.status = status;
         chain.at = Instant::now();
-        chain.seen = false;
+        chain.seen = seen;
     }
 
     /// The primary watch delivered `version` of `uid` (the cache holds it now); `None`: the
     /// object was deleted. A chain it catches up with goes, or once the reconciles under way
     /// for the object have ended.
     pub(crate) fn seen(&self, uid: &str, version: Option<&str>) {
-        let mut chains = self.lock();
-        let busy = chains.busy.contains_key(uid);
+        let mut guard = self.lock();
+        let chains = &mut *guard;
+        let busy = match chains.busy.get_mut(uid) {
+            Some(r) => {
+                match version {
+                    Some(v) => r.delivered = Some(v.to_string()),
+                    None => r.deleted = true,
+                }
+                true
+            }
+            None => false,
+        };
         let Some(chain) = chains.by_uid.get_mut(uid) else {
             return;
         };
         let caught_up = match version {
+            // An event from before the first write, still on its way (the cache is ahead of
+            // the events handed here): not someone else's write.
+            Some(v) if before(v, &chain.versions[0]) => false,
             Some(v) => {
                 chain.versions.last().is_some_and(|l| l == v) || !chain.versions.iter().any(|c| c == v)
             }
@@ -157,10 +239,11 @@ impl StatusWrites {
 
     /// Marks a reconcile of `uid` under way until the guard is dropped: a chain the watch
     /// catches up with meanwhile stays for it, as it may have planned from the copy before.
-    pub(crate) fn busy(&self, uid: &str) -> Busy<'_> {
-        *self.lock().busy.entry(uid.to_string()).or_default() += 1;
+    /// Taken as the work queue hands the object's copy out, before any later event is seen.
+    pub(crate) fn busy(self: &Arc<Self>, uid: &str) -> Busy {
+        self.lock().busy.entry(uid.to_string()).or_default().count += 1;
         Busy {
-            writes: self,
+            writes: self.clone(),
             uid: uid.to_string(),
         }
     }
@@ -178,7 +261,7 @@ mod tests {
 
     #[test]
     fn a_plan_from_before_the_write_compares_against_it_until_the_cache_shows_it() {
-        let writes = StatusWrites::default();
+        let writes = Arc::new(StatusWrites::default());
         writes.record("u", "1", "2".into(), 7);
         assert!(matches!(
             writes.base("u", "1"),
@@ -190,7 +273,7 @@ mod tests {
 
     #[test]
     fn a_chain_goes_when_the_watch_delivers_its_last_version_or_a_reconcile_under_way_ends() {
-        let writes = StatusWrites::default();
+        let writes = Arc::new(StatusWrites::default());
         writes.record("idle", "1", "2".into(), 0);
         writes.record("idle", "2", "3".into(), 0);
         writes.seen("idle", Some("2"));
@@ -222,7 +305,7 @@ mod tests {
 
     #[test]
     fn a_write_after_the_watch_caught_up_keeps_the_chain_past_the_reconcile() {
-        let writes = StatusWrites::default();
+        let writes = Arc::new(StatusWrites::default());
         let reconcile = writes.busy("u");
         writes.record("u", "1", "2".into(), 0);
         writes.seen("u", Some("2"));
@@ -234,8 +317,63 @@ mod tests {
     }
 
     #[test]
+    fn a_write_whose_event_came_before_its_answer_goes_as_its_reconcile_ends() {
+        let writes = Arc::new(StatusWrites::default());
+        let reconcile = writes.busy("u");
+        writes.seen("u", Some("2"));
+        writes.record("u", "1", "2".into(), 0);
+        assert!(
+            matches!(writes.base("u", "1"), StatusBase::Written { .. }),
+            "the reconcile planned from version 1"
+        );
+        drop(reconcile);
+        assert_eq!(writes.len(), 0, "the cache shows version 2 already");
+    }
+
+    #[test]
+    fn an_event_from_before_the_write_is_not_taken_for_someone_elses() {
+        let writes = Arc::new(StatusWrites::default());
+        writes.record("u", "10", "12".into(), 0);
+        writes.seen("u", Some("9"));
+        assert!(
+            matches!(writes.base("u", "10"), StatusBase::Written { .. }),
+            "version 9 was on its way when the cache already showed 10"
+        );
+        writes.seen("u", Some("12"));
+        assert_eq!(writes.len(), 0);
+    }
+
+    #[test]
+    fn a_write_that_changed_nothing_or_whose_object_went_goes_as_its_reconcile_ends() {
+        let writes = Arc::new(StatusWrites::default());
+        let reconcile = writes.busy("same");
+        writes.record("same", "4", "4".into(), 0);
+        drop(reconcile);
+        assert_eq!(
+            writes.len(),
+            0,
+            "no event comes for a version that did not change"
+        );
+
+        let reconcile = writes.busy("gone");
+        writes.seen("gone", None);
+        writes.record("gone", "4", "5".into(), 0);
+        assert_eq!(writes.len(), 1);
+        drop(reconcile);
+        assert_eq!(writes.len(), 0, "deleted before the answer was recorded");
+
+        let (one, two) = (writes.busy("twice"), writes.busy("twice"));
+        writes.record("twice", "1", "2".into(), 0);
+        writes.seen("twice", Some("2"));
+        drop(one);
+        assert_eq!(writes.len(), 1, "the other reconcile is still under way");
+        drop(two);
+        assert_eq!(writes.len(), 0);
+    }
+
+    #[test]
     fn old_status_chains_are_swept_when_the_chains_have_doubled_not_on_every_write() {
-        let writes = StatusWrites::default();
+        let writes = Arc::new(StatusWrites::default());
         let sweeps = |w: &StatusWrites| w.lock().swept_at;
         for i in 0..1025 {
             writes.record(&format!("u-{i}"), "1", "2".into(), 0);
