@@ -16,6 +16,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use kube::Resource;
+use kube::runtime::watcher;
 use prometheus_client::metrics::gauge::Gauge;
 
 /// Chains untouched for this long are dropped (their watch events were lost or the object is
@@ -97,10 +99,6 @@ impl Drop for Busy {
         };
         if !left && chains.by_uid.get(&self.uid).is_some_and(|c| c.seen) {
             chains.by_uid.remove(&self.uid);
-            // A burst's table is not kept at rest.
-            if chains.by_uid.is_empty() && chains.by_uid.capacity() > 1024 {
-                chains.by_uid.shrink_to_fit();
-            }
         }
     }
 }
@@ -126,6 +124,13 @@ impl std::ops::DerefMut for Locked<'_> {
 
 impl Drop for Locked<'_> {
     fn drop(&mut self) {
+        // A burst's tables are not kept at rest.
+        if self.chains.by_uid.is_empty() && self.chains.by_uid.capacity() > 1024 {
+            self.chains.by_uid.shrink_to_fit();
+        }
+        if self.chains.busy.is_empty() && self.chains.busy.capacity() > 1024 {
+            self.chains.busy.shrink_to_fit();
+        }
         self.unseen
             .set(i64::try_from(self.chains.by_uid.len()).unwrap_or(i64::MAX));
     }
@@ -173,18 +178,26 @@ impl StatusWrites {
     /// that hashes to `status`.
     pub(crate) fn record(&self, uid: &str, from: &str, to: String, status: u64) {
         let mut guard = self.lock();
+        // Nothing changed (the server made the write a no-op): no event comes. The cache shows
+        // it already, or a chain of the object still waits for its last write's event; that
+        // write is what this one asked for, too.
+        if to == from {
+            if let Some(chain) = guard.by_uid.get_mut(uid) {
+                chain.status = status;
+            }
+            return;
+        }
         let chains = &mut *guard;
         if chains.by_uid.len() > 1024 && chains.by_uid.len() >= 2 * chains.swept_at {
             chains.by_uid.retain(|_, c| c.at.elapsed() <= CHAIN_TTL);
             chains.swept_at = chains.by_uid.len();
         }
         // Its event may have come already, while the reconcile that wrote waited for the
-        // answer (or the write changed nothing, and no event comes): then the chain goes as
-        // that reconcile ends.
-        let seen = to == from
-            || chains.busy.get(uid).is_some_and(|r| {
-                r.deleted || r.delivered.as_deref().is_some_and(|d| d == to || before(&to, d))
-            });
+        // answer: then the chain goes as that reconcile ends.
+        let seen = chains
+            .busy
+            .get(uid)
+            .is_some_and(|r| r.deleted || r.delivered.as_deref().is_some_and(|d| d == to || before(&to, d)));
         let chain = chains
             .by_uid
             .entry(uid.to_string())
@@ -237,6 +250,11 @@ impl StatusWrites {
         }
     }
 
+    /// Whether a status write of `uid` is remembered.
+    pub(crate) fn holds(&self, uid: &str) -> bool {
+        self.lock().by_uid.contains_key(uid)
+    }
+
     /// Marks a reconcile of `uid` under way until the guard is dropped: a chain the watch
     /// catches up with meanwhile stays for it, as it may have planned from the copy before.
     /// Taken as the work queue hands the object's copy out, before any later event is seen.
@@ -252,6 +270,41 @@ impl StatusWrites {
     #[cfg(test)]
     fn len(&self) -> usize {
         self.lock().by_uid.len()
+    }
+}
+
+/// Follows the primary watch's events (after the cache took them in) for `writes`: an
+/// object's version tells which of its status writes the cache shows. A list is swapped into
+/// the cache whole at its end, so what it brings counts from then.
+pub(crate) fn follow<K: Resource, E>(writes: Arc<StatusWrites>) -> impl FnMut(&Result<watcher::Event<K>, E>) {
+    let mut listed: Vec<(String, String)> = Vec::new();
+    move |ev| {
+        let version = |o: &K| {
+            let m = o.meta();
+            m.uid.clone().zip(m.resource_version.clone())
+        };
+        match ev {
+            Ok(watcher::Event::Apply(o)) => {
+                if let Some((uid, rv)) = version(o) {
+                    writes.seen(&uid, Some(&rv));
+                }
+            }
+            Ok(watcher::Event::InitApply(o)) => {
+                listed.extend(version(o).filter(|(uid, _)| writes.holds(uid)));
+            }
+            Ok(watcher::Event::InitDone) => {
+                for (uid, rv) in listed.drain(..) {
+                    writes.seen(&uid, Some(&rv));
+                }
+                listed.shrink_to_fit();
+            }
+            Ok(watcher::Event::Delete(o)) => {
+                if let Some(uid) = o.meta().uid.as_deref() {
+                    writes.seen(uid, None);
+                }
+            }
+            _ => {}
+        }
     }
 }
 
@@ -344,16 +397,21 @@ mod tests {
     }
 
     #[test]
-    fn a_write_that_changed_nothing_or_whose_object_went_goes_as_its_reconcile_ends() {
+    fn a_write_that_changed_nothing_is_not_remembered_and_one_whose_object_went_goes_with_its_reconcile() {
         let writes = Arc::new(StatusWrites::default());
-        let reconcile = writes.busy("same");
         writes.record("same", "4", "4".into(), 0);
-        drop(reconcile);
         assert_eq!(
             writes.len(),
             0,
             "no event comes for a version that did not change"
         );
+        writes.record("same", "4", "5".into(), 1);
+        writes.record("same", "5", "5".into(), 2);
+        assert!(
+            matches!(writes.base("same", "4"), StatusBase::Written { ref version, status: 2 } if version == "5"),
+            "a no-op write leaves the chain waiting for version 5, as what it wrote"
+        );
+        writes.seen("same", Some("5"));
 
         let reconcile = writes.busy("gone");
         writes.seen("gone", None);
@@ -368,6 +426,34 @@ mod tests {
         drop(one);
         assert_eq!(writes.len(), 1, "the other reconcile is still under way");
         drop(two);
+        assert_eq!(writes.len(), 0);
+    }
+
+    #[test]
+    fn a_listed_version_counts_once_the_list_is_in_the_cache() {
+        use k8s_openapi::api::core::v1::ConfigMap;
+        let writes = Arc::new(StatusWrites::default());
+        let mut follow = follow::<ConfigMap, ()>(writes.clone());
+        let at = |rv: &str| {
+            let mut cm = ConfigMap::default();
+            cm.metadata.uid = Some("u".into());
+            cm.metadata.resource_version = Some(rv.into());
+            cm
+        };
+        writes.record("u", "1", "2".into(), 0);
+        follow(&Ok(watcher::Event::Init));
+        follow(&Ok(watcher::Event::InitApply(at("2"))));
+        assert!(
+            matches!(writes.base("u", "1"), StatusBase::Written { .. }),
+            "the cache holds version 1 until the list ends"
+        );
+        follow(&Ok(watcher::Event::InitDone));
+        assert_eq!(writes.len(), 0);
+        writes.record("u", "2", "3".into(), 0);
+        follow(&Ok(watcher::Event::Apply(at("3"))));
+        assert_eq!(writes.len(), 0, "a watch event counts at once");
+        writes.record("u", "3", "4".into(), 0);
+        follow(&Ok(watcher::Event::Delete(at("3"))));
         assert_eq!(writes.len(), 0);
     }
 

@@ -212,28 +212,13 @@ where
         };
         let listing = w.admission.clone();
         let queue = w.queue.clone();
-        let status = ctx.clone();
         let stream = events
             .inspect(w.synced.track())
             // A deleted object's request goes with it (one deleted while the watch was down
             // goes when its request falls due and finds it gone); a list waits to be swapped in.
             .inspect(move |ev| queue.follow(ev))
             // The cache holds the object now: opkit's status writes it shows are done.
-            .inspect(move |ev| match ev {
-                Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o)) => {
-                    if let (Some(uid), Some(rv)) =
-                        (o.meta().uid.as_deref(), o.meta().resource_version.as_deref())
-                    {
-                        status.status_writes().seen(uid, Some(rv));
-                    }
-                }
-                Ok(watcher::Event::Delete(o)) => {
-                    if let Some(uid) = o.meta().uid.as_deref() {
-                        status.status_writes().seen(uid, None);
-                    }
-                }
-                _ => {}
-            })
+            .inspect(super::status::follow(ctx.status_writes().clone()))
             .inspect(move |ev| listing.follow(ev))
             .filter(triggers(watch.filter, w.echoes.clone(), kind_of::<K>()))
             .filter(move |ev| {
