@@ -507,6 +507,12 @@ pub async fn https_get(
     )
     .await?;
     let mut buf = Vec::new();
-    let _ = tls.read_to_end(&mut buf).await;
+    // A server that closes without TLS's close_notify fails the read after a whole answer;
+    // with no answer at all, the failure is what happened.
+    if let Err(e) = tls.read_to_end(&mut buf).await
+        && buf.is_empty()
+    {
+        return Err(std::io::Error::other(format!("no answer to GET {path}: {e}")));
+    }
     status_and_body(&String::from_utf8_lossy(&buf))
 }
