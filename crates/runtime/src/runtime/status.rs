@@ -53,6 +53,15 @@ struct Reconciling {
     deleted: bool,
 }
 
+/// Whether the cached version `cached` is `wanted` or a later one. resourceVersions are
+/// opaque, but etcd's are integers that only grow; anything else must match exactly.
+pub(crate) fn not_older(cached: Option<&str>, wanted: &str) -> bool {
+    match (cached.and_then(|c| c.parse::<u64>().ok()), wanted.parse::<u64>()) {
+        (Some(c), Ok(w)) => c >= w,
+        _ => cached == Some(wanted),
+    }
+}
+
 /// Whether resourceVersion `a` comes before `b`. They are opaque, but etcd's are integers
 /// that only grow; of others, none is known to come before another.
 fn before(a: &str, b: &str) -> bool {
@@ -197,7 +206,7 @@ impl StatusWrites {
         let seen = chains
             .busy
             .get(uid)
-            .is_some_and(|r| r.deleted || r.delivered.as_deref().is_some_and(|d| d == to || before(&to, d)));
+            .is_some_and(|r| r.deleted || not_older(r.delivered.as_deref(), &to));
         let chain = chains
             .by_uid
             .entry(uid.to_string())

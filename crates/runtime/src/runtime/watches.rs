@@ -22,6 +22,7 @@ use super::admission::Admission;
 use super::queue::{Controller, Queue};
 use super::resync::{Resync, settled};
 use super::shared::{Echoes, ShareKey, Shared, SharedWatches, Subscribers, Synced, queue_key};
+use super::status::not_older;
 use crate::OWNER_LABEL;
 use crate::cache::{Cache, Filter, KeyFn, OWNER_INDEX, Watch, observe_all};
 use crate::kind::{KindScope, Watchable, api, namespaced};
@@ -953,15 +954,6 @@ async fn adopt<C: Watchable>(
             return Err(Error::Adopt { kind, missing });
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// Whether the cached version `cached` is `wanted` or a later one. resourceVersions are
-/// opaque, but etcd's are integers that only grow; anything else must match exactly.
-fn not_older(cached: Option<&str>, wanted: &str) -> bool {
-    match (cached.and_then(|c| c.parse::<u64>().ok()), wanted.parse::<u64>()) {
-        (Some(c), Ok(w)) => c >= w,
-        _ => cached == Some(wanted),
     }
 }
 
