@@ -48,6 +48,7 @@ async fn post(port: u16, path: &str, ca: &[u8], body: &str) -> anyhow::Result<u1
         body.len()
     );
     tls.write_all(req.as_bytes()).await?;
+    tls.flush().await?;
     let mut resp = Vec::new();
     let _ = tls.read_to_end(&mut resp).await;
     let text = String::from_utf8_lossy(&resp);
@@ -215,7 +216,7 @@ async fn slow_sender(c: tokio_rustls::TlsConnector, port: u16, stop: tokio_util:
             continue;
         };
         let head = format!("POST {AT_PATH} HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n");
-        if tls.write_all(head.as_bytes()).await.is_err() {
+        if tls.write_all(head.as_bytes()).await.is_err() || tls.flush().await.is_err() {
             continue;
         }
         while !stop.is_cancelled() && tls.write_all(b"x").await.is_ok() && tls.flush().await.is_ok() {
@@ -241,6 +242,9 @@ async fn large_sender(c: tokio_rustls::TlsConnector, port: u16, stop: tokio_util
         while ok && sent < len && !stop.is_cancelled() {
             ok = tls.write_all(&chunk).await.is_ok();
             sent += chunk.len();
+        }
+        if ok {
+            let _ = tls.flush().await;
         }
         let mut sink = Vec::new();
         let _ = tokio::time::timeout(Duration::from_secs(40), tls.read_to_end(&mut sink)).await;

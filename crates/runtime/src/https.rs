@@ -621,6 +621,8 @@ pub(crate) mod tests {
     /// Sends a keep-alive GET on `tls` and reads its whole answer (headers and body).
     async fn get(tls: &mut Tls) -> std::io::Result<String> {
         tls.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").await?;
+        // Else the request may wait in the TLS buffer: see `opkit_testenv::https_get`.
+        tls.flush().await?;
         let mut out = Vec::new();
         let mut buf = [0u8; 1024];
         loop {
@@ -738,6 +740,7 @@ pub(crate) mod tests {
         let (port, ca, shutdown, mut tls) = kept_alive(limits()).await;
         tokio::time::sleep(Duration::from_millis(500)).await;
         tls.write_all(b"GET / HTTP/1.1\r\nHo").await.unwrap();
+        tls.flush().await.unwrap();
         let took = closed(&mut tls, limits().headers * 3).await;
         assert!(
             took >= limits().headers - Duration::from_millis(300),
@@ -816,6 +819,7 @@ pub(crate) mod tests {
         let (_, _, shutdown, mut tls) = kept_alive(limits()).await;
         // The client has begun its next request on the kept-alive connection...
         tls.write_all(b"GET / HTTP/1.1\r\nHo").await.unwrap();
+        tls.flush().await.unwrap();
         tokio::time::sleep(Duration::from_millis(200)).await;
         // ...when the server stops (no grace period here): it closes its idle connections.
         shutdown.cancel();
@@ -823,6 +827,7 @@ pub(crate) mod tests {
         let mut rest = Vec::new();
         let answered = async {
             tls.write_all(b"st: x\r\n\r\n").await?;
+            tls.flush().await?;
             tls.read_to_end(&mut rest).await
         };
         let _ = tokio::time::timeout(Duration::from_secs(5), answered).await;

@@ -506,6 +506,9 @@ pub async fn https_get(
         format!("GET {path} HTTP/1.1\r\nHost: localhost\r\n{auth}Connection: close\r\n\r\n").as_bytes(),
     )
     .await?;
+    // A TLS stream's `write_all` may leave the request in the TLS buffer (its socket was not
+    // writable just then) until a flush: without one, the server may never see it.
+    tls.flush().await?;
     let mut buf = Vec::new();
     // A server that closes without TLS's close_notify fails the read after a whole answer;
     // with no answer at all, the failure is what happened.

@@ -872,6 +872,7 @@ mod tests {
             body.len()
         );
         tls.write_all(req.as_bytes()).await?;
+        tls.flush().await?;
         let mut out = String::new();
         tls.read_to_string(&mut out).await?;
         Ok(out.lines().next().unwrap_or_default().to_string())
@@ -1052,6 +1053,7 @@ mod tests {
         }
         let req = "POST /validate HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}";
         tls.write_all(req.as_bytes()).await.unwrap();
+        tls.flush().await.unwrap();
         let mut out = String::new();
         let _ = tls.read_to_string(&mut out).await;
         assert!(out.starts_with("HTTP/1.1 400"), "not answered: {out:?}");
