@@ -1,5 +1,6 @@
-//! `make bench`: the same job done by several contenders (lanes) on one local control plane,
-//! one after the other, each in a fresh namespace and under its own ServiceAccount.
+//! `make bench`: the same job done by several contenders (lanes), one after the other, each on
+//! a local control plane started for it (`BENCH_SHARED_CONTROL_PLANE=1`: all on one), in a
+//! namespace of its own and under its own ServiceAccount.
 //!
 //! Two scenarios (`BENCH=foo`, the default, or `BENCH=memcached`):
 //! - `foo`: N `Foo`s of client-go's sample-controller, each needing a Deployment and
@@ -1844,50 +1845,21 @@ async fn main() -> anyhow::Result<()> {
         let doc: Value = serde_json::from_str(&std::fs::read_to_string(out.join(format!("{stem}.json")))?)?;
         return write_outputs(&doc, scenario, idle, &out, &stem);
     }
-    println!(
-        "starting a local control plane with an audit log ({} N={n} size {size}, idle {}s)",
-        scenario.name(),
-        idle.as_secs()
-    );
-    let cp = ControlPlane::start(Options {
-        audit_log: true,
-        nodes: 4,
-        // Keep the audit log and the contenders' logs for a closer look.
-        state_dir: std::env::var("BENCH_STATE_DIR").ok().map(PathBuf::from),
-        ..Default::default()
-    })
-    .await?;
-    if scenario == Scenario::Memcached && !fairness && !cp.binaries().path("memcached-peer").exists() {
+    println!("{} N={n} size {size}, idle {}s", scenario.name(), idle.as_secs());
+    if scenario == Scenario::Memcached
+        && !fairness
+        && !opkit_testenv::Binaries::ensure()?.path("memcached-peer").exists()
+    {
         bail!(
             "memcached-peer is missing: run `bash crates/testenv/scripts/build-binaries.sh --with-bench` (make bench does)"
         );
     }
-    let admin = cp.client().await?;
-    let crds: Api<CustomResourceDefinition> = Api::all(admin.clone());
-    crds.patch(
-        &scenario.crd_name(),
-        &PatchParams::apply("opkit-bench").force(),
-        &Patch::Apply(scenario.crd()),
-    )
-    .await?;
-    tokio::time::timeout(
-        Duration::from_secs(60),
-        await_condition(crds, &scenario.crd_name(), conditions::is_crd_established()),
-    )
-    .await??;
-
+    let state_dir = std::env::var("BENCH_STATE_DIR").ok().map(PathBuf::from);
     if fairness {
+        let (cp, admin) = control_plane(scenario, state_dir).await?;
         return fairness::run(&cp, &admin, n).await;
     }
-    let run = Run {
-        cp: &cp,
-        admin: &admin,
-        scenario,
-        n,
-        size,
-        idle,
-        limit: Duration::from_secs(env_or("BENCH_LIMIT_SECONDS", 1800)),
-    };
+    let limit = Duration::from_secs(env_or("BENCH_LIMIT_SECONDS", 1800));
     let only: Option<String> = std::env::var("BENCH_LANES").ok();
     if let Some(unknown) = only
         .iter()
@@ -1914,9 +1886,14 @@ async fn main() -> anyhow::Result<()> {
     }
     let repeat: usize = env_or("BENCH_REPEAT", 1).max(1);
     let mut results = Vec::new();
+    // Each lane gets a control plane of its own, started for it: a lane run after others
+    // meets an etcd and an apiserver grown by their objects and was slower for it (5–8 s of a
+    // 70 s create at N=10000, whichever build ran second). `BENCH_SHARED_CONTROL_PLANE=1`
+    // runs every lane on the first one.
+    let shared = std::env::var_os("BENCH_SHARED_CONTROL_PLANE").is_some();
+    let mut current = None;
     for r in 0..repeat {
-        // Each repetition starts one lane further, so that no lane always runs first (on a
-        // fresh apiserver) or last.
+        // Each repetition starts one lane further, so that no lane always runs first or last.
         for i in 0..lanes.len() {
             let lane = lanes[(r + i) % lanes.len()];
             if repeat == 1 {
@@ -1924,7 +1901,30 @@ async fn main() -> anyhow::Result<()> {
             } else {
                 println!("== {lane} (run {} of {repeat})", r + 1);
             }
+            let (cp, admin) = match current.take() {
+                Some(c) => c,
+                None if shared => control_plane(scenario, state_dir.clone()).await?,
+                None => {
+                    let dir = state_dir.as_ref().map(|d| d.join(format!("{lane}-{}", r + 1)));
+                    control_plane(scenario, dir).await?
+                }
+            };
+            let run = Run {
+                cp: &cp,
+                admin: &admin,
+                scenario,
+                n,
+                size,
+                idle,
+                limit,
+            };
             let mut out = run.lane(lane).await.with_context(|| format!("lane {lane}"))?;
+            if shared {
+                current = Some((cp, admin));
+            } else {
+                drop(admin);
+                drop(cp);
+            }
             (out.repetition, out.position) = (r + 1, i + 1);
             results.push(out);
         }
@@ -1959,6 +1959,37 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     write_outputs(&doc, scenario, idle, &out, &stem)
+}
+
+/// A local control plane with an audit log and the scenario's CRD established, and its admin
+/// client.
+async fn control_plane(
+    scenario: Scenario,
+    state_dir: Option<PathBuf>,
+) -> anyhow::Result<(ControlPlane, Client)> {
+    println!("starting a local control plane with an audit log");
+    let cp = ControlPlane::start(Options {
+        audit_log: true,
+        nodes: 4,
+        // Keep the audit log and the contenders' logs for a closer look.
+        state_dir,
+        ..Default::default()
+    })
+    .await?;
+    let admin = cp.client().await?;
+    let crds: Api<CustomResourceDefinition> = Api::all(admin.clone());
+    crds.patch(
+        &scenario.crd_name(),
+        &PatchParams::apply("opkit-bench").force(),
+        &Patch::Apply(scenario.crd()),
+    )
+    .await?;
+    tokio::time::timeout(
+        Duration::from_secs(60),
+        await_condition(crds, &scenario.crd_name(), conditions::is_crd_established()),
+    )
+    .await??;
+    Ok((cp, admin))
 }
 
 /// The Markdown table, the two plots and the summary lines of a results document.
