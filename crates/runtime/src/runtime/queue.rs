@@ -702,4 +702,48 @@ mod tests {
             .unwrap()
             .unwrap();
     }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_reconcile_is_called_as_the_copy_is_handed_out_not_when_the_run_is_first_polled() {
+        // What a reconcile does before its first await (the driver takes the object's status
+        // writes in hand there) happens as the copy is handed out: a watch event that comes
+        // between then and the run's first poll must find it done.
+        let watch = crate::Watch::<ConfigMap>::all().compact();
+        let cache = Cache::from_objects(&watch, [cm("a", "one"), cm("a", "two")]);
+        let (tx, rx) = futures::channel::mpsc::unbounded();
+        let (stop, stopped) = futures::channel::oneshot::channel::<()>();
+        let controller = Controller::new(cache, Queue::new(), 2)
+            .reconcile_on(rx)
+            .graceful_shutdown_on(stopped.map(|_| ()));
+        let steps = Arc::new(Mutex::new(Vec::<String>::new()));
+        let log = steps.clone();
+        let run = tokio::spawn(controller.run(
+            move |obj: Arc<ConfigMap>| {
+                let name = obj.metadata.name.clone().unwrap_or_default();
+                log.lock().unwrap().push(format!("called {name}"));
+                let log = log.clone();
+                async move {
+                    log.lock().unwrap().push(format!("polled {name}"));
+                    Ok::<_, ()>(Action::await_change())
+                }
+            },
+            |_: &ConfigMap, _: &()| Action::await_change(),
+        ));
+        // Both requests ready at once: both copies are handed out in one turn.
+        for name in ["one", "two"] {
+            tx.unbounded_send(ObjectRef::new(name).within("a")).unwrap();
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let steps = steps.lock().unwrap().clone();
+        assert_eq!(steps.len(), 4, "{steps:?}");
+        assert!(
+            steps[..2].iter().all(|s| s.starts_with("called")),
+            "each reconcile was called as its copy was handed out, before any run was polled: {steps:?}"
+        );
+        let _ = stop.send(());
+        tokio::time::timeout(Duration::from_secs(5), run)
+            .await
+            .unwrap()
+            .unwrap();
+    }
 }
