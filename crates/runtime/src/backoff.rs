@@ -5,7 +5,7 @@
 //! object, doubles the delay each time and forgets it on the first success — or, for an object
 //! deleted while failing (it never succeeds), once it has not failed for twice the longest
 //! delay.
-use std::collections::HashMap;
+use crate::expiring::Expiring;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -20,9 +20,7 @@ pub struct Backoff {
 #[derive(Debug, Default)]
 struct Failures {
     /// Failures in a row and when the last one was, per object.
-    by_key: HashMap<String, (u32, Instant)>,
-    /// Entries after the last sweep; the next sweep runs once the map has doubled.
-    swept_at: usize,
+    by_key: Expiring<String, (u32, Instant), 64>,
 }
 
 impl Default for Backoff {
@@ -48,14 +46,11 @@ impl Backoff {
 
     fn next_delay_at(&self, key: &str, now: Instant) -> Duration {
         let mut f = self.failures.lock().unwrap_or_else(|p| p.into_inner());
-        if f.by_key.len() >= (2 * f.swept_at).max(64) {
-            // An object still failing fails again within `max`; older entries belong to objects
-            // that were deleted (or stopped being retried) and would otherwise stay forever.
-            let stale = self.max.saturating_mul(2);
-            f.by_key
-                .retain(|_, (_, last)| now.saturating_duration_since(*last) <= stale);
-            f.swept_at = f.by_key.len();
-        }
+        // An object still failing fails again within `max`; older entries belong to objects
+        // that were deleted (or stopped being retried) and would otherwise stay forever.
+        let stale = self.max.saturating_mul(2);
+        f.by_key
+            .sweep(|_, (_, last)| now.saturating_duration_since(*last) <= stale);
         let (n, last) = f.by_key.entry(key.to_string()).or_insert((0, now));
         *n = n.saturating_add(1);
         *last = now;

@@ -17,6 +17,7 @@ mod cache;
 pub mod conditions;
 pub mod conversion;
 pub mod diff;
+mod expiring;
 mod https;
 mod kind;
 pub mod leader;

@@ -17,6 +17,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "changed",
             "conditions",
             "diff",
+            "expiring",
             "backoff",
             "rbac",
             "trace",

@@ -10,6 +10,7 @@ use super::Error;
 use super::shared::{Echoes, SharedWatches};
 use super::status::StatusWrites;
 use crate::backoff::Backoff;
+use crate::expiring::Expiring;
 use crate::leader::WriteGate;
 use crate::metrics::ControllerMetrics;
 use crate::plan::Event;
@@ -58,9 +59,7 @@ pub(crate) struct Shard {
 /// small whatever the churn.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Versions {
-    inner: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, (String, std::time::Instant)>>>,
-    /// The size at which the next insert sweeps out old entries.
-    sweep_at: std::sync::Arc<std::sync::Mutex<usize>>,
+    inner: std::sync::Arc<std::sync::Mutex<Expiring<String, (String, std::time::Instant), 1024>>>,
 }
 
 impl Versions {
@@ -83,13 +82,7 @@ impl Versions {
 
     pub fn insert(&self, uid: String, rv: String) {
         let mut m = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        let mut sweep = self.sweep_at.lock().unwrap_or_else(|p| p.into_inner());
-        if m.len() >= *sweep {
-            m.retain(|_, (_, at)| at.elapsed() < Self::KEEP);
-            // Swept again only once it has doubled: amortised O(1) per insert, however many
-            // entries are young.
-            *sweep = (m.len() * 2).max(1024);
-        }
+        m.sweep(|_, (_, at)| at.elapsed() < Self::KEEP);
         m.insert(uid, (rv, std::time::Instant::now()));
     }
 }

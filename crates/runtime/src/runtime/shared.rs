@@ -12,6 +12,7 @@ use kube::{Resource, ResourceExt};
 use tokio::sync::watch;
 
 use crate::cache::{Cache, TrimKey};
+use crate::expiring::Expiring;
 
 /// What the work-queue metrics know an object by; the same at both ends of the queue.
 pub(crate) fn queue_key(namespace: Option<&str>, name: &str) -> String {
@@ -134,13 +135,9 @@ pub(crate) struct Echoes {
     written: Arc<Mutex<Written>>,
 }
 
-#[derive(Default)]
-struct Written {
-    by_key: HashMap<String, (String, Instant)>,
-    /// Size after the last sweep: the next sweep waits until it has doubled, so recording
-    /// stays O(1) on average with tens of thousands of writes in flight.
-    swept_at: usize,
-}
+/// By `kind/namespace/name`: the resourceVersion written, and when. Tens of thousands of
+/// writes may be in flight.
+type Written = Expiring<String, (String, Instant), 4097>;
 
 /// Echoes not seen for this long are forgotten (their event was lost or merged into a relist).
 const ECHO_TTL: Duration = Duration::from_secs(120);
@@ -153,11 +150,8 @@ impl Echoes {
     /// Remembers that this process wrote `resource_version` of the object.
     pub(crate) fn record(&self, kind: &str, namespace: Option<&str>, name: &str, resource_version: String) {
         let mut w = self.written.lock().unwrap_or_else(|p| p.into_inner());
-        if w.by_key.len() > 4096 && w.by_key.len() >= 2 * w.swept_at {
-            w.by_key.retain(|_, (_, at)| at.elapsed() < ECHO_TTL);
-            w.swept_at = w.by_key.len();
-        }
-        w.by_key.insert(
+        w.sweep(|_, (_, at)| at.elapsed() < ECHO_TTL);
+        w.insert(
             echo_key(kind, namespace, name),
             (resource_version, Instant::now()),
         );
@@ -167,9 +161,9 @@ impl Echoes {
     pub(super) fn is_echo<C: Resource>(&self, kind: &str, obj: &C) -> bool {
         let key = echo_key(kind, obj.meta().namespace.as_deref(), &obj.name_any());
         let mut w = self.written.lock().unwrap_or_else(|p| p.into_inner());
-        match (w.by_key.get(&key), obj.resource_version()) {
+        match (w.get(&key), obj.resource_version()) {
             (Some((rv, _)), Some(seen)) if *rv == seen => {
-                w.by_key.remove(&key);
+                w.remove(&key);
                 true
             }
             _ => false,

@@ -20,6 +20,8 @@ use kube::Resource;
 use kube::runtime::watcher;
 use prometheus_client::metrics::gauge::Gauge;
 
+use crate::expiring::Expiring;
+
 /// Chains untouched for this long are dropped (their watch events were lost or the object is
 /// gone); the next plan then trusts the cache.
 const CHAIN_TTL: Duration = Duration::from_secs(120);
@@ -34,11 +36,7 @@ pub(crate) struct StatusWrites {
 
 #[derive(Default)]
 struct Chains {
-    by_uid: HashMap<String, StatusChain>,
-    /// Size after the last sweep of old chains: the next waits until it has doubled. A sweep
-    /// on every write past a fixed size visited all 10000 chains of a create at N=10000 under
-    /// the lock, for each of its 20000 status writes.
-    swept_at: usize,
+    by_uid: Expiring<String, StatusChain, 1025>,
     /// The objects (by uid) a reconcile is under way for.
     busy: HashMap<String, Reconciling>,
 }
@@ -197,10 +195,7 @@ impl StatusWrites {
             return;
         }
         let chains = &mut *guard;
-        if chains.by_uid.len() > 1024 && chains.by_uid.len() >= 2 * chains.swept_at {
-            chains.by_uid.retain(|_, c| c.at.elapsed() <= CHAIN_TTL);
-            chains.swept_at = chains.by_uid.len();
-        }
+        chains.by_uid.sweep(|_, c| c.at.elapsed() <= CHAIN_TTL);
         // Its event may have come already, while the reconcile that wrote waited for the
         // answer: then the chain goes as that reconcile ends.
         let seen = chains
@@ -469,7 +464,7 @@ mod tests {
     #[test]
     fn old_status_chains_are_swept_when_the_chains_have_doubled_not_on_every_write() {
         let writes = Arc::new(StatusWrites::default());
-        let sweeps = |w: &StatusWrites| w.lock().swept_at;
+        let sweeps = |w: &StatusWrites| w.lock().by_uid.swept_at();
         for i in 0..1025 {
             writes.record(&format!("u-{i}"), "1", "2".into(), 0);
         }
@@ -492,7 +487,7 @@ mod tests {
         writes.record("u-2050", "1", "2".into(), 0);
         let chains = writes.lock();
         assert!(chains.by_uid.values().all(|c| c.at.elapsed() <= CHAIN_TTL));
-        assert_eq!(chains.swept_at, 1025, "the 1025 odd ones kept");
+        assert_eq!(chains.by_uid.swept_at(), 1025, "the 1025 odd ones kept");
         assert_eq!(chains.by_uid.len(), 1026, "and the new one");
     }
 }
