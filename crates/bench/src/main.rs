@@ -1106,6 +1106,8 @@ struct Run<'a> {
     size: i32,
     idle: Duration,
     limit: Duration,
+    /// The next lane runs on this control plane too.
+    shared: bool,
 }
 
 impl Run<'_> {
@@ -1220,7 +1222,7 @@ impl Run<'_> {
             let (_, idle_writes) = count_requests(&requests, &user, idle_start, idle_end, &[]);
             out.idle_writes = idle_writes;
             drop(tracker);
-            delete_namespace(admin, &ns).await?;
+            self.clean_up(&[&ns]).await?;
             return Ok(out);
         }
         // Update every object's size by one (the floor also scales each Deployment itself).
@@ -1261,7 +1263,7 @@ impl Run<'_> {
             (out.requests, out.writes) =
                 count_requests(&requests, &user, window_start, Timestamp::now(), &[]);
             drop(tracker);
-            delete_namespace(admin, &ns).await?;
+            self.clean_up(&[&ns]).await?;
             return Ok(out);
         }
         // The controller-manager goes on after the last Deployment's status (each status it
@@ -1367,9 +1369,20 @@ impl Run<'_> {
         out.restart_requests = restart_requests;
         out.restart_writes = Some(restart_writes);
         drop(tracker);
-        delete_namespace(admin, &probe_ns).await?;
-        delete_namespace(admin, &ns).await?;
+        self.clean_up(&[&probe_ns, &ns]).await?;
         Ok(out)
+    }
+
+    /// Deletes a lane's namespaces when the next lane runs on the same control plane (else
+    /// the control plane goes, and waiting for the garbage collector to delete its tens of
+    /// thousands of objects would only take minutes).
+    async fn clean_up(&self, namespaces: &[&str]) -> anyhow::Result<()> {
+        if self.shared {
+            for ns in namespaces {
+                delete_namespace(self.admin, ns).await?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -1917,6 +1930,7 @@ async fn main() -> anyhow::Result<()> {
                 size,
                 idle,
                 limit,
+                shared,
             };
             let mut out = run.lane(lane).await.with_context(|| format!("lane {lane}"))?;
             if shared {
