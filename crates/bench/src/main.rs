@@ -1933,11 +1933,9 @@ async fn main() -> anyhow::Result<()> {
                 shared,
             };
             let mut out = run.lane(lane).await.with_context(|| format!("lane {lane}"))?;
+            // Kept for the next lane, or stopped here, before the next one starts.
             if shared {
                 current = Some((cp, admin));
-            } else {
-                drop(admin);
-                drop(cp);
             }
             (out.repetition, out.position) = (r + 1, i + 1);
             results.push(out);
